@@ -1,0 +1,231 @@
+"""`GPATrainingArguments`: transformers' `TrainingArguments` plus the GPA flags and three more `--optim` names.
+
+Why a subclass and not a new field on the side: a user's script switches to GPA by changing two names
+(`TrainingArguments` -> `GPATrainingArguments`, `Trainer` -> `GPATrainer`) and nothing else. Two things in
+transformers stand in the way of a new `--optim` value, and both are handled here without patching transformers:
+
+* `HfArgumentParser` turns the stock `optim: OptimizerNames | str` field into argparse choices taken from the
+  `OptimizerNames` enum, so `--optim gpa_adamw` would be rejected before any of our code runs. The field is
+  redeclared here as a `str` whose choices are every stock name plus ours.
+* `TrainingArguments.__post_init__` converts `optim` with `OptimizerNames(...)`. `__post_init__` below hands the
+  stock code a stock name and puts the GPA name (a `GPAOptimizerNames` member) back afterwards; stock names go
+  through unchanged and stay `OptimizerNames` members.
+
+Every check runs in `__post_init__`, so a bad flag fails with a `ValueError` naming it before any model or data is
+loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+from transformers.training_args import OptimizerNames
+from transformers.utils import ExplicitEnum
+
+from hf_gpa.optim.schedules import inner_steps_from_mu_x, mu_x_from_inner_steps
+
+__all__ = ["GPAOptimizerNames", "GPATrainingArguments", "DEFAULT_MU_X", "DEFAULT_MU_Y"]
+
+DEFAULT_MU_X = 0.9967  # the paper's mu_x for H = 32 inner steps with mu = 0.9 (Section 3.1)
+DEFAULT_MU_Y = 0.7
+# DiLoCo's outer momentum the paper converts from: mu_x = DILOCO_MU ** (1 / H) (Table 4).
+DILOCO_MU = 0.9
+AVERAGING_CHOICES = ("gpa", "schedule_free")
+
+
+class GPAOptimizerNames(ExplicitEnum):
+    """The `--optim` values added by hf_gpa (the stock ones stay `transformers.training_args.OptimizerNames`)."""
+
+    GPA_ADAMW = "gpa_adamw"
+    GPA = "gpa"
+    DILOCO_ADAMW = "diloco_adamw"
+
+
+STOCK_OPTIM_NAMES: tuple[str, ...] = tuple(name.value for name in OptimizerNames)
+GPA_OPTIM_NAMES: tuple[str, ...] = tuple(name.value for name in GPAOptimizerNames)
+
+# Stock optimizers that `--optim gpa` cannot wrap: LOMO fuses its update into backward, the layer-wise variants
+# step inside hooks (the Trainer only sees a dummy optimizer), and Schedule-Free already averages its iterates.
+_UNWRAPPABLE_BASES: frozenset[str] = frozenset(
+    name
+    for name in STOCK_OPTIM_NAMES
+    if name in ("lomo", "adalomo") or name.endswith("_layerwise") or name.startswith("schedule_free")
+)
+
+
+@dataclass
+class GPATrainingArguments(TrainingArguments):
+    """`TrainingArguments` with the GPA optimizer flags.
+
+    `--optim gpa_adamw` is GPA around AdamW and takes `--learning_rate`, `--adam_beta1`, `--adam_beta2`,
+    `--adam_epsilon` and `--weight_decay` exactly as `--optim adamw_torch` does. `--optim gpa --gpa_base_optim NAME`
+    wraps whatever the stock Trainer builds for `--optim NAME`. `--optim diloco_adamw` is the single-worker DiLoCo
+    baseline. Every stock `--optim` value keeps working unchanged.
+
+    The averaging constant is `--gpa_mu_x` or, equivalently, `--gpa_inner_steps H` with mu_x = 0.9 ** (1 / H)
+    (paper, Table 4). Both may be given only when they agree (as they do in a saved configuration).
+    """
+
+    optim: str = field(
+        default=TrainingArguments.default_optim,
+        metadata={
+            "help": (
+                "The optimizer to use: gpa_adamw (GPA around AdamW), gpa (GPA around --gpa_base_optim), "
+                "diloco_adamw (single-worker DiLoCo around AdamW), or any stock transformers name (OptimizerNames)."
+            ),
+            "choices": GPA_OPTIM_NAMES + STOCK_OPTIM_NAMES,
+        },
+    )
+    gpa_base_optim: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "With --optim gpa: the stock --optim name of the base optimizer GPA wraps (e.g. adamw_torch_fused, "
+                "sgd, adafactor, lion_32bit). Required with --optim gpa and only valid with it."
+            ),
+        },
+    )
+    gpa_mu_x: float | None = field(
+        default=None,
+        metadata={
+            "help": (
+                f"GPA's averaging constant mu_x in [0, 1) for the evaluation sequence x (default: {DEFAULT_MU_X}, "
+                "i.e. H = 32 DiLoCo inner steps). mu_x = 0 recovers the base optimizer."
+            )
+        },
+    )
+    gpa_mu_y: float = field(
+        default=DEFAULT_MU_Y,
+        metadata={
+            "help": f"GPA's interpolation constant mu_y in (0, 1] for the gradient point y (default: {DEFAULT_MU_Y})."
+        },
+    )
+    gpa_inner_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Set mu_x from an equivalent number H >= 1 of DiLoCo inner steps: mu_x = 0.9 ** (1 / H) (paper, "
+                "Table 4). Conflicts with a different --gpa_mu_x."
+            )
+        },
+    )
+    gpa_averaging: str = field(
+        default="gpa",
+        metadata={
+            "help": (
+                "How x averages z: gpa (an exponential moving average with constant mu_x, needs an lr schedule) or "
+                "schedule_free (Schedule-Free's lr**2-weighted uniform average)."
+            ),
+            "choices": AVERAGING_CHOICES,
+        },
+    )
+    diloco_inner_steps: int = field(
+        default=32, metadata={"help": "With --optim diloco_adamw: inner AdamW steps H between outer steps (>= 1)."}
+    )
+    diloco_outer_lr: float = field(
+        default=0.7, metadata={"help": "With --optim diloco_adamw: the outer (Nesterov) learning rate (> 0)."}
+    )
+    diloco_outer_momentum: float = field(
+        default=0.9, metadata={"help": "With --optim diloco_adamw: the outer Nesterov momentum in [0, 1)."}
+    )
+
+    def __post_init__(self) -> None:
+        # Validate our flags first: a wrong flag should fail before anything else happens.
+        optim = self.optim.value if isinstance(self.optim, (OptimizerNames, GPAOptimizerNames)) else self.optim
+        if optim not in GPA_OPTIM_NAMES and optim not in STOCK_OPTIM_NAMES:
+            raise ValueError(
+                f"--optim {optim!r} is not a known optimizer: use one of {', '.join(GPA_OPTIM_NAMES)} or a stock "
+                f"transformers name ({', '.join(STOCK_OPTIM_NAMES)})"
+            )
+        self._check_gpa_flags(optim)
+        if optim not in GPA_OPTIM_NAMES:
+            super().__post_init__()
+            return
+        # The stock __post_init__ only converts `optim` with OptimizerNames(...): give it a stock name to convert,
+        # then put ours back (also if it raises, so that the object never carries a name the user did not give).
+        self.optim = OptimizerNames.ADAMW_TORCH
+        try:
+            super().__post_init__()
+        finally:
+            self.optim = GPAOptimizerNames(optim)
+
+    def _check_gpa_flags(self, optim: str) -> None:
+        if self.gpa_base_optim is not None:
+            if optim != GPAOptimizerNames.GPA.value:
+                raise ValueError(
+                    f"--gpa_base_optim {self.gpa_base_optim} only applies to --optim gpa (got --optim {optim}); "
+                    "--optim gpa_adamw and diloco_adamw always use AdamW"
+                )
+            base = (
+                self.gpa_base_optim.value if isinstance(self.gpa_base_optim, OptimizerNames) else self.gpa_base_optim
+            )
+            if base not in STOCK_OPTIM_NAMES:
+                raise ValueError(
+                    f"--gpa_base_optim {base!r} is not a stock transformers optimizer name; use one of "
+                    f"{', '.join(n for n in STOCK_OPTIM_NAMES if n not in _UNWRAPPABLE_BASES)}"
+                )
+            if base in _UNWRAPPABLE_BASES:
+                raise ValueError(
+                    f"--gpa_base_optim {base} cannot be wrapped by GPA (LOMO and the layer-wise optimizers step "
+                    "inside backward hooks, and Schedule-Free already averages its iterates)"
+                )
+            self.gpa_base_optim = base
+        elif optim == GPAOptimizerNames.GPA.value:
+            raise ValueError(
+                "--optim gpa needs --gpa_base_optim NAME (a stock --optim name such as adamw_torch or sgd)"
+            )
+
+        if self.gpa_inner_steps is not None:
+            if isinstance(self.gpa_inner_steps, bool) or int(self.gpa_inner_steps) != self.gpa_inner_steps:
+                raise ValueError(f"--gpa_inner_steps must be an integer >= 1, got {self.gpa_inner_steps!r}")
+            if self.gpa_inner_steps < 1:
+                raise ValueError(f"--gpa_inner_steps must be an integer >= 1, got {self.gpa_inner_steps}")
+            self.gpa_inner_steps = int(self.gpa_inner_steps)
+            mu_x = mu_x_from_inner_steps(self.gpa_inner_steps, DILOCO_MU)
+            # Both flags are fine when they agree: a saved configuration carries both.
+            if self.gpa_mu_x is not None and not math.isclose(self.gpa_mu_x, mu_x, rel_tol=0.0, abs_tol=1e-12):
+                raise ValueError(
+                    f"--gpa_inner_steps {self.gpa_inner_steps} sets mu_x = 0.9 ** (1 / {self.gpa_inner_steps}) = "
+                    f"{mu_x!r}, which conflicts with --gpa_mu_x {self.gpa_mu_x}; give only one of the two"
+                )
+            self.gpa_mu_x = mu_x
+        elif self.gpa_mu_x is None:
+            self.gpa_mu_x = DEFAULT_MU_X
+
+        if not 0.0 <= self.gpa_mu_x < 1.0:
+            raise ValueError(f"--gpa_mu_x must lie in [0, 1), got {self.gpa_mu_x}")
+        if not 0.0 < self.gpa_mu_y <= 1.0:
+            raise ValueError(
+                f"--gpa_mu_y must lie in (0, 1], got {self.gpa_mu_y} (the memory-efficient form divides by mu_y)"
+            )
+        if self.gpa_averaging not in AVERAGING_CHOICES:
+            raise ValueError(
+                f"--gpa_averaging must be one of {', '.join(AVERAGING_CHOICES)}, got {self.gpa_averaging!r}"
+            )
+        if (
+            isinstance(self.diloco_inner_steps, bool)
+            or int(self.diloco_inner_steps) != self.diloco_inner_steps
+            or self.diloco_inner_steps < 1
+        ):
+            raise ValueError(f"--diloco_inner_steps must be an integer >= 1, got {self.diloco_inner_steps!r}")
+        self.diloco_inner_steps = int(self.diloco_inner_steps)
+        if not self.diloco_outer_lr > 0.0:
+            raise ValueError(f"--diloco_outer_lr must be > 0, got {self.diloco_outer_lr}")
+        if not 0.0 <= self.diloco_outer_momentum < 1.0:
+            raise ValueError(f"--diloco_outer_momentum must lie in [0, 1), got {self.diloco_outer_momentum}")
+
+    @property
+    def uses_gpa(self) -> bool:
+        """True when `--optim` is one of hf_gpa's optimizers (gpa_adamw, gpa or diloco_adamw)."""
+        return isinstance(self.optim, GPAOptimizerNames)
+
+    @property
+    def gpa_effective_inner_steps(self) -> float | None:
+        """H with mu_x = 0.9 ** (1 / H): the DiLoCo inner steps GPA's averaging matches (None when mu_x = 0)."""
+        if self.gpa_inner_steps is not None:
+            return float(self.gpa_inner_steps)
+        if not 0.0 < self.gpa_mu_x < 1.0:
+            return None
+        return inner_steps_from_mu_x(self.gpa_mu_x, DILOCO_MU)
