@@ -1,0 +1,237 @@
+"""GPATrainingArguments: the --optim names and gpa_*/diloco_* flags, their validation and their round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+
+import pytest
+import torch
+from transformers import HfArgumentParser, TrainingArguments
+from transformers.training_args import OptimizerNames
+
+from hf_gpa.training_args import DEFAULT_MU_X, DEFAULT_MU_Y, GPAOptimizerNames, GPATrainingArguments
+
+
+@dataclasses.dataclass
+class ModelArguments:
+    """A second argument dataclass, as in transformers' example scripts."""
+
+    model_name: str = dataclasses.field(default="tiny", metadata={"help": "Model name."})
+    hidden_size: int = dataclasses.field(default=32, metadata={"help": "Hidden size."})
+
+
+def parse(argv: list[str], tmp_path) -> GPATrainingArguments:
+    (args,) = HfArgumentParser(GPATrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", *argv]
+    )
+    return args
+
+
+def make(tmp_path, **kwargs) -> GPATrainingArguments:
+    return GPATrainingArguments(output_dir=str(tmp_path), report_to="none", **kwargs)
+
+
+def test_defaults(tmp_path):
+    """Without GPA flags the stock default optimizer is kept and mu_x, mu_y take the paper's values."""
+    args = make(tmp_path)
+    assert args.optim == TrainingArguments(output_dir=str(tmp_path), report_to="none").optim
+    assert isinstance(args.optim, OptimizerNames)
+    assert args.gpa_mu_x == DEFAULT_MU_X == 0.9967
+    assert args.gpa_mu_y == DEFAULT_MU_Y == 0.7
+    assert args.gpa_averaging == "gpa"
+    assert args.gpa_inner_steps is None and args.gpa_base_optim is None
+    assert not args.uses_gpa
+
+
+@pytest.mark.parametrize("name", [n.value for n in GPAOptimizerNames])
+def test_gpa_optim_names_parse_from_command_line(name, tmp_path):
+    """--optim gpa_adamw|gpa|diloco_adamw passes HfArgumentParser's choices and the stock __post_init__."""
+    extra = ["--gpa_base_optim", "sgd"] if name == "gpa" else []
+    args = parse(["--optim", name, *extra], tmp_path)
+    assert args.optim is GPAOptimizerNames(name)
+    assert args.optim == name  # a str enum: comparisons with the plain name keep working
+    assert args.uses_gpa
+
+
+@pytest.mark.parametrize("name", [n.value for n in OptimizerNames])
+def test_every_stock_optim_name_still_accepted(name, tmp_path):
+    """Every stock --optim value parses to the same OptimizerNames member as with stock TrainingArguments."""
+    args = parse(["--optim", name], tmp_path)
+    (stock,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--report_to", "none", "--optim", name]
+    )
+    assert args.optim is stock.optim is OptimizerNames(name)
+    assert not args.uses_gpa
+
+
+def test_unknown_optim_rejected_on_command_line(tmp_path):
+    """An --optim value that is neither ours nor stock is rejected by argparse's choices."""
+    with pytest.raises(SystemExit):
+        parse(["--optim", "gpa_adam"], tmp_path)
+
+
+def test_unknown_optim_rejected_in_python(tmp_path):
+    """Built in Python (no argparse), an unknown --optim raises ValueError naming the flag."""
+    with pytest.raises(ValueError, match="--optim 'nesterov'"):
+        make(tmp_path, optim="nesterov")
+
+
+def test_inner_steps_sets_mu_x(tmp_path):
+    """--gpa_inner_steps H sets mu_x = 0.9 ** (1 / H) (paper, Table 4: H = 32 -> 0.99671)."""
+    args = parse(["--optim", "gpa_adamw", "--gpa_inner_steps", "32"], tmp_path)
+    assert args.gpa_mu_x == 0.9 ** (1 / 32)
+    assert args.gpa_mu_x == pytest.approx(0.99671, abs=5e-6)
+    assert args.gpa_effective_inner_steps == 32.0
+
+
+def test_effective_inner_steps_of_default_mu_x(tmp_path):
+    """The default mu_x = 0.9967 corresponds to H = log 0.9 / log 0.9967, about 31.9 inner steps."""
+    import math
+
+    args = make(tmp_path, optim="gpa_adamw")
+    assert args.gpa_effective_inner_steps == pytest.approx(math.log(0.9) / math.log(0.9967), rel=1e-12)
+
+
+def test_conflicting_inner_steps_and_mu_x(tmp_path):
+    """Giving --gpa_inner_steps and a different --gpa_mu_x is a ValueError naming both flags."""
+    with pytest.raises(ValueError, match="--gpa_inner_steps 32.*--gpa_mu_x 0.9967"):
+        parse(["--optim", "gpa_adamw", "--gpa_inner_steps", "32", "--gpa_mu_x", "0.9967"], tmp_path)
+
+
+def test_agreeing_inner_steps_and_mu_x(tmp_path):
+    """--gpa_inner_steps with the --gpa_mu_x it implies (a saved configuration) is accepted."""
+    args = make(tmp_path, optim="gpa_adamw", gpa_inner_steps=8, gpa_mu_x=0.9 ** (1 / 8))
+    assert args.gpa_mu_x == 0.9 ** (1 / 8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gpa_mu_x": 1.0}, r"--gpa_mu_x must lie in \[0, 1\), got 1.0"),
+        ({"gpa_mu_x": -0.1}, r"--gpa_mu_x must lie in \[0, 1\), got -0.1"),
+        ({"gpa_mu_y": 0.0}, r"--gpa_mu_y must lie in \(0, 1\], got 0.0"),
+        ({"gpa_mu_y": 1.5}, r"--gpa_mu_y must lie in \(0, 1\], got 1.5"),
+        ({"gpa_inner_steps": 0}, r"--gpa_inner_steps must be an integer >= 1, got 0"),
+        ({"gpa_inner_steps": 2.5}, r"--gpa_inner_steps must be an integer >= 1, got 2.5"),
+        ({"gpa_averaging": "polyak"}, r"--gpa_averaging must be one of gpa, schedule_free, got 'polyak'"),
+        ({"diloco_inner_steps": 0}, r"--diloco_inner_steps must be an integer >= 1, got 0"),
+        ({"diloco_outer_lr": 0.0}, r"--diloco_outer_lr must be > 0, got 0.0"),
+        ({"diloco_outer_momentum": 1.0}, r"--diloco_outer_momentum must lie in \[0, 1\), got 1.0"),
+    ],
+)
+def test_out_of_range_values_name_the_flag(kwargs, message, tmp_path):
+    """Out-of-range values raise ValueError naming the flag and its range."""
+    with pytest.raises(ValueError, match=message):
+        make(tmp_path, optim="gpa_adamw", **kwargs)
+
+
+def test_mu_x_zero_allowed(tmp_path):
+    """mu_x = 0 (GPA reduces to its base optimizer) is inside the valid range."""
+    assert make(tmp_path, optim="gpa_adamw", gpa_mu_x=0.0).gpa_mu_x == 0.0
+
+
+def test_bad_averaging_rejected_on_command_line(tmp_path):
+    """--gpa_averaging takes only gpa or schedule_free on the command line."""
+    with pytest.raises(SystemExit):
+        parse(["--optim", "gpa_adamw", "--gpa_averaging", "polyak"], tmp_path)
+
+
+def test_gpa_needs_base_optim(tmp_path):
+    """--optim gpa without --gpa_base_optim is a ValueError naming the missing flag."""
+    with pytest.raises(ValueError, match="--optim gpa needs --gpa_base_optim"):
+        make(tmp_path, optim="gpa")
+
+
+@pytest.mark.parametrize("optim", ["gpa_adamw", "diloco_adamw", "adamw_torch"])
+def test_base_optim_only_with_gpa(optim, tmp_path):
+    """--gpa_base_optim with any --optim other than gpa is a conflict, not silently ignored."""
+    with pytest.raises(ValueError, match="--gpa_base_optim sgd only applies to --optim gpa"):
+        make(tmp_path, optim=optim, gpa_base_optim="sgd")
+
+
+@pytest.mark.parametrize(
+    ("base", "message"),
+    [
+        ("sgdd", "--gpa_base_optim 'sgdd' is not a stock transformers optimizer name"),
+        ("gpa_adamw", "--gpa_base_optim 'gpa_adamw' is not a stock transformers optimizer name"),
+        ("lomo", "--gpa_base_optim lomo cannot be wrapped by GPA"),
+        ("galore_adamw_layerwise", "--gpa_base_optim galore_adamw_layerwise cannot be wrapped by GPA"),
+        ("schedule_free_adamw", "--gpa_base_optim schedule_free_adamw cannot be wrapped by GPA"),
+    ],
+)
+def test_bad_base_optim(base, message, tmp_path):
+    """Unknown or unwrappable --gpa_base_optim names raise ValueError naming the flag."""
+    with pytest.raises(ValueError, match=message):
+        make(tmp_path, optim="gpa", gpa_base_optim=base)
+
+
+def test_validation_runs_before_stock_post_init(tmp_path):
+    """Our flags are checked before the stock __post_init__ (so before any device or distributed setup)."""
+    # A stock error (eval_strategy steps with eval_steps 0 and logging_steps 0) loses to ours.
+    with pytest.raises(ValueError, match="--gpa_mu_y"):
+        make(tmp_path, optim="gpa_adamw", gpa_mu_y=2.0, eval_strategy="steps", eval_steps=0, logging_steps=0)
+
+
+def test_beside_other_dataclasses_and_from_json(tmp_path):
+    """One HfArgumentParser holds GPATrainingArguments beside another dataclass; argv and JSON give the same."""
+    parser = HfArgumentParser((ModelArguments, GPATrainingArguments))
+    argv = ["--model_name", "llama", "--output_dir", str(tmp_path), "--report_to", "none", "--optim", "gpa"]
+    argv += ["--gpa_base_optim", "adamw_torch_fused", "--gpa_mu_y", "0.9", "--gpa_inner_steps", "16"]
+    argv += ["--gpa_averaging", "schedule_free", "--learning_rate", "3e-4"]
+    model_args, args = parser.parse_args_into_dataclasses(argv)
+    assert model_args.model_name == "llama"
+    assert (args.optim, args.gpa_base_optim, args.gpa_mu_y) == (GPAOptimizerNames.GPA, "adamw_torch_fused", 0.9)
+    assert (args.gpa_mu_x, args.gpa_averaging, args.learning_rate) == (0.9 ** (1 / 16), "schedule_free", 3e-4)
+
+    config = {"model_name": "llama", "output_dir": str(tmp_path), "report_to": "none", "optim": "gpa"}
+    config.update(gpa_base_optim="adamw_torch_fused", gpa_mu_y=0.9, gpa_inner_steps=16, gpa_averaging="schedule_free")
+    config["learning_rate"] = 3e-4
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(config))
+    model_json, args_json = parser.parse_json_file(str(path))
+    assert model_json == model_args
+    for name in ("optim", "gpa_base_optim", "gpa_mu_x", "gpa_mu_y", "gpa_inner_steps", "gpa_averaging"):
+        assert getattr(args_json, name) == getattr(args, name)
+    model_dict, args_dict = parser.parse_dict(config)
+    assert args_dict.gpa_mu_x == args.gpa_mu_x and args_dict.optim is GPAOptimizerNames.GPA
+
+
+GPA_FIELDS = (
+    "optim",
+    "gpa_base_optim",
+    "gpa_mu_x",
+    "gpa_mu_y",
+    "gpa_inner_steps",
+    "gpa_averaging",
+    "diloco_inner_steps",
+    "diloco_outer_lr",
+    "diloco_outer_momentum",
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"optim": "gpa_adamw", "gpa_mu_x": 0.99, "gpa_mu_y": 0.8},
+        {"optim": "gpa_adamw", "gpa_inner_steps": 64},
+        {"optim": "gpa", "gpa_base_optim": "sgd", "gpa_averaging": "schedule_free"},
+        {"optim": "diloco_adamw", "diloco_inner_steps": 8, "diloco_outer_lr": 0.5, "diloco_outer_momentum": 0.8},
+        {"optim": "adamw_torch"},
+    ],
+)
+def test_to_dict_json_and_pickle_round_trip(kwargs, tmp_path):
+    """to_dict / to_json_string re-parse to the same flags; pickle and torch.save (training_args.bin) restore them."""
+    args = make(tmp_path, **kwargs)
+    d = args.to_dict()
+    assert d["optim"] == kwargs["optim"] and isinstance(d["optim"], str)
+    (from_json,) = HfArgumentParser(GPATrainingArguments).parse_dict(json.loads(args.to_json_string()))
+    unpickled = pickle.loads(pickle.dumps(args))
+    torch.save(args, tmp_path / "training_args.bin")
+    loaded = torch.load(tmp_path / "training_args.bin", weights_only=False)
+    for other in (from_json, unpickled, loaded):
+        assert type(other) is GPATrainingArguments
+        for name in GPA_FIELDS:
+            assert getattr(other, name) == getattr(args, name), name
+        assert type(other.optim) is type(args.optim)
