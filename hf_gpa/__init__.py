@@ -1,0 +1,35 @@
+"""hf_gpa: Generalized Primal Averaging for PyTorch, the transformers Trainer and accelerate.
+
+The optimizers (``GPAAdamW``, ``GPA``, ``DiLoCo``) need only torch. The transformers-side names
+(``GPATrainingArguments``, ``GPATrainer``) are imported on first access, so ``import hf_gpa`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .optim import GPA, DiLoCo, GPAAdamW, ReferenceGPA, inner_steps_from_mu_x, mu_x_from_inner_steps
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "GPATrainingArguments": "hf_gpa.training_args",
+    "GPATrainer": "hf_gpa.trainer",
+}
+
+__all__ = [
+    "GPA",
+    "GPAAdamW",
+    "DiLoCo",
+    "ReferenceGPA",
+    "mu_x_from_inner_steps",
+    "inner_steps_from_mu_x",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_gpa' has no attribute {name!r}")

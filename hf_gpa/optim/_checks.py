@@ -1,0 +1,37 @@
+"""Argument checks shared by the optimizers: every hyper-parameter is checked before any state exists."""
+
+from __future__ import annotations
+
+from typing import Any
+
+AVERAGING_MODES = ("gpa", "schedule_free")
+
+
+def check_lr(lr: Any) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr} (lr must be >= 0)")
+
+
+def check_mu(mu_x: float, mu_y: float) -> None:
+    if not 0.0 <= mu_x < 1.0:
+        raise ValueError(f"Invalid mu_x: {mu_x} (mu_x must lie in [0, 1))")
+    if not 0.0 < mu_y <= 1.0:
+        raise ValueError(f"Invalid mu_y: {mu_y} (mu_y must lie in (0, 1])")
+
+
+def check_averaging(averaging: str) -> None:
+    if averaging not in AVERAGING_MODES:
+        raise ValueError(f"Invalid averaging: {averaging!r} (must be one of {', '.join(AVERAGING_MODES)})")
+
+
+def check_adam(betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    if len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas} (must be a pair (beta1, beta2))")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]} (beta1 must lie in [0, 1))")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]} (beta2 must lie in [0, 1))")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps} (eps must be >= 0)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (weight_decay must be >= 0)")

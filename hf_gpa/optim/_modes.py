@@ -1,0 +1,131 @@
+"""Train/eval switching shared by every hf_gpa optimizer, exact to the bit.
+
+In train mode the parameters hold the gradient point (GPA: y; DiLoCo: the inner weights); in eval mode they hold
+the evaluation weights (GPA: x; DiLoCo: the outer weights). For GPA, x = (y - (1 - mu_y) z) / mu_y is rounded, and
+going back with y' = mu_y x + (1 - mu_y) z rounds again, so y' can differ from y by a few units in the last place.
+Instead of keeping a second copy of y while in eval mode, `eval()` keeps the *integer* difference between the bit
+patterns of y and of its round trip y' (almost always within an int8, so a quarter of an fp32 copy), and `train()`
+adds it back: y is restored bitwise, however often the two are alternated, and nothing is kept in train mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["PrimalAveragingOptimizer", "local_tensor", "state_dtype_for"]
+
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+
+def state_dtype_for(param: torch.Tensor) -> torch.dtype:
+    """The dtype of z and of the base optimizer's moments for a parameter.
+
+    Half-precision parameters (bf16, fp16) keep their optimizer state, z included, in float32: z is the only
+    unaveraged copy of the weights and small updates would vanish in bf16. fp32 and fp64 keep their own dtype.
+    """
+    return torch.float32 if param.dtype in (torch.bfloat16, torch.float16) else param.dtype
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The process-local shard of a DTensor (FSDP2), or the tensor itself: GPA's update is elementwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+
+
+def encode_residual(target: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+    """Integer difference of the bit patterns, ``bits(target) - bits(approx)``, in the smallest integer dtype.
+
+    The subtraction wraps around in two's complement, so ``decode_residual`` restores ``target`` exactly whatever
+    the values; the narrowing to int8/int16 is taken only when every difference fits.
+    """
+    int_dtype = _INT_VIEW[target.dtype]
+    diff = target.view(int_dtype) - approx.view(int_dtype)
+    for small in (torch.int8, torch.int16, torch.int32):
+        if small.itemsize >= int_dtype.itemsize:
+            break
+        info = torch.iinfo(small)
+        if bool(((diff >= info.min) & (diff <= info.max)).all()):
+            return diff.to(small)
+    return diff
+
+
+def decode_residual(approx: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """Inverse of `encode_residual`: the exact target from its approximation and the stored residual."""
+    int_dtype = _INT_VIEW[approx.dtype]
+    return (approx.view(int_dtype) + residual.to(int_dtype)).view(approx.dtype)
+
+
+class PrimalAveragingOptimizer(torch.optim.Optimizer):
+    """Shared mode handling: ``train()``/``eval()``, the eval-mode guard on ``step()``, dtype-safe loading.
+
+    Subclasses implement ``_params_to_eval(group)`` and ``_params_to_train(group)``. The mode lives in each param
+    group (``group["train_mode"]``) so that it travels with ``state_dict()``.
+    """
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        defaults = {**defaults, "train_mode": True}
+        super().__init__(params, defaults)
+
+    @property
+    def train_mode(self) -> bool:
+        """True while the parameters hold the gradient point (a new optimizer starts in train mode)."""
+        return all(group["train_mode"] for group in self.param_groups)
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        """Put the evaluation weights into the parameters. Idempotent."""
+        for group in self.param_groups:
+            if group["train_mode"]:
+                self._params_to_eval(group)
+                group["train_mode"] = False
+
+    @torch.no_grad()
+    def train(self) -> None:
+        """Put the training iterate back into the parameters, bitwise as it was before ``eval()``. Idempotent."""
+        for group in self.param_groups:
+            if not group["train_mode"]:
+                self._params_to_train(group)
+                group["train_mode"] = True
+
+    def _params_to_eval(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _params_to_train(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _check_train_mode(self) -> None:
+        if not self.train_mode:
+            raise RuntimeError(
+                f"{type(self).__name__}.step() was called in eval mode (the parameters hold the averaged "
+                "weights). Call optimizer.train() before training steps, and optimizer.eval() before evaluation."
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, keeping the saved dtypes of the state (torch would cast it to the param dtype).
+
+        The parameters must hold what they held when the state was saved: x if it was saved in eval mode.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids: Iterable[int] = (i for g in state_dict["param_groups"] for i in g["params"])
+        params = (p for g in self.param_groups for p in g["params"])
+        for index, param in zip(saved_ids, params):
+            saved = state_dict["state"].get(index)
+            if saved:
+                _restore_dtypes(self.state[param], saved)
+
+
+def _restore_dtypes(state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Undo torch's cast of loaded state to the parameter dtype (fp32 z of a bf16 parameter must stay fp32)."""
+    for key, value in saved.items():
+        if isinstance(value, dict) and isinstance(state.get(key), dict):
+            _restore_dtypes(state[key], value)
+        elif torch.is_tensor(value) and key != "step" and value.dtype != state[key].dtype:
+            state[key] = value.to(device=state[key].device, copy=True)
