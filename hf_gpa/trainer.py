@@ -1,0 +1,247 @@
+"""`GPATrainer`: the transformers `Trainer` with GPA's two weight sequences handled where the Trainer touches weights.
+
+GPA keeps the gradient point y in the parameters while training and computes the evaluation weights x on demand
+(`optimizer.eval()`; `optimizer.train()` goes back to y bitwise). The stock Trainer already calls
+`optimizer.train()` before every training step and `optimizer.eval()` in its evaluation loop (for Schedule-Free),
+but it never switches back after evaluating, and it saves whatever the parameters hold: y, unless an evaluation
+happened to run just before the save. This subclass fixes the places that read or write weights:
+
+* `evaluate()` / `predict()` run at x and restore the mode they found, so training continues from the same y.
+* `_save_checkpoint()` and `save_model()` run at x: every `model.safetensors` holds x, and `optimizer.pt` is the
+  eval-mode state, which carries the integer residual that restores y exactly. The switch sits in try/finally, so
+  the live weights are y again even when the save raises half-way.
+* `_load_optimizer_and_scheduler()` (resume) loads x weights and the eval-mode state, then calls `train()`: y is
+  back bitwise and the resumed run matches the uninterrupted one.
+* `_load_best_model()` loads the best checkpoint's x together with its optimizer state, so the two agree.
+* After `train()` returns, the model holds x (the weights to use); the next training step switches back to y.
+
+Only overrides; transformers and accelerate are not patched. With a stock `--optim` it behaves as `Trainer`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_optimizer import is_optimizer_factory
+from transformers.training_args import OptimizerNames, TrainingArguments
+
+from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer
+from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
+from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.trainer_utils import PredictionOutput, TrainOutput
+
+__all__ = ["GPATrainer", "gpa_model_card_section"]
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZER_NAME = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME
+
+
+def _adam_kwargs(args: TrainingArguments) -> dict[str, Any]:
+    # The same keys, from the same flags, as the stock `--optim adamw_torch` handler.
+    return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+
+
+def _gpa_kwargs(args: GPATrainingArguments) -> dict[str, Any]:
+    return {"mu_x": args.gpa_mu_x, "mu_y": args.gpa_mu_y, "averaging": args.gpa_averaging}
+
+
+def _get_gpa_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    return GPAAdamW, {**_adam_kwargs(args), **_gpa_kwargs(args)}
+
+
+def _get_gpa(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    # Whatever the stock Trainer builds for `--optim <base>`, with the same flags, becomes GPA's base optimizer.
+    base_args = copy.copy(args)
+    base_args.optim = OptimizerNames(args.gpa_base_optim)
+    base_cls, base_kwargs = Trainer.get_optimizer_cls_and_kwargs(base_args, model)
+    if is_optimizer_factory(base_cls) or "model" in base_kwargs or "optimizer_dict" in base_kwargs:
+        raise ValueError(
+            f"--gpa_base_optim {args.gpa_base_optim} does not build a plain torch.optim.Optimizer in this "
+            "transformers version, so GPA cannot wrap it"
+        )
+    clashes = {"base", "mu_x", "mu_y", "averaging"} & set(base_kwargs)
+    if clashes:
+        raise ValueError(f"--gpa_base_optim {args.gpa_base_optim} takes arguments GPA uses itself: {sorted(clashes)}")
+    return GPA, {"base": base_cls, **_gpa_kwargs(args), **base_kwargs}
+
+
+def _get_diloco_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    return DiLoCo, {
+        "base": torch.optim.AdamW,
+        "inner_steps": args.diloco_inner_steps,
+        "outer_lr": args.diloco_outer_lr,
+        "outer_momentum": args.diloco_outer_momentum,
+        **_adam_kwargs(args),
+    }
+
+
+_GPA_OPTIMIZER_HANDLERS = {
+    GPAOptimizerNames.GPA_ADAMW: _get_gpa_adamw,
+    GPAOptimizerNames.GPA: _get_gpa,
+    GPAOptimizerNames.DILOCO_ADAMW: _get_diloco_adamw,
+}
+
+
+def gpa_model_card_section(args: TrainingArguments) -> str:
+    """The model-card paragraph naming the optimizer and its constants (empty for a stock ``--optim``)."""
+    if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
+        return ""
+    name = args.optim.value
+    if args.optim == GPAOptimizerNames.DILOCO_ADAMW:
+        return (
+            "## Optimizer: single-worker DiLoCo (hf_gpa)\n\n"
+            f"Trained with `--optim {name}`: AdamW inner steps with H = {args.diloco_inner_steps} inner steps, "
+            f"outer learning rate {args.diloco_outer_lr} and outer Nesterov momentum {args.diloco_outer_momentum}. "
+            "The weights in this repository are the outer (slow) weights.\n"
+        )
+    base = "AdamW" if args.optim == GPAOptimizerNames.GPA_ADAMW else f"`{args.gpa_base_optim}`"
+    steps = args.gpa_effective_inner_steps
+    h = "" if steps is None else f", H = {steps:.4g} (mu_x = 0.9 ** (1 / H), the equivalent DiLoCo inner steps)"
+    return (
+        "## Optimizer: GPA (hf_gpa)\n\n"
+        f"Trained with `--optim {name}`: Generalized Primal Averaging around {base} with "
+        f"mu_x = {args.gpa_mu_x:.6g}, mu_y = {args.gpa_mu_y:.6g}{h}, averaging = {args.gpa_averaging}. "
+        "The weights in this repository are GPA's evaluation sequence x.\n"
+    )
+
+
+class GPATrainer(Trainer):
+    """`Trainer` that builds the hf_gpa optimizers from `GPATrainingArguments` and evaluates and saves at x.
+
+    Use it in place of `Trainer` together with `GPATrainingArguments`; with a stock `--optim` (or plain
+    `TrainingArguments`) it is the stock Trainer.
+    """
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(
+        args: TrainingArguments, model: PreTrainedModel | nn.Module | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """The optimizer class and keyword arguments for ``args.optim`` (hf_gpa names first, then the stock ones)."""
+        handler = _GPA_OPTIMIZER_HANDLERS.get(getattr(args, "optim", None))
+        if handler is None:
+            return Trainer.get_optimizer_cls_and_kwargs(args, model)
+        return handler(args, model)
+
+    # ---- the weights x: evaluation, prediction, saving ----
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """`Trainer.evaluate` at x; the optimizer's mode (and so y) is restored afterwards."""
+        with evaluation_weights(self.optimizer):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> PredictionOutput:
+        """`Trainer.predict` at x; the optimizer's mode (and so y) is restored afterwards."""
+        with evaluation_weights(self.optimizer):
+            return super().predict(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model` writing x; the live weights are y again afterwards, also if saving raises."""
+        with evaluation_weights(self.optimizer):
+            super().save_model(output_dir, _internal_call=_internal_call)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        # Model (x) and optimizer state (eval mode, with the residual that restores y) are written together, so a
+        # checkpoint is the same whether or not an evaluation ran just before it.
+        with evaluation_weights(self.optimizer):
+            super()._save_checkpoint(model, trial)
+
+    # ---- resuming and best-model loading: weights on disk are x ----
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if checkpoint is None or inner is None:
+            return
+        if inner.train_mode:
+            # Saved in train mode (not by GPATrainer): the model file then held y, nothing to switch.
+            logger.warning(
+                "The optimizer state in %s was saved in train mode; resuming from its weights as they are.", checkpoint
+            )
+            return
+        # The model holds the checkpoint's x and the optimizer its eval-mode state: train() restores y bitwise.
+        inner.train()
+
+    def _load_best_model(self) -> None:
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if inner is None:
+            super()._load_best_model()
+            return
+        # Parameters at x before they are overwritten with the best checkpoint's x, so that no stale y remains.
+        inner.eval()
+        super()._load_best_model()
+        optimizer_file = os.path.join(self.state.best_model_checkpoint, OPTIMIZER_NAME)
+        if os.path.isfile(optimizer_file):
+            # The best checkpoint's eval-mode state matches the x just loaded: optimizer.train() would give its y.
+            state = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+            self.optimizer.load_state_dict(state)
+        else:
+            logger.warning(
+                "%s has no %s (save_only_model?): the model holds the best x, but the optimizer state is the last "
+                "step's; do not continue training from it.",
+                self.state.best_model_checkpoint,
+                OPTIMIZER_NAME,
+            )
+
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
+        """`Trainer.train`; afterwards the model holds x (the next training step switches back to y)."""
+        output = super().train(*args, **kwargs)
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if inner is not None:
+            inner.eval()
+        return output
+
+    # ---- the Hub: the model card names the optimizer ----
+
+    def create_model_card(
+        self,
+        language: str | None = None,
+        license: str | None = None,
+        tags: str | list[str] | None = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: str | list[str] | None = None,
+        dataset_tags: str | list[str] | None = None,
+        dataset: str | list[str] | None = None,
+        dataset_args: str | list[str] | None = None,
+    ) -> None:
+        """`Trainer.create_model_card` plus a section naming the GPA optimizer, mu_x, mu_y and H."""
+        section = gpa_model_card_section(self.args)
+        if section:
+            tags = [tags] if isinstance(tags, str) else list(tags or [])
+            tags += [t for t in ("hf_gpa", self.args.optim.value) if t not in tags]
+        super().create_model_card(
+            language=language,
+            license=license,
+            tags=tags,
+            model_name=model_name,
+            finetuned_from=finetuned_from,
+            tasks=tasks,
+            dataset_tags=dataset_tags,
+            dataset=dataset,
+            dataset_args=dataset_args,
+        )
+        if section and self.is_world_process_zero():
+            with open(os.path.join(self.args.output_dir, "README.md"), "a", encoding="utf-8") as f:
+                f.write("\n" + section)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # The stock checkpoint push uploads output_dir without a model card: write one, so that a repo pushed only
+        # during training (--push_to_hub --hub_strategy checkpoint) still says how its weights were made.
+        if gpa_model_card_section(self.args) and self.is_world_process_zero() and self.args.hub_strategy != "end":
+            self.create_model_card(model_name=self._hub_model_name())
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _hub_model_name(self) -> str:
+        if self.args.hub_model_id is None:
+            return os.path.basename(os.path.normpath(self.args.output_dir))
+        return self.args.hub_model_id.split("/")[-1]

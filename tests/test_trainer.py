@@ -1,0 +1,617 @@
+"""GPATrainer: optimizer construction, evaluation and saving at x, exact resume, best model, Hub push, bf16.
+
+Models are built from configs (a 2-layer Llama, a small plain `nn.Module`), nothing is downloaded. The long-running
+pieces (a few short training runs) are shared between tests through module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import types
+from unittest import mock
+
+import pytest
+import torch
+from huggingface_hub import HfApi
+from safetensors.torch import load_file
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, get_scheduler
+from transformers.training_args import OptimizerNames
+
+from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer, x_state_dict
+from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
+from hf_gpa.trainer import GPATrainer
+from hf_gpa.training_args import GPATrainingArguments
+
+MU_X, MU_Y = 0.5, 0.7  # a short memory so that x, y and the initial weights are far apart after a few steps
+
+
+# ---- tiny models and data ----
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int, length: int = 16) -> None:
+        self.ids = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class TinyRegressor(nn.Module):
+    """A plain nn.Module (not a PreTrainedModel) the Trainer accepts: it returns a dict with the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.norm = nn.LayerNorm(8)
+        self.fc2 = nn.Linear(8, 1)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = self.fc2(torch.tanh(self.norm(self.fc1(features)))).squeeze(-1)
+        loss = None if labels is None else nn.functional.mse_loss(out, labels)
+        return {"loss": loss, "logits": out}
+
+
+class RegressionDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int, dtype: torch.dtype = torch.float64) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.features = torch.randn(n, 4, generator=g, dtype=dtype)
+        self.labels = torch.sin(self.features.sum(-1))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"features": self.features[i], "labels": self.labels[i]}
+
+
+def make_args(output_dir, **overrides) -> GPATrainingArguments:
+    kwargs = dict(
+        output_dir=str(output_dir),
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-2,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        optim="gpa_adamw",
+        gpa_mu_x=MU_X,
+        gpa_mu_y=MU_Y,
+    )
+    kwargs.update(overrides)
+    return GPATrainingArguments(**kwargs)
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_equal_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
+
+
+class Snapshots(TrainerCallback):
+    """Records y after every step and, at every save, y and x as the optimizer gives them (through eval())."""
+
+    def __init__(self) -> None:
+        self.y: dict[int, dict[str, torch.Tensor]] = {}
+        self.saved_y: dict[int, dict[str, torch.Tensor]] = {}
+        self.saved_x: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.y[state.global_step] = params_of(model)
+
+    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.saved_y[state.global_step] = params_of(model)
+        with evaluation_weights(optimizer):
+            self.saved_x[state.global_step] = params_of(model)
+
+
+def train_losses(trainer: Trainer) -> dict[int, tuple[float, float]]:
+    return {e["step"]: (e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline_and_small():
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the CI box is shared; these models are far too small to gain from threads
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- optimizer construction ----
+
+
+def test_gpa_adamw_class_groups_and_hyperparameters(tmp_path):
+    """--optim gpa_adamw builds GPAAdamW with the Trainer's decay/no-decay groups and the AdamW flags."""
+    args = make_args(tmp_path, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
+    trainer = GPATrainer(model=TinyRegressor(), args=args)
+    optimizer = trainer.create_optimizer()
+    assert type(optimizer) is GPAAdamW
+    decay, no_decay = optimizer.param_groups
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    assert sorted(names[id(p)] for p in decay["params"]) == ["fc1.weight", "fc2.weight"]
+    assert sorted(names[id(p)] for p in no_decay["params"]) == ["fc1.bias", "fc2.bias", "norm.bias", "norm.weight"]
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    for group in optimizer.param_groups:
+        assert (group["lr"], group["betas"], group["eps"]) == (1e-2, (0.8, 0.95), 1e-6)
+        assert (group["mu_x"], group["mu_y"]) == (MU_X, MU_Y)
+    assert optimizer.train_mode
+
+
+@pytest.mark.parametrize("base", ["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adagrad", "rmsprop"])
+def test_gpa_wraps_what_the_stock_trainer_builds(base, tmp_path):
+    """--optim gpa --gpa_base_optim NAME wraps exactly the class and kwargs the stock Trainer builds for NAME."""
+    args = make_args(tmp_path, optim="gpa", gpa_base_optim=base, gpa_mu_x=None, gpa_inner_steps=16)
+    cls, kwargs = GPATrainer.get_optimizer_cls_and_kwargs(args)
+    stock_cls, stock_kwargs = Trainer.get_optimizer_cls_and_kwargs(make_args(tmp_path, optim=base))
+    assert cls is GPA
+    assert kwargs == {"base": stock_cls, "mu_x": 0.9 ** (1 / 16), "mu_y": MU_Y, "averaging": "gpa", **stock_kwargs}
+    # And it builds and steps inside the Trainer.
+    model = TinyRegressor().double()
+    trainer = GPATrainer(model=model, args=args)
+    optimizer = trainer.create_optimizer()
+    batch = RegressionDataset(8, seed=1)[:]
+    model(**batch)["loss"].backward()
+    before = params_of(model)
+    optimizer.step()
+    assert max_abs_diff(before, params_of(model)) > 0
+
+
+def test_diloco_adamw_class_and_hyperparameters(tmp_path):
+    """--optim diloco_adamw builds DiLoCo around AdamW with the --diloco_* flags in its groups."""
+    args = make_args(tmp_path, optim="diloco_adamw", diloco_inner_steps=4, diloco_outer_lr=0.5)
+    trainer = GPATrainer(model=TinyRegressor(), args=args)
+    optimizer = trainer.create_optimizer()
+    assert type(optimizer) is DiLoCo
+    for group in optimizer.param_groups:
+        assert (group["inner_steps"], group["outer_lr"], group["outer_momentum"], group["lr"]) == (4, 0.5, 0.9, 1e-2)
+
+
+@pytest.mark.parametrize("name", ["adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "schedule_free_adamw"])
+def test_stock_optim_built_as_by_trainer(name, tmp_path):
+    """With a stock --optim, GPATrainer builds the same optimizer class and kwargs as Trainer."""
+    args = make_args(tmp_path, optim=name)
+    assert args.optim is OptimizerNames(name)
+    assert GPATrainer.get_optimizer_cls_and_kwargs(args) == Trainer.get_optimizer_cls_and_kwargs(args)
+
+
+# ---- against an independent oracle: the paper's three sequences, float64 ----
+
+
+def three_sequence_oracle(args: GPATrainingArguments, base: str, data: dict[str, torch.Tensor], steps: int):
+    """GPA as in the paper's Algorithm 1: z by the base optimizer at gradients taken at y, x and y interpolated.
+
+    The base optimizer is torch's own, driven by transformers' scheduler, with the Trainer's decay groups.
+    Returns the (x, y) parameter dicts after every step.
+    """
+    model = TinyRegressor().double()
+    torch.manual_seed(0)
+    model.load_state_dict(ORACLE_INIT)
+    z = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = {n: p.detach().clone() for n, p in model.named_parameters()}
+    no_decay = [n for n in z if "bias" in n or "norm" in n]
+    groups = [
+        {"params": [z[n] for n in z if n not in no_decay], "weight_decay": args.weight_decay},
+        {"params": [z[n] for n in z if n in no_decay], "weight_decay": 0.0},
+    ]
+    if base == "sgd":
+        base_opt = torch.optim.SGD(groups, lr=args.learning_rate)
+    else:
+        betas = (args.adam_beta1, args.adam_beta2)
+        base_opt = torch.optim.AdamW(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type, base_opt, num_warmup_steps=args.get_warmup_steps(steps), num_training_steps=steps
+    )
+    history = []
+    for _ in range(steps):
+        model.zero_grad()
+        model(**data)["loss"].backward()  # the model's parameters hold y
+        for n, p in model.named_parameters():
+            z[n].grad = p.grad.clone()
+        base_opt.step()
+        scheduler.step()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                x[n].mul_(args.gpa_mu_x).add_(z[n], alpha=1 - args.gpa_mu_x)
+                p.copy_(args.gpa_mu_y * x[n] + (1 - args.gpa_mu_y) * z[n])
+        history.append(({n: t.clone() for n, t in x.items()}, params_of(model)))
+    return history
+
+
+torch.manual_seed(0)
+ORACLE_INIT = TinyRegressor().double().state_dict()
+
+
+@pytest.mark.parametrize(
+    ("optim", "base"),
+    [("gpa_adamw", "adamw"), ("gpa", "adamw_torch"), ("gpa", "sgd")],
+    ids=["gpa_adamw", "adamw", "sgd"],
+)
+def test_trainer_matches_three_sequence_oracle(optim, base, tmp_path):
+    """Trainer-driven GPA (cosine schedule with warm-up, decay groups) follows the paper's x/y/z recursion (fp64).
+
+    Also the plain nn.Module case: the checkpoint's model.safetensors is x (the oracle's, and the optimizer's
+    bitwise), not y, and evaluate() equals the loss of the oracle's x.
+    """
+    steps = 5
+    train, held_out = RegressionDataset(16, seed=1), RegressionDataset(8, seed=2)
+    args = make_args(
+        tmp_path,
+        optim=optim,
+        gpa_base_optim=None if optim == "gpa_adamw" else base,
+        learning_rate=0.05,
+        weight_decay=0.1,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.2,
+        max_steps=steps,
+        per_device_train_batch_size=16,  # full batch: the oracle does not depend on the sampling order
+        per_device_eval_batch_size=8,
+        max_grad_norm=0.0,
+        save_strategy="steps",
+        save_steps=3,
+    )
+    model = TinyRegressor().double()
+    model.load_state_dict(ORACLE_INIT)
+    snapshots = Snapshots()
+    trainer = GPATrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out, callbacks=[snapshots])
+    trainer.train()
+    history = three_sequence_oracle(args, base, train[:], steps)
+    tol = {"rtol": 1e-9, "atol": 1e-12}
+
+    x_file = load_file(os.path.join(tmp_path, "checkpoint-3", "model.safetensors"))
+    x3, y3 = history[2]
+    torch.testing.assert_close(x_file, x3, **tol)
+    assert_equal_dicts(x_file, snapshots.saved_x[3])
+    assert max_abs_diff(x_file, y3) > 1e-4  # far from y: the file is not the training point
+
+    x5, y5 = history[-1]
+    torch.testing.assert_close(params_of(trainer.model), x5, **tol)  # after train() the model holds x
+    expected_loss = TinyRegressor().double()
+    expected_loss.load_state_dict(x5)
+    expected = expected_loss(**held_out[:])["loss"].item()
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-10)
+    unwrap_gpa_optimizer(trainer.optimizer).train()
+    torch.testing.assert_close(params_of(trainer.model), y5, **tol)
+
+
+# ---- the Llama runs shared by the checkpoint, evaluation and resume tests ----
+
+RUN = dict(max_steps=6, save_strategy="steps", save_steps=3, lr_scheduler_type="cosine", warmup_steps=0.1)
+
+
+def run_llama(output_dir, resume: str | None = None, **overrides) -> tuple[GPATrainer, Snapshots]:
+    """Six steps, 4 per epoch (so the resume at step 3 is mid-epoch and crosses an epoch boundary)."""
+    snapshots = Snapshots()
+    args = make_args(output_dir, **{**RUN, **overrides})
+    trainer = GPATrainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=TokenDataset(16, seed=1),
+        eval_dataset=TokenDataset(8, seed=2),
+        callbacks=[snapshots],
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, snapshots
+
+
+@pytest.fixture(scope="module")
+def llama_runs(tmp_path_factory):
+    """Per optimizer: an uninterrupted run with evaluations, the same without, and one resumed at step 3."""
+    cache: dict[str, dict[str, tuple[GPATrainer, Snapshots]]] = {}
+
+    def get(optim: str) -> dict[str, tuple[GPATrainer, Snapshots]]:
+        if optim not in cache:
+            root = tmp_path_factory.mktemp(optim)
+            with_eval = dict(optim=optim, eval_strategy="steps", eval_steps=2)
+            runs = {"full": run_llama(root / "full", **with_eval)}
+            runs["resumed"] = run_llama(root / "resumed", resume=str(root / "full" / "checkpoint-3"), **with_eval)
+            if optim == "gpa_adamw":
+                runs["no_eval"] = run_llama(root / "no_eval", optim=optim)
+            cache[optim] = runs
+        return cache[optim]
+
+    return get
+
+
+@pytest.mark.parametrize("optim", ["gpa_adamw", "adamw_torch"])
+def test_resume_is_bitwise_exact(optim, llama_runs):
+    """Resuming from a mid-epoch checkpoint gives the same losses and weights, bitwise (adamw_torch: control)."""
+    runs = llama_runs(optim)
+    (full, full_snaps), (resumed, resumed_snaps) = runs["full"], runs["resumed"]
+    full_losses, resumed_losses = train_losses(full), train_losses(resumed)
+    assert sorted(resumed_losses) == list(range(1, 7))
+    for step in (4, 5, 6):
+        assert resumed_losses[step] == full_losses[step], step
+        assert_equal_dicts(resumed_snaps.y[step], full_snaps.y[step])
+    assert_equal_dicts(params_of(resumed.model), params_of(full.model))
+    if optim == "gpa_adamw":
+        assert not unwrap_gpa_optimizer(full.optimizer).train_mode  # both hold x after train()
+        for trainer in (full, resumed):
+            unwrap_gpa_optimizer(trainer.optimizer).train()
+        assert_equal_dicts(params_of(resumed.model), params_of(full.model))
+        assert_equal_dicts(params_of(full.model), full_snaps.y[6])
+
+
+def test_evaluation_does_not_perturb_training(llama_runs):
+    """Evaluating at x every 2 steps leaves the training trajectory (losses, y) bitwise unchanged."""
+    runs = llama_runs("gpa_adamw")
+    (with_eval, with_snaps), (without, without_snaps) = runs["full"], runs["no_eval"]
+    assert any("eval_loss" in e for e in with_eval.state.log_history)
+    assert train_losses(with_eval) == train_losses(without)
+    for step in range(1, 7):
+        assert_equal_dicts(with_snaps.y[step], without_snaps.y[step])
+
+
+def test_checkpoint_same_with_or_without_preceding_evaluation(llama_runs):
+    """Step 6 is saved right after an evaluation in one run and without one in the other: same files."""
+    runs = llama_runs("gpa_adamw")
+    full_dir, no_eval_dir = runs["full"][0].args.output_dir, runs["no_eval"][0].args.output_dir
+    for step in (3, 6):
+        assert_equal_dicts(
+            load_file(os.path.join(full_dir, f"checkpoint-{step}", "model.safetensors")),
+            load_file(os.path.join(no_eval_dir, f"checkpoint-{step}", "model.safetensors")),
+        )
+        a, b = (torch.load(os.path.join(d, f"checkpoint-{step}", "optimizer.pt")) for d in (full_dir, no_eval_dir))
+        assert a["param_groups"] == b["param_groups"]
+        assert all(not g["train_mode"] for g in a["param_groups"])  # saved in eval mode, with what restores y
+        for index, state in a["state"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][index][key])), (index, key)
+
+
+def test_checkpoint_holds_x_and_loads_with_from_pretrained(llama_runs):
+    """Each checkpoint's model.safetensors is x (bitwise), not y; from_pretrained gives x; training kept y."""
+    trainer, snapshots = llama_runs("gpa_adamw")["full"]
+    for step in (3, 6):
+        path = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
+        x_file = load_file(os.path.join(path, "model.safetensors"))
+        assert_equal_dicts(x_file, snapshots.saved_x[step])
+        assert max_abs_diff(x_file, snapshots.saved_y[step]) > 1e-4
+        assert_equal_dicts(snapshots.saved_y[step], snapshots.y[step])  # the save left y in place
+        assert_equal_dicts(params_of(LlamaForCausalLM.from_pretrained(path)), snapshots.saved_x[step])
+
+
+def manual_loss(model: nn.Module, dataset: TokenDataset) -> tuple[float, torch.Tensor]:
+    with torch.no_grad():
+        out = model.eval()(input_ids=dataset.ids, labels=dataset.ids)
+    return out.loss.item(), out.logits
+
+
+def test_evaluate_and_predict_run_at_x(llama_runs, tmp_path):
+    """evaluate()/predict() metrics equal a hand-written evaluation of the saved x weights, during and after train."""
+    trainer, _ = llama_runs("gpa_adamw")["full"]
+    held_out = trainer.eval_dataset
+    # During training: the step-6 evaluation ran at the x that checkpoint-6 holds.
+    logged = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e and e["step"] == 6]
+    x6 = LlamaForCausalLM.from_pretrained(os.path.join(trainer.args.output_dir, "checkpoint-6"))
+    loss6, logits6 = manual_loss(x6, held_out)
+    assert logged == [pytest.approx(loss6, rel=1e-6)]
+    # Afterwards, called by the user: same x, and the optimizer's mode is left as found.
+    unwrap_gpa_optimizer(trainer.optimizer).train()
+    y = params_of(trainer.model)
+    metrics = trainer.evaluate()
+    prediction = trainer.predict(held_out)
+    assert metrics["eval_loss"] == pytest.approx(loss6, rel=1e-6)
+    assert prediction.metrics["test_loss"] == pytest.approx(loss6, rel=1e-6)
+    torch.testing.assert_close(torch.as_tensor(prediction.predictions), logits6, rtol=1e-5, atol=1e-6)
+    assert unwrap_gpa_optimizer(trainer.optimizer).train_mode
+    assert_equal_dicts(params_of(trainer.model), y)
+    trainer.save_model(str(tmp_path))
+    assert_equal_dicts(params_of(LlamaForCausalLM.from_pretrained(tmp_path)), params_of(x6))
+    assert_equal_dicts(params_of(trainer.model), y)
+
+
+# ---- failures while saving ----
+
+
+class FailingSave(GPATrainer):
+    fail_in = ""
+
+    def _save(self, *args, **kwargs):
+        if self.fail_in == "_save":
+            raise OSError("disk full (injected)")
+        return super()._save(*args, **kwargs)
+
+    def _save_optimizer_and_scheduler(self, *args, **kwargs):
+        if self.fail_in == "_save_optimizer_and_scheduler":
+            raise OSError("disk full (injected)")
+        return super()._save_optimizer_and_scheduler(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fail_in", ["_save", "_save_optimizer_and_scheduler"])
+def test_failed_checkpoint_leaves_y_bitwise(fail_in, tmp_path):
+    """A checkpoint save that raises half-way leaves the parameters at y bitwise and the optimizer in train mode."""
+    snapshots = Snapshots()
+    args = make_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    trainer = FailingSave(model=tiny_llama(), args=args, train_dataset=TokenDataset(8, seed=1), callbacks=[snapshots])
+    trainer.fail_in = fail_in
+    with pytest.raises(OSError, match="injected"):
+        trainer.train()
+    assert unwrap_gpa_optimizer(trainer.optimizer).train_mode
+    assert_equal_dicts(params_of(trainer.model), snapshots.y[2])
+    # And a user-called save_model() that fails is just as harmless.
+    trainer.fail_in = "_save"
+    with pytest.raises(OSError, match="injected"):
+        trainer.save_model()
+    assert_equal_dicts(params_of(trainer.model), snapshots.y[2])
+
+
+# ---- best model, Hub, bf16 ----
+
+
+def test_load_best_model_at_end_loads_best_x(tmp_path):
+    """load_best_model_at_end loads the best checkpoint's x; its evaluation reproduces the logged one; y is exact."""
+    snapshots = Snapshots()
+    args = make_args(
+        tmp_path,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="score",
+    )
+    trainer = GPATrainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=TokenDataset(16, seed=1),
+        eval_dataset=TokenDataset(8, seed=2),
+        callbacks=[snapshots],
+    )
+    # A score that peaks at step 2, so that the best checkpoint is neither the first nor the last.
+    trainer.compute_metrics = lambda prediction: {"score": -abs(trainer.state.global_step - 2)}
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == os.path.join(str(tmp_path), "checkpoint-2")
+    assert_equal_dicts(
+        params_of(trainer.model), load_file(os.path.join(tmp_path, "checkpoint-2", "model.safetensors"))
+    )
+    assert_equal_dicts(params_of(trainer.model), snapshots.saved_x[2])
+    logged = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e and e["step"] == 2]
+    assert [trainer.evaluate()["eval_loss"]] == logged
+    unwrap_gpa_optimizer(trainer.optimizer).train()  # the optimizer state came with the best x: its y is exact
+    assert_equal_dicts(params_of(trainer.model), snapshots.y[2])
+
+
+class HubCapture:
+    """Stands in for the Hub at the huggingface_hub API boundary: records each upload's files as they are then."""
+
+    def __init__(self) -> None:
+        self.uploads: list[tuple[str, dict[str, bytes]]] = []
+
+    def create_repo(self, repo_id, *args, **kwargs):
+        return types.SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"user/{repo_id}")
+
+    def upload_folder(self, *args, repo_id, folder_path, path_in_repo=None, run_as_future=False, **kwargs):
+        ignore = kwargs.get("ignore_patterns") or []
+        files = {}
+        for root, _, names in os.walk(folder_path):
+            for name in names:
+                rel = os.path.relpath(os.path.join(root, name), folder_path)
+                top = rel.split(os.sep)[0]
+                if any(top.startswith(p.rstrip("*")) for p in ignore):
+                    continue
+                with open(os.path.join(root, name), "rb") as f:
+                    files[rel] = f.read()
+        self.uploads.append((path_in_repo or "", files))
+        if run_as_future:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_result(None)
+            return future
+        return types.SimpleNamespace(commit_url="https://huggingface.co/user/tiny-gpa/commit/0")
+
+
+def test_push_to_hub_uploads_x_and_names_the_optimizer(tmp_path):
+    """--push_to_hub (hub_strategy checkpoint) and push_to_hub() upload x; the model card names mu_x, mu_y, H."""
+    from safetensors.torch import load as load_bytes
+
+    hub = HubCapture()
+    snapshots = Snapshots()
+    with (
+        mock.patch.object(HfApi, "create_repo", side_effect=hub.create_repo),
+        mock.patch.object(HfApi, "upload_folder", side_effect=hub.upload_folder),
+    ):
+        args = make_args(
+            tmp_path,
+            max_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            push_to_hub=True,
+            hub_model_id="user/tiny-gpa",
+            hub_strategy="checkpoint",
+            gpa_mu_x=None,
+            gpa_inner_steps=4,
+        )
+        trainer = GPATrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(8, 1), callbacks=[snapshots])
+        trainer.train()
+        during = list(hub.uploads)
+        trainer.push_to_hub()
+    x = snapshots.saved_x[2]
+    assert {path for path, _ in during} == {"", "last-checkpoint"}
+    for _, files in during:
+        assert_equal_dicts(load_bytes(files["model.safetensors"]), x)
+    final_path, final = hub.uploads[-1]
+    assert final_path == ""
+    assert_equal_dicts(load_bytes(final["model.safetensors"]), x)
+    assert max_abs_diff(load_bytes(final["model.safetensors"]), snapshots.y[2]) > 1e-4
+    card = final["README.md"].decode()
+    mu_x = 0.9 ** (1 / 4)
+    assert "gpa_adamw" in card and "hf_gpa" in card
+    assert f"mu_x = {mu_x:.6g}" in card and f"mu_y = {MU_Y:.6g}" in card and "H = 4" in card
+    assert math.isclose(float(card.split("mu_x = ")[1].split(",")[0]), mu_x, rel_tol=1e-5)
+    assert "README.md" in dict(during)[""]  # the checkpoint pushes carry the card too
+
+
+def test_bf16_autocast_trains_and_saves_fp32_x(tmp_path):
+    """--bf16 (CPU autocast) trains, and the checkpoint holds x in fp32 (bitwise the optimizer's x), not y."""
+    snapshots = Snapshots()
+    args = make_args(tmp_path, bf16=True, max_steps=3, save_strategy="steps", save_steps=3)
+    trainer = GPATrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(12, 1), callbacks=[snapshots])
+    trainer.train()
+    assert trainer.accelerator.mixed_precision == "bf16"
+    assert all(math.isfinite(loss) for loss, _ in train_losses(trainer).values())
+    x_file = load_file(os.path.join(tmp_path, "checkpoint-3", "model.safetensors"))
+    assert {t.dtype for t in x_file.values()} == {torch.float32}
+    assert_equal_dicts(x_file, snapshots.saved_x[3])
+    assert max_abs_diff(x_file, snapshots.saved_y[3]) > 1e-4
+    assert max_abs_diff(x_file, params_of(tiny_llama())) > 1e-4
+
+
+def test_diloco_adamw_trains_and_saves_outer_weights(tmp_path):
+    """--optim diloco_adamw trains in the Trainer and its checkpoint holds the eval weights the optimizer gives."""
+    snapshots = Snapshots()
+    args = make_args(
+        tmp_path, optim="diloco_adamw", diloco_inner_steps=2, max_steps=3, save_strategy="steps", save_steps=3
+    )
+    trainer = GPATrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(12, 1), callbacks=[snapshots])
+    trainer.train()
+    x_file = load_file(os.path.join(tmp_path, "checkpoint-3", "model.safetensors"))
+    assert_equal_dicts(x_file, snapshots.saved_x[3])
+    assert_equal_dicts(snapshots.saved_y[3], snapshots.y[3])
+
+
+def test_x_state_dict_leaves_y(tmp_path):
+    """x_state_dict returns x and leaves the parameters at y bitwise (the optimizer back in train mode)."""
+    model = TinyRegressor().double()
+    optimizer = GPAAdamW(model.parameters(), lr=0.1, mu_x=MU_X, mu_y=MU_Y)
+    for _ in range(3):
+        model.zero_grad()
+        model(**RegressionDataset(8, seed=1)[:])["loss"].backward()
+        optimizer.step()
+    y = params_of(model)
+    x = x_state_dict(model, optimizer)
+    assert optimizer.train_mode
+    assert_equal_dicts(params_of(model), y)
+    optimizer.eval()
+    assert_equal_dicts(params_of(model), {n: x[n] for n in y})
+    assert max_abs_diff(x, y) > 1e-4
