@@ -1,0 +1,352 @@
+"""GPAAdamW and GPA(base=...) against independent oracles: the paper's three-sequence form, torch's own optimizers,
+Proposition 1 (Nesterov), plus argument checks, per-group settings, dtypes and convergence."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from hf_gpa import GPA, GPAAdamW, ReferenceGPA
+from hf_gpa.optim import _kernels
+
+IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def _params(dtype: torch.dtype = torch.float64, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (5,), (3, 4, 2), (11,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)) for s in shapes]
+
+
+def _groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    """Three groups with their own lr, weight decay, mu_x and mu_y (the Trainer's decay/no-decay split and more)."""
+    return [
+        {"params": params[:2]},
+        {"params": params[2:3], "weight_decay": 0.0, "mu_x": 0.8, "mu_y": 0.9},
+        {"params": params[3:], "lr": 3e-2, "mu_y": 1.0},
+    ]
+
+
+def _fake_grads(params: list[torch.Tensor], t: int) -> None:
+    """A deterministic, state-dependent gradient (so an error in y shows up in the next gradient)."""
+    for i, p in enumerate(params):
+        y = p.detach().double()
+        p.grad = (torch.sin(3 * y + t) + 0.3 * y - 0.1 * i).to(p.dtype)
+
+
+def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, lr0: float = 1e-2) -> None:
+    for t in range(steps):
+        _fake_grads(params, t)
+        for k, group in enumerate(opt.param_groups):
+            group["lr"] = lr0 * (1 + k) * (0.5 + 0.5 * math.cos(math.pi * t / steps))  # a changing schedule
+        opt.step()
+
+
+@pytest.mark.parametrize("averaging", ["gpa", "schedule_free"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_gpa_adamw_matches_three_sequence_reference(impl: str, averaging: str) -> None:
+    """Every GPAAdamW path equals Algorithm 1 (explicit x, y, z) in float64 over many steps, at y and at x."""
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, mu_x=0.95, mu_y=0.7, averaging=averaging)
+    ref_params, params = _params(), _params()
+    ref = ReferenceGPA(_groups(ref_params), base="adamw", **kwargs)
+    opt = GPAAdamW(_groups(params), **kwargs, **IMPLS[impl])
+    _run(ref, ref_params, 60)
+    _run(opt, params, 60)
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
+    opt.eval()
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), ref.x(r), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("averaging", ["gpa", "schedule_free"])
+@pytest.mark.parametrize(
+    ("base", "ref_base", "base_kwargs"),
+    [
+        (torch.optim.AdamW, "adamw", {"betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}),
+        (torch.optim.SGD, "sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+        (torch.optim.SGD, "sgd", {"momentum": 0.0, "weight_decay": 0.0}),
+    ],
+)
+def test_wrapper_matches_three_sequence_reference(base, ref_base: str, base_kwargs: dict, averaging: str) -> None:
+    """GPA(base=AdamW/SGD) equals Algorithm 1 in float64; the base's own weight decay acts on z."""
+    mu = dict(mu_x=0.95, mu_y=0.7, averaging=averaging)
+    ref_params, params = _params(), _params()
+    ref = ReferenceGPA(_groups(ref_params), base=ref_base, lr=1e-2, **mu, **base_kwargs)
+    opt = GPA(_groups(params), base=base, lr=1e-2, **mu, **base_kwargs)
+    _run(ref, ref_params, 60)
+    _run(opt, params, 60)
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
+    opt.eval()
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), ref.x(r), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_mu_x_zero_is_adamw(impl: str) -> None:
+    """mu_x = 0 makes x = y = z: GPAAdamW's y equals torch.optim.AdamW's iterate (float64, 1e-12)."""
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    ref_params, params = _params(), _params()
+    ref = torch.optim.AdamW(ref_params, **kwargs, foreach=False)
+    opt = GPAAdamW(params, **kwargs, mu_x=0.0, mu_y=0.7, **IMPLS[impl])
+    _run(ref, ref_params, 40)
+    _run(opt, params, 40)
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("base", "base_kwargs"),
+    [
+        (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "weight_decay": 1e-2}),
+        (torch.optim.Adam, {"lr": 1e-2}),
+        (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+        (torch.optim.Adagrad, {"lr": 1e-2}),
+        (torch.optim.RMSprop, {"lr": 1e-3}),
+        (torch.optim.Adafactor, {"lr": 1e-2}),
+    ],
+)
+def test_wrapper_with_mu_x_zero_is_the_base_bitwise(base, base_kwargs: dict) -> None:
+    """GPA(base, mu_x=0) reproduces the base optimizer bit for bit (y = 0 * (...) + 1 * z')."""
+    ref_params, params = _params(torch.float32), _params(torch.float32)
+    ref = base(ref_params, **base_kwargs)
+    opt = GPA(params, base=base, mu_x=0.0, mu_y=0.7, **base_kwargs)
+    for t in range(10):
+        _fake_grads(ref_params, t)
+        _fake_grads(params, t)
+        ref.step()
+        opt.step()
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+
+
+def test_wrapper_with_muon_on_matrices() -> None:
+    """GPA(torch.optim.Muon) runs on 2-D parameters and, with mu_x = 0, equals Muon itself."""
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is None:
+        pytest.skip("torch.optim.Muon is not in this torch")
+    gen = torch.Generator().manual_seed(0)
+    ref_params = [torch.nn.Parameter(torch.randn(8, 6, generator=gen)) for _ in range(2)]
+    params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
+    ref, opt = muon(ref_params, lr=1e-2), GPA(params, base=muon, mu_x=0.0, lr=1e-2)
+    for t in range(5):
+        _fake_grads(ref_params, t)
+        _fake_grads(params, t)
+        ref.step()
+        opt.step()
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+
+
+def test_proposition_1_nesterov() -> None:
+    """SGD base, constant lr, mu_x = mu_y = mu: y is PyTorch's Nesterov SGD iterate with lr (1 - mu) lr."""
+    mu, lr = 0.9, 0.05
+    ref_params, params = _params(), _params()
+    ref = torch.optim.SGD(ref_params, lr=(1 - mu) * lr, momentum=mu, nesterov=True)
+    opt = GPA(params, base=torch.optim.SGD, lr=lr, mu_x=mu, mu_y=mu)
+    for t in range(100):
+        _fake_grads(ref_params, t)
+        _fake_grads(params, t)
+        ref.step()
+        opt.step()
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-11)
+
+
+def test_fused_matches_forloop_in_fp32_and_bf16() -> None:
+    """The fused CPU kernel agrees with the for-loop ground truth: fp32 to rounding, bf16 parameters bitwise."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.0)):
+        a, b = _params(dtype), _params(dtype)
+        opt_a = GPAAdamW(_groups(a), weight_decay=0.1, foreach=False)
+        opt_b = GPAAdamW(_groups(b), weight_decay=0.1, fused=True)
+        _run(opt_a, a, 30)
+        _run(opt_b, b, 30)
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=tol, atol=tol)
+
+
+def test_foreach_matches_forloop_bitwise() -> None:
+    """The foreach path performs the for-loop's operations in the same order: fp32 results are torch.equal."""
+    a, b = _params(torch.float32), _params(torch.float32)
+    opt_a, opt_b = GPAAdamW(_groups(a), weight_decay=0.1, foreach=False), GPAAdamW(_groups(b), weight_decay=0.1)
+    opt_b.param_groups[0]["foreach"] = opt_b.param_groups[1]["foreach"] = opt_b.param_groups[2]["foreach"] = True
+    _run(opt_a, a, 20)
+    _run(opt_b, b, 20)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_bf16_state_is_float32_and_survives_loading() -> None:
+    """bf16 parameters keep z, m, v in float32, and load_state_dict does not cast that state to bf16."""
+    params = _params(torch.bfloat16)
+    opt = GPAAdamW(params, weight_decay=0.1)
+    _run(opt, params, 3)
+    state = opt.state[params[0]]
+    assert state["z"].dtype == state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    fresh = GPAAdamW(params, weight_decay=0.1)
+    fresh.load_state_dict(opt.state_dict())
+    for p in params:
+        for key in ("z", "exp_avg", "exp_avg_sq"):
+            assert fresh.state[p][key].dtype == torch.float32
+            assert torch.equal(fresh.state[p][key], opt.state[p][key])
+
+
+def test_state_is_three_parameter_copies() -> None:
+    """GPAAdamW keeps exactly z, m, v (plus a scalar step): 3.0x the parameter bytes."""
+    params = _params(torch.float32)
+    opt = GPAAdamW(params)
+    _run(opt, params, 1)
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    tensor_state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    assert sum(t.numel() * t.element_size() for t in tensor_state) == 3 * param_bytes
+    assert all(set(s) == {"step", "z", "exp_avg", "exp_avg_sq"} for s in opt.state.values())
+
+
+def test_params_without_grads_and_empty_groups() -> None:
+    """Parameters without gradients are untouched and get no state; empty groups are allowed."""
+    params = _params(torch.float32)
+    frozen = params[1].detach().clone()
+    opt = GPAAdamW([{"params": params}, {"params": []}], weight_decay=0.1)
+    for t in range(5):
+        _fake_grads(params, t)
+        params[1].grad = None
+        opt.step()
+    assert torch.equal(params[1], frozen)
+    assert params[1] not in opt.state
+    opt.eval()
+    assert torch.equal(params[1], frozen)
+    wrapper_params = _params(torch.float32)
+    wrapper = GPA([{"params": wrapper_params}, {"params": []}], base=torch.optim.SGD, lr=0.1)
+    frozen = wrapper_params[1].detach().clone()
+    for t in range(3):
+        _fake_grads(wrapper_params, t)
+        wrapper_params[1].grad = None
+        wrapper.step()
+    assert torch.equal(wrapper_params[1], frozen)
+
+
+def test_schedule_free_tolerates_zero_lr_warmup_start() -> None:
+    """Schedule-Free averaging with a warm-up that starts at lr = 0 stays finite and keeps x where it was."""
+    params = _params()
+    start = [p.detach().clone() for p in params]
+    opt = GPAAdamW(params, lr=0.0, averaging="schedule_free")
+    _fake_grads(params, 0)
+    opt.step()
+    opt.eval()
+    for p, s in zip(params, start):
+        torch.testing.assert_close(p.detach(), s, rtol=0, atol=1e-15)
+
+
+def test_maximize_flips_the_gradient() -> None:
+    """maximize=True equals minimizing with negated gradients, on every path."""
+    for impl in IMPLS.values():
+        a, b = _params(), _params()
+        opt_a, opt_b = GPAAdamW(a, maximize=True, **impl), GPAAdamW(b, **impl)
+        for t in range(5):
+            _fake_grads(a, t)
+            _fake_grads(b, t)
+            for p in b:
+                p.grad.neg_()
+            opt_a.step()
+            opt_b.step()
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-14)
+
+
+def test_closure_is_evaluated_at_y() -> None:
+    """step(closure) returns the closure's loss, computed at y before the update."""
+    w = torch.nn.Parameter(torch.tensor([2.0]))
+    opt = GPAAdamW([w], lr=0.1)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (w**2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure).item() == 4.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": -1.0}, "learning rate"),
+        ({"betas": (1.0, 0.999)}, "beta"),
+        ({"betas": (0.9, -0.1)}, "beta"),
+        ({"eps": -1e-8}, "epsilon"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"mu_x": 1.0}, r"mu_x.*\[0, 1\)"),
+        ({"mu_x": -0.1}, r"mu_x.*\[0, 1\)"),
+        ({"mu_y": 0.0}, r"mu_y.*\(0, 1\]"),
+        ({"mu_y": 1.5}, r"mu_y.*\(0, 1\]"),
+        ({"averaging": "uniform"}, "averaging"),
+        ({"fused": True, "foreach": True}, "fused"),
+    ],
+)
+def test_gpa_adamw_rejects_bad_arguments(kwargs: dict, match: str) -> None:
+    """Every out-of-range argument raises ValueError naming the argument, before any state exists."""
+    with pytest.raises(ValueError, match=match):
+        GPAAdamW(_params(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"base": "adamw"}, "base"),
+        ({"base": torch.optim.SGD, "lr": -1.0}, "learning rate"),
+        ({"mu_x": 1.0}, "mu_x"),
+        ({"mu_y": 0.0}, "mu_y"),
+        ({"averaging": "ema"}, "averaging"),
+        ({"group_mu": True}, "mu_y"),
+    ],
+)
+def test_wrapper_rejects_bad_arguments(kwargs: dict, match: str) -> None:
+    """GPA(base=...) checks its own and the base's arguments (also per group) with a ValueError."""
+    params: list = _params()
+    if kwargs.pop("group_mu", False):
+        params = [{"params": params, "mu_y": 2.0}]
+    with pytest.raises(ValueError, match=match):
+        GPA(params, **kwargs)
+
+
+def test_per_group_values_are_checked() -> None:
+    """A per-group mu_x outside [0, 1) is rejected like the default one."""
+    with pytest.raises(ValueError, match="mu_x"):
+        GPAAdamW([{"params": _params(), "mu_x": 1.2}])
+
+
+def test_converges_on_least_squares() -> None:
+    """GPA-AdamW with a cosine schedule drives a noisy least-squares loss near its optimum, measured at x."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 10, generator=gen)
+    w_true = torch.randn(10, generator=gen)
+    b = a @ w_true
+    w = torch.nn.Parameter(torch.zeros(10))
+    opt = GPAAdamW([w], lr=0.05, mu_x=0.98, mu_y=0.7)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=600)
+    for _ in range(600):
+        idx = torch.randint(0, 256, (32,), generator=gen)
+        loss = ((a[idx] @ w - b[idx]) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    opt.eval()
+    assert ((a @ w - b) ** 2).mean().item() < 1e-3
+
+
+def test_kernel_fallback_warns_once_and_matches_foreach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a buildable kernel the default path warns once and gives the foreach results."""
+    monkeypatch.setattr(_kernels, "_state", {"module": None, "failed": False})
+    monkeypatch.setenv("HF_GPA_DISABLE_CPU_KERNEL", "1")
+    a, b = _params(torch.float32), _params(torch.float32)
+    opt_a, opt_b = GPAAdamW(a, weight_decay=0.1), GPAAdamW(b, weight_decay=0.1, foreach=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(opt_a, a, 5)
+        _run(opt_b, b, 5)
+    assert len([w for w in caught if "fused CPU kernel" in str(w.message)]) == 1
+    assert all(torch.equal(p, q) for p, q in zip(a, b))

@@ -1,0 +1,130 @@
+"""train()/eval() switching and state_dict round trips: exact to the bit for every optimizer and dtype."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_gpa import GPA, DiLoCo, GPAAdamW
+from hf_gpa.optim._modes import decode_residual, encode_residual
+
+FACTORIES = {
+    "gpa_adamw": lambda ps: GPAAdamW(ps, lr=1e-2, weight_decay=0.1, mu_x=0.99, mu_y=0.7),
+    "gpa_adamw_sf": lambda ps: GPAAdamW(ps, lr=1e-2, averaging="schedule_free", mu_y=0.9),
+    "gpa_adamw_foreach": lambda ps: GPAAdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "gpa_sgd": lambda ps: GPA(ps, base=torch.optim.SGD, lr=1e-2, momentum=0.9, mu_x=0.99, mu_y=0.8),
+    "diloco": lambda ps: DiLoCo(ps, base=torch.optim.AdamW, inner_steps=4, lr=1e-2, weight_decay=0.1),
+}
+
+
+def _params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in ((64, 33), (33,), (5, 7))]
+
+
+def _steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], start: int, stop: int) -> None:
+    for t in range(start, stop):
+        for p in params:
+            y = p.detach().float()
+            p.grad = (torch.cos(2 * y + t) + 0.2 * y).to(p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_thousand_toggles_restore_y_bitwise(name: str, dtype: torch.dtype) -> None:
+    """1000 eval()/train() alternations leave the training weights torch.equal to what they were."""
+    params = _params(dtype)
+    opt = FACTORIES[name](params)
+    _steps(opt, params, 0, 7)
+    before = [p.detach().clone() for p in params]
+    opt.eval()
+    x = [p.detach().clone() for p in params]
+    assert any(not torch.equal(a, b) for a, b in zip(x, before)), "eval() must change the weights"
+    for _ in range(1000):
+        opt.train()
+        opt.eval()
+        assert all(torch.equal(p, a) for p, a in zip(params, x))
+    opt.train()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_residual_is_compact() -> None:
+    """While in eval mode GPA keeps an int8 residual per parameter (a quarter of an fp32 copy), nothing in train."""
+    params = _params()
+    opt = FACTORIES["gpa_adamw"](params)
+    _steps(opt, params, 0, 5)
+    opt.eval()
+    assert all(opt.state[p]["y_residual"].dtype == torch.int8 for p in params)
+    opt.train()
+    assert all("y_residual" not in opt.state[p] for p in params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_residual_round_trip_for_arbitrary_values(dtype: torch.dtype) -> None:
+    """encode/decode restore any target exactly, also across sign changes, zeros and huge gaps (wrap-around)."""
+    gen = torch.Generator().manual_seed(1)
+    target = torch.randn(4096, generator=gen, dtype=torch.float64).to(dtype)
+    target[:8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3e4, -3e4, 1.0, -1.0], dtype=torch.float64).to(dtype)
+    for approx in (target.flip(0), -target, target * 1.0001, torch.zeros_like(target)):
+        restored = decode_residual(approx, encode_residual(target, approx))
+        assert torch.equal(restored.view(torch.uint8), target.view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_eval_and_train_are_idempotent_and_start_in_train(name: str) -> None:
+    """A new optimizer is in train mode; repeated eval() or train() calls change nothing further."""
+    params = _params()
+    opt = FACTORIES[name](params)
+    assert opt.train_mode
+    opt.eval()  # before any step: x = y, nothing to do
+    assert all(torch.equal(p, q) for p, q in zip(params, _params()))
+    opt.train()
+    _steps(opt, params, 0, 9)
+    opt.eval()
+    x = [p.detach().clone() for p in params]
+    opt.eval()
+    assert not opt.train_mode and all(torch.equal(p, a) for p, a in zip(params, x))
+    opt.train()
+    y = [p.detach().clone() for p in params]
+    opt.train()
+    assert opt.train_mode and all(torch.equal(p, a) for p, a in zip(params, y))
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_step_in_eval_mode_raises(name: str) -> None:
+    """step() after eval() raises a RuntimeError that says to call .train()."""
+    params = _params()
+    opt = FACTORIES[name](params)
+    _steps(opt, params, 0, 2)
+    opt.eval()
+    with pytest.raises(RuntimeError, match=r"optimizer\.train\(\)"):
+        _steps(opt, params, 2, 3)
+
+
+@pytest.mark.parametrize("eval_mode_save", [False, True])
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_state_dict_round_trip_continues_bitwise(name: str, eval_mode_save: bool) -> None:
+    """Saving mid-run (in train or eval mode) and loading into a fresh model + optimizer continues bitwise."""
+    ref_params = _params()
+    ref = FACTORIES[name](ref_params)
+    _steps(ref, ref_params, 0, 14)
+
+    params = _params()
+    opt = FACTORIES[name](params)
+    _steps(opt, params, 0, 6)
+    if eval_mode_save:
+        opt.eval()  # what a checkpoint writer does: the weights on disk are x
+    saved_weights = [p.detach().clone() for p in params]
+    saved_state = copy.deepcopy(opt.state_dict())
+    del opt, params
+
+    params = [torch.nn.Parameter(w.clone()) for w in saved_weights]
+    opt = FACTORIES[name](params)
+    opt.load_state_dict(saved_state)
+    assert opt.train_mode is not eval_mode_save
+    opt.train()
+    _steps(opt, params, 6, 14)
+    assert all(torch.equal(p, r) for p, r in zip(params, ref_params))
