@@ -1,4 +1,4 @@
-"""The fused CPU kernel of GPA-AdamW, built once per machine with torch's C++ extension loader.
+"""Fused CPU kernels (GPA-AdamW's step, the GPA wrapper's two passes), built once per machine by torch's loader.
 
 The kernel (``csrc/gpa_adamw.cpp``) updates every tensor of a parameter group in one pass over memory: it reads
 y, g, z, m, v once and writes y, z, m, v once. Built on first use (about 40 s with two cores; torch caches the
@@ -40,7 +40,7 @@ def load_cpu_kernel() -> ModuleType | None:
                     raise RuntimeError("disabled by HF_GPA_DISABLE_CPU_KERNEL")
                 from torch.utils.cpp_extension import load
 
-                logger.info("Building hf_gpa's fused CPU kernel (once per machine, cached by torch)...")
+                logger.info("Loading hf_gpa's fused CPU kernel (built once per machine, then cached by torch)")
                 _state["module"] = load(
                     name="hf_gpa_cpu_kernels",
                     sources=[str(_SOURCE)],

@@ -297,7 +297,7 @@ class GPA(_GPAModes):
 
     The base optimizer is built lazily (at the first step, after any FSDP wrapping) on the z tensors, which hold the
     parameters' gradients during its step; its own weight decay therefore acts on z, as in Algorithm 1. Around the
-    base step GPA adds two passes over the parameters:
+    base step GPA adds two passes over the parameters (single-pass C++ loops on CPU, foreach ops elsewhere):
 
     .. math::
         y \leftarrow \mu_x (y - (1 - \mu_y) z), \qquad z \leftarrow \mathrm{base}(z, \nabla f(y)), \qquad
@@ -388,8 +388,8 @@ class GPA(_GPAModes):
                     continue
                 z = self.state[p]["z"]
                 z.grad = p.grad if p.grad.dtype == z.dtype else p.grad.to(z.dtype)
-                ys.append(p)
-                zs.append(z)
+                ys.append(local_tensor(p))
+                zs.append(local_tensor(z))
             if not ys:
                 continue
             lr = float(group.get("lr", 0.0))
@@ -410,20 +410,33 @@ class GPA(_GPAModes):
         self._base = None
 
 
+def _cpu_pass_kernel(ys: list[torch.Tensor], zs: list[torch.Tensor]) -> Any:
+    """The fused CPU kernel module when every tensor is a contiguous CPU tensor and it can be had, else None."""
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in (*ys, *zs)):
+        return load_cpu_kernel()
+    return None
+
+
 def _foreach_axpby_(ys: list[torch.Tensor], zs: list[torch.Tensor], alpha: float, scale: float) -> None:
     """y <- scale * (y - alpha * z), with z possibly of a wider dtype than y."""
-    if all(y.dtype == z.dtype for y, z in zip(ys, zs)):
+    kernel = _cpu_pass_kernel(ys, zs)
+    if kernel is not None:
+        kernel.gpa_wrapper_pass(ys, zs, alpha, scale, True)
+    elif all(y.dtype == z.dtype for y, z in zip(ys, zs)):
         torch._foreach_sub_(ys, zs, alpha=alpha)
         torch._foreach_mul_(ys, scale)
-        return
-    for y, z in zip(ys, zs):
-        y.copy_(torch.sub(y.to(z.dtype), z, alpha=alpha).mul_(scale))
+    else:
+        for y, z in zip(ys, zs):
+            y.copy_(torch.sub(y.to(z.dtype), z, alpha=alpha).mul_(scale))
 
 
 def _foreach_add_scaled_(ys: list[torch.Tensor], zs: list[torch.Tensor], c: float) -> None:
     """y <- y + c * z, with z possibly of a wider dtype than y."""
-    if all(y.dtype == z.dtype for y, z in zip(ys, zs)):
+    kernel = _cpu_pass_kernel(ys, zs)
+    if kernel is not None:
+        kernel.gpa_wrapper_pass(ys, zs, c, 1.0, False)
+    elif all(y.dtype == z.dtype for y, z in zip(ys, zs)):
         torch._foreach_add_(ys, zs, alpha=c)
-        return
-    for y, z in zip(ys, zs):
-        y.copy_(torch.add(y.to(z.dtype), z, alpha=c))
+    else:
+        for y, z in zip(ys, zs):
+            y.copy_(torch.add(y.to(z.dtype), z, alpha=c))

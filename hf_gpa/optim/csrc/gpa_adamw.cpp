@@ -94,8 +94,55 @@ void gpa_adamw_step(std::vector<at::Tensor> ys, std::vector<at::Tensor> gs, std:
   }
 }
 
+// The two passes the generic GPA wrapper adds around its base optimizer's step, each one read-modify-write of y
+// with one read of z:  before: y <- scale (y - alpha z);  after: y <- y + c z.
+template <typename param_t, typename state_t>
+void axpby_tensor(at::Tensor& y_t, const at::Tensor& z_t, double alpha_d, double scale_d, bool before) {
+  param_t* __restrict__ y = y_t.data_ptr<param_t>();
+  const state_t* __restrict__ z = z_t.data_ptr<state_t>();
+  const state_t alpha = static_cast<state_t>(alpha_d);
+  const state_t scale = static_cast<state_t>(scale_d);
+  at::parallel_for(0, y_t.numel(), 16384, [&](int64_t begin, int64_t end) {
+    if (before) {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) {
+        y[i] = static_cast<param_t>(scale * (static_cast<state_t>(y[i]) - alpha * z[i]));
+      }
+    } else {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i) {
+        y[i] = static_cast<param_t>(static_cast<state_t>(y[i]) + alpha * z[i]);
+      }
+    }
+  });
+}
+
+void gpa_wrapper_pass(std::vector<at::Tensor> ys, std::vector<at::Tensor> zs, double alpha, double scale,
+                      bool before) {
+  TORCH_CHECK(ys.size() == zs.size(), "gpa_wrapper_pass: lists differ in length");
+  for (size_t i = 0; i < ys.size(); ++i) {
+    at::Tensor& y = ys[i];
+    TORCH_CHECK(y.device().is_cpu() && y.is_contiguous() && zs[i].is_contiguous() && zs[i].numel() == y.numel(),
+                "gpa_wrapper_pass: contiguous CPU tensors of equal size only");
+    const auto p = y.scalar_type();
+    const auto s = zs[i].scalar_type();
+    if (p == at::kFloat && s == at::kFloat) {
+      axpby_tensor<float, float>(y, zs[i], alpha, scale, before);
+    } else if (p == at::kDouble && s == at::kDouble) {
+      axpby_tensor<double, double>(y, zs[i], alpha, scale, before);
+    } else if (p == at::kBFloat16 && s == at::kFloat) {
+      axpby_tensor<c10::BFloat16, float>(y, zs[i], alpha, scale, before);
+    } else if (p == at::kHalf && s == at::kFloat) {
+      axpby_tensor<c10::Half, float>(y, zs[i], alpha, scale, before);
+    } else {
+      TORCH_CHECK(false, "gpa_wrapper_pass: unsupported dtypes ", p, " / ", s);
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("gpa_adamw_step", &gpa_adamw_step, "One fused GPA-AdamW step over lists of CPU tensors");
+  module.def("gpa_wrapper_pass", &gpa_wrapper_pass, "y <- scale (y - alpha z) (before) or y <- y + alpha z (after)");
 }
