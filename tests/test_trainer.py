@@ -122,9 +122,14 @@ class Snapshots(TrainerCallback):
     """Records y after every step and, at every save, y and x as the optimizer gives them (through eval())."""
 
     def __init__(self) -> None:
+        self.at_start: tuple[bool, dict[str, torch.Tensor]] | None = None
         self.y: dict[int, dict[str, torch.Tensor]] = {}
         self.saved_y: dict[int, dict[str, torch.Tensor]] = {}
         self.saved_x: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        inner = unwrap_gpa_optimizer(optimizer)
+        self.at_start = (inner is None or inner.train_mode, params_of(model))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.y[state.global_step] = params_of(model)
@@ -350,6 +355,8 @@ def test_resume_is_bitwise_exact(optim, llama_runs):
     (full, full_snaps), (resumed, resumed_snaps) = runs["full"], runs["resumed"]
     full_losses, resumed_losses = train_losses(full), train_losses(resumed)
     assert sorted(resumed_losses) == list(range(1, 7))
+    assert resumed_snaps.at_start[0]  # right after loading, before any step: train mode, y of step 3
+    assert_equal_dicts(resumed_snaps.at_start[1], full_snaps.y[3])
     for step in (4, 5, 6):
         assert resumed_losses[step] == full_losses[step], step
         assert_equal_dicts(resumed_snaps.y[step], full_snaps.y[step])
