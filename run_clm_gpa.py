@@ -1,0 +1,720 @@
+#!/usr/bin/env python
+"""Causal language model pre-training (or fine-tuning) with the GPA optimizer.
+
+This is transformers' ``examples/pytorch/language-modeling/run_clm.py`` with two names changed
+(``TrainingArguments`` -> ``GPATrainingArguments``, ``Trainer`` -> ``GPATrainer``), an offline default for every
+input, and the paper's training recipe as the default. Every run_clm flag works as there; GPA adds
+``--gpa_mu_x``/``--gpa_inner_steps``, ``--gpa_mu_y``, ``--gpa_averaging`` and ``--gpa_base_optim``.
+
+With no dataset and no model named, the script needs no network:
+
+* data: the Python standard library's own source files (:mod:`hf_gpa.data`), split into train and validation by
+  a stable hash of each file's path;
+* tokenizer: a byte-level BPE trained locally on the train split (cached under ``~/.cache/hf_gpa``);
+* model: a small Llama built from a config (:data:`DEFAULT_LLAMA_CONFIG`);
+* training: :data:`EMBEDDED_DEFAULTS` (400 steps of 8 x 256 tokens), a few minutes on 2 CPU cores.
+
+Defaults, in the order they apply (a flag given on the command line or in the JSON file always wins):
+
+* :data:`GPA_RECIPE_DEFAULTS`, always: ``--optim gpa_adamw``, 10% linear warmup, cosine decay, weight decay 0.1,
+  gradient clipping at 1.0 (the paper's recipe);
+* :data:`EMBEDDED_DEFAULTS`, when no ``--dataset_name``/``--train_file``/``--validation_file`` is given;
+* ``--do_train --do_eval`` when none of ``--do_train``/``--do_eval``/``--do_predict`` is given.
+
+Examples::
+
+    python run_clm_gpa.py --output_dir outputs/clm-gpa                     # the embedded default
+    python run_clm_gpa.py --output_dir outputs/clm-adamw --optim adamw_torch  # the same run with AdamW
+    python run_clm_gpa.py --model_name_or_path gpt2 --dataset_name wikitext \\
+        --dataset_config_name wikitext-2-raw-v1 --learning_rate 5e-5 --output_dir /tmp/test-clm
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import datasets
+import evaluate
+import torch
+import transformers
+from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
+from transformers import (
+    CONFIG_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    EvalPrediction,
+    HfArgumentParser,
+    LlamaConfig,
+    PreTrainedConfig,
+    PreTrainedTokenizerBase,
+    default_data_collator,
+    set_seed,
+)
+from transformers.testing_utils import CaptureLogger
+from transformers.trainer_utils import get_last_checkpoint
+
+from hf_gpa import GPATrainer, GPATrainingArguments
+from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
+from hf_gpa.metrics import ACCURACY
+
+logger = logging.getLogger(__name__)
+
+MODEL_CONFIG_CLASSES = list(MODEL_FOR_CAUSAL_LM_MAPPING.keys())
+MODEL_TYPES = tuple(conf.model_type for conf in MODEL_CONFIG_CLASSES)
+
+#: The paper's recipe for GPA-AdamW (Section 5): applied unless the flag is given.
+GPA_RECIPE_DEFAULTS: dict[str, Any] = {
+    "optim": "gpa_adamw",
+    "warmup_steps": 0.1,  # a float in [0, 1) is a ratio of the total steps
+    "lr_scheduler_type": "cosine",
+    "weight_decay": 0.1,
+    "max_grad_norm": 1.0,
+}
+
+#: Sizing of the embedded default (stdlib corpus, small Llama): a few minutes on 2 CPU cores, with a clearly
+#: falling loss. Applied unless the flag is given, and only when no dataset or data file is named.
+EMBEDDED_DEFAULTS: dict[str, Any] = {
+    "max_steps": 400,
+    "learning_rate": 3e-3,
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 16,
+    "block_size": 256,
+    "logging_steps": 10,
+    "save_strategy": "no",
+    # A 400-step run needs a shorter averaging window than the paper's H = 32 (mu_x = 0.9967) tuned for ~10^4
+    # steps: with H = 4, mu_x = 0.9 ** (1 / 4) = 0.974 and the initial weights have decayed out of x after 400 steps.
+    "gpa_inner_steps": 4,
+}
+
+# A default that is left out when the user gives any of the flags it is coupled to.
+_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
+    "max_steps": ("num_train_epochs",),
+    "gpa_inner_steps": ("gpa_mu_x",),
+}
+
+#: The default model: a 4-layer Llama (about 2.5M parameters with the default 4096-token vocabulary).
+DEFAULT_LLAMA_CONFIG: dict[str, Any] = {
+    "hidden_size": 192,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+
+
+@dataclass
+class ModelArguments:
+    """Which model/config/tokenizer to fine-tune, or train from scratch."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "The model checkpoint for weights initialization. Leave unset to train a model from scratch "
+                "(by default the small Llama of DEFAULT_LLAMA_CONFIG)."
+            )
+        },
+    )
+    model_type: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "If training from scratch, the model type whose default config to use, one of: "
+                + ", ".join(MODEL_TYPES)
+                + ". Unset: a small Llama (DEFAULT_LLAMA_CONFIG)."
+            )
+        },
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Override some existing default config settings when a model is trained from scratch. Example: "
+                "n_embd=10,resid_pdrop=0.2,scale_attn_weights=false,summary_type=cls_index"
+            )
+        },
+    )
+    config_name: str | None = field(
+        default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"}
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Pretrained tokenizer name or path if not the same as model_name. Unset (and no "
+                "--model_name_or_path): a byte-level BPE trained locally on the embedded stdlib corpus."
+            )
+        },
+    )
+    tokenizer_vocab_size: int = field(
+        default=4096,
+        metadata={"help": "Vocabulary size of the locally trained default tokenizer (ignored otherwise)."},
+    )
+    tokenizer_train_bytes: int = field(
+        default=4_000_000,
+        metadata={"help": "How many characters of the train split the default tokenizer is trained on."},
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where do you want to store the pretrained models downloaded from huggingface.co"},
+    )
+    use_fast_tokenizer: bool = field(
+        default=True,
+        metadata={"help": "Whether to use one of the fast tokenizer (backed by the tokenizers library) or not."},
+    )
+    model_revision: str = field(
+        default="main",
+        metadata={"help": "The specific model version to use (can be a branch name, tag name or commit id)."},
+    )
+    token: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "The token to use as HTTP bearer authorization for remote files. If not specified, will use the "
+                "token generated when running `hf auth login` (stored in `~/.huggingface`)."
+            )
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Whether to trust the execution of code from datasets/models defined on the Hub. This option should "
+                "only be set to `True` for repositories you trust and in which you have read the code, as it will "
+                "execute code present on the Hub on your local machine."
+            )
+        },
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Override the default `torch.dtype` and load the model under this dtype. If `auto` is passed, the "
+                "dtype will be automatically derived from the model's weights."
+            ),
+            "choices": ["auto", "bfloat16", "float16", "float32"],
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.config_overrides is not None and (self.config_name is not None or self.model_name_or_path is not None):
+            raise ValueError(
+                "--config_overrides can't be used in combination with --config_name or --model_name_or_path"
+            )
+        if self.model_type is not None and self.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"--model_type {self.model_type!r} is not a causal-LM model type; use one of {MODEL_TYPES}"
+            )
+        if self.tokenizer_vocab_size < 258:
+            raise ValueError(f"--tokenizer_vocab_size must be at least 258, got {self.tokenizer_vocab_size}")
+        if self.tokenizer_train_bytes <= 0:
+            raise ValueError(f"--tokenizer_train_bytes must be positive, got {self.tokenizer_train_bytes}")
+
+
+@dataclass
+class DataTrainingArguments:
+    """What data to train and evaluate on. No dataset or file: the embedded stdlib source corpus."""
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."}
+    )
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."}
+    )
+    train_file: str | None = field(
+        default=None, metadata={"help": "The input training data file (a text, json or csv file)."}
+    )
+    validation_file: str | None = field(
+        default=None,
+        metadata={"help": "An optional input evaluation data file to evaluate the perplexity on (a text file)."},
+    )
+    max_train_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "For debugging purposes or quicker training, truncate the number of training examples to this "
+                "value if set."
+            )
+        },
+    )
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "For debugging purposes or quicker training, truncate the number of evaluation examples to this "
+                "value if set."
+            )
+        },
+    )
+    streaming: bool = field(default=False, metadata={"help": "Enable streaming mode"})
+    block_size: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Optional input sequence length after tokenization. The training dataset will be truncated in block "
+                "of this size for training. Default to the model max input length for single sentence inputs "
+                "(take into account special tokens); 256 for the embedded default."
+            )
+        },
+    )
+    overwrite_cache: bool = field(
+        default=False, metadata={"help": "Overwrite the cached training and evaluation sets"}
+    )
+    validation_split_percentage: int = field(
+        default=5,
+        metadata={
+            "help": "The percentage of the train set used as validation set in case there's no validation split"
+        },
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "The number of processes to use for the preprocessing."}
+    )
+    keep_linebreaks: bool = field(
+        default=True, metadata={"help": "Whether to keep line breaks when using TXT files or not."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.streaming:
+            datasets_major = int(datasets.__version__.split(".")[0])
+            if datasets_major < 2:
+                raise ValueError("The streaming feature requires `datasets>=2.0.0`")
+        for flag in ("train_file", "validation_file"):
+            path = getattr(self, flag)
+            if path is not None and path.split(".")[-1] not in ("csv", "json", "txt"):
+                raise ValueError(f"--{flag} should be a csv, a json or a txt file, got {path!r}")
+        if not 0 < self.validation_split_percentage < 100:
+            raise ValueError(
+                f"--validation_split_percentage must lie in (0, 100), got {self.validation_split_percentage}"
+            )
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"--block_size must be at least 2, got {self.block_size}")
+
+    @property
+    def uses_embedded_corpus(self) -> bool:
+        """True when no dataset or data file is named, so the stdlib source corpus is used."""
+        return self.dataset_name is None and self.train_file is None and self.validation_file is None
+
+
+def _flag_names(argv: Sequence[str]) -> set[str]:
+    """The field names of the flags in argv (``--do-train=true`` -> ``do_train``)."""
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0].replace("-", "_")
+            names.add(name[3:] if name.startswith("no_") else name)
+    return names
+
+
+def _defaults_for(given: set[str], uses_embedded_corpus: bool) -> dict[str, Any]:
+    """The script's defaults for every flag the user did not give."""
+    defaults = dict(GPA_RECIPE_DEFAULTS)
+    if uses_embedded_corpus:
+        defaults.update(EMBEDDED_DEFAULTS)
+    if not given & {"do_train", "do_eval", "do_predict"}:
+        defaults.update(do_train=True, do_eval=True)
+    return {
+        name: value
+        for name, value in defaults.items()
+        if name not in given and not given & set(_COUPLED_FLAGS.get(name, ()))
+    }
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+) -> tuple[ModelArguments, DataTrainingArguments, GPATrainingArguments]:
+    """Parse the command line (or one JSON file), filling in the script's defaults for flags not given."""
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, GPATrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
+        given = set(given_dict)
+        embedded = not {"dataset_name", "train_file", "validation_file"} & {k for k, v in given_dict.items() if v}
+        return parser.parse_dict({**_defaults_for(given, embedded), **given_dict})
+    given = _flag_names(argv)
+    # A first pass over the data flags only, to learn whether the embedded corpus is used.
+    (data_args, _) = HfArgumentParser(DataTrainingArguments).parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True
+    )
+    prefix: list[str] = []
+    for name, value in _defaults_for(given, data_args.uses_embedded_corpus).items():
+        prefix += [f"--{name}", str(value)]
+    return parser.parse_args_into_dataclasses(args=prefix + argv)
+
+
+def load_raw_datasets(
+    model_args: ModelArguments, data_args: DataTrainingArguments
+) -> DatasetDict | IterableDatasetDict:
+    """The train and validation splits as named by the flags, with a "text" column for the embedded corpus."""
+    if data_args.uses_embedded_corpus:
+        logger.info("No dataset given: using the Python standard library's source files (hf_gpa.data)")
+        raw = DatasetDict(
+            {split: Dataset.from_dict({"text": load_stdlib_texts(split)}) for split in ("train", "validation")}
+        )
+        # Files come sorted by path; shuffle them once so that --max_train_samples takes a mix of packages.
+        raw["train"] = raw["train"].shuffle(seed=0).flatten_indices()
+        if data_args.streaming:
+            return IterableDatasetDict({split: dataset.to_iterable_dataset() for split, dataset in raw.items()})
+        return raw
+
+    common: dict[str, Any] = {"cache_dir": model_args.cache_dir, "token": model_args.token}
+    if data_args.dataset_name is not None:
+        name, config_name = data_args.dataset_name, data_args.dataset_config_name
+        raw = load_dataset(
+            name,
+            config_name,
+            streaming=data_args.streaming,
+            trust_remote_code=model_args.trust_remote_code,
+            **common,
+        )
+        loader_args: dict[str, Any] = {
+            "path": name,
+            "name": config_name,
+            "streaming": data_args.streaming,
+            "trust_remote_code": model_args.trust_remote_code,
+        }
+    else:
+        data_files: dict[str, str] = {}
+        dataset_args: dict[str, Any] = {}
+        if data_args.train_file is not None:
+            data_files["train"] = data_args.train_file
+        if data_args.validation_file is not None:
+            data_files["validation"] = data_args.validation_file
+        extension = next(iter(data_files.values())).split(".")[-1]
+        if extension == "txt":
+            extension = "text"
+            dataset_args["keep_linebreaks"] = data_args.keep_linebreaks
+        raw = load_dataset(extension, data_files=data_files, streaming=data_args.streaming, **dataset_args, **common)
+        loader_args = {"path": extension, "data_files": data_files, "streaming": data_args.streaming, **dataset_args}
+
+    # If no validation data is there, validation_split_percentage is used to divide the dataset.
+    if "validation" not in raw:
+        if "train" not in raw:
+            raise ValueError("No train split to take a validation split from: pass --validation_file or a dataset")
+        pct = data_args.validation_split_percentage
+        raw["validation"] = load_dataset(split=f"train[:{pct}%]", **loader_args, **common)
+        raw["train"] = load_dataset(split=f"train[{pct}%:]", **loader_args, **common)
+    return raw
+
+
+def build_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
+    """The model config: pretrained, a stock model type's default, or the small default Llama."""
+    config_kwargs: dict[str, Any] = {
+        "cache_dir": model_args.cache_dir,
+        "revision": model_args.model_revision,
+        "token": model_args.token,
+        "trust_remote_code": model_args.trust_remote_code,
+    }
+    if model_args.config_name:
+        return AutoConfig.from_pretrained(model_args.config_name, **config_kwargs)
+    if model_args.model_name_or_path:
+        return AutoConfig.from_pretrained(model_args.model_name_or_path, **config_kwargs)
+    if model_args.model_type is None:
+        config = LlamaConfig(**DEFAULT_LLAMA_CONFIG)
+    else:
+        config = CONFIG_MAPPING[model_args.model_type]()
+    logger.warning("You are instantiating a new config instance from scratch.")
+    # A model trained from scratch gets exactly the tokenizer's vocabulary and special tokens.
+    config.vocab_size = len(tokenizer)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(tokenizer, name, None) is not None:
+            setattr(config, name, getattr(tokenizer, name))
+    if model_args.config_overrides is not None:
+        logger.info(f"Overriding config: {model_args.config_overrides}")
+        config.update_from_string(model_args.config_overrides)
+        logger.info(f"New config: {config}")
+    return config
+
+
+def build_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
+    """The tokenizer: pretrained when named (or when a model is), else the locally trained stdlib BPE."""
+    tokenizer_kwargs: dict[str, Any] = {
+        "cache_dir": model_args.cache_dir,
+        "use_fast": model_args.use_fast_tokenizer,
+        "revision": model_args.model_revision,
+        "token": model_args.token,
+        "trust_remote_code": model_args.trust_remote_code,
+    }
+    name = model_args.tokenizer_name or model_args.model_name_or_path
+    if name:
+        return AutoTokenizer.from_pretrained(name, **tokenizer_kwargs)
+    logger.info(f"No tokenizer given: using a byte-level BPE ({model_args.tokenizer_vocab_size}) trained on stdlib")
+    return get_default_tokenizer(
+        vocab_size=model_args.tokenizer_vocab_size, max_train_bytes=model_args.tokenizer_train_bytes
+    )
+
+
+def _accuracy_metrics(cache_dir: str | None) -> tuple[Callable[..., torch.Tensor], Callable[[EvalPrediction], dict]]:
+    """Next-token accuracy, computed by the local `evaluate` accuracy module (no Hub access)."""
+    metric = evaluate.load(ACCURACY, cache_dir=cache_dir)
+
+    def preprocess_logits_for_metrics(logits: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> Any:
+        if isinstance(logits, tuple):
+            # Depending on the model and config, logits may contain extra tensors, like past_key_values.
+            logits = logits[0]
+        return logits.argmax(dim=-1)
+
+    def compute_metrics(eval_preds: EvalPrediction) -> dict[str, float]:
+        preds, labels = eval_preds
+        # preds have the same shape as the labels, after the argmax(-1) has been calculated by
+        # preprocess_logits_for_metrics but we need to shift the labels
+        labels = labels[:, 1:].reshape(-1)
+        preds = preds[:, :-1].reshape(-1)
+        return metric.compute(predictions=preds, references=labels)
+
+    return preprocess_logits_for_metrics, compute_metrics
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
+    model_args, data_args, training_args = parse_args(argv)
+
+    # Setup logging
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    if training_args.should_log:
+        # The default of training_args.log_level is passive, so we set log level at info here to have that default.
+        transformers.utils.logging.set_verbosity_info()
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    logging.getLogger("hf_gpa").setLevel(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.enable_explicit_format()
+
+    logger.warning(
+        f"Process rank: {training_args.local_process_index}, device: {training_args.device}, "
+        f"n_gpu: {training_args.n_gpu}, distributed training: {training_args.parallel_mode.value == 'distributed'}, "
+        f"16-bits training: {training_args.fp16 or training_args.bf16}"
+    )
+    logger.info(f"Training/evaluation parameters {training_args}")
+
+    # Detecting last checkpoint.
+    last_checkpoint = None
+    if os.path.isdir(training_args.output_dir) and training_args.do_train:
+        last_checkpoint = get_last_checkpoint(training_args.output_dir)
+        if last_checkpoint is not None and training_args.resume_from_checkpoint is None:
+            logger.info(
+                f"Checkpoint detected, resuming training at {last_checkpoint}. To avoid this behavior, change "
+                "the `--output_dir` or remove its checkpoint-* folders."
+            )
+
+    # Set seed before initializing model.
+    set_seed(training_args.seed)
+
+    raw_datasets = load_raw_datasets(model_args, data_args)
+    tokenizer = build_tokenizer(model_args)
+    config = build_config(model_args, tokenizer)
+
+    if model_args.model_name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_args.model_name_or_path,
+            config=config,
+            cache_dir=model_args.cache_dir,
+            revision=model_args.model_revision,
+            token=model_args.token,
+            trust_remote_code=model_args.trust_remote_code,
+            dtype=model_args.dtype,
+        )
+    else:
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_args.trust_remote_code)
+        n_params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+        logger.info(f"Training new model from scratch - Total size={n_params / 2**20:.2f}M params")
+
+    # We resize the embeddings only when necessary to avoid index errors.
+    embedding_size = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > embedding_size:
+        model.resize_token_embeddings(len(tokenizer))
+
+    # Preprocessing the datasets. First we tokenize all the texts.
+    split_for_columns = "train" if training_args.do_train else "validation"
+    column_names = list(raw_datasets[split_for_columns].features)
+    text_column_name = "text" if "text" in column_names else column_names[0]
+
+    # since this will be pickled to avoid _LazyModule error in Hasher force logger loading before tokenize_function
+    tok_logger = transformers.utils.logging.get_logger("transformers.tokenization_utils_base")
+
+    def tokenize_function(examples: Mapping[str, list[str]]) -> Any:
+        with CaptureLogger(tok_logger) as cl:
+            output = tokenizer(examples[text_column_name])
+        # clm input could be much much longer than block_size
+        if "Token indices sequence length is longer than the" in cl.out:
+            tok_logger.warning(
+                "^^^^^^^^^^^^^^^^ Please ignore the warning above - this long input will be chunked into smaller bits"
+                " before being passed to the model."
+            )
+        return output
+
+    with training_args.main_process_first(desc="dataset map tokenization"):
+        if not data_args.streaming:
+            tokenized_datasets = raw_datasets.map(
+                tokenize_function,
+                batched=True,
+                num_proc=data_args.preprocessing_num_workers,
+                remove_columns=column_names,
+                load_from_cache_file=not data_args.overwrite_cache,
+                desc="Running tokenizer on dataset",
+            )
+        else:
+            tokenized_datasets = raw_datasets.map(tokenize_function, batched=True, remove_columns=column_names)
+
+    max_pos_embeddings = getattr(config, "max_position_embeddings", None) or 1024
+    if data_args.block_size is None:
+        block_size = tokenizer.model_max_length
+        if block_size > max_pos_embeddings:
+            logger.warning(
+                f"The tokenizer picked seems to have a very large `model_max_length` ({tokenizer.model_max_length}). "
+                f"Using block_size={min(1024, max_pos_embeddings)} instead. You can change that default value by "
+                "passing --block_size xxx."
+            )
+            block_size = min(1024, max_pos_embeddings)
+    else:
+        if data_args.block_size > tokenizer.model_max_length:
+            logger.warning(
+                f"The block_size passed ({data_args.block_size}) is larger than the maximum length for the model "
+                f"({tokenizer.model_max_length}). Using block_size={tokenizer.model_max_length}."
+            )
+        block_size = min(data_args.block_size, tokenizer.model_max_length)
+        if block_size > max_pos_embeddings:
+            raise ValueError(
+                f"--block_size {block_size} exceeds the model's max_position_embeddings ({max_pos_embeddings})"
+            )
+
+    # Main data processing function that will concatenate all texts from our dataset and generate chunks of
+    # block_size.
+    def group_texts(examples: Mapping[str, list[list[int]]]) -> dict[str, list[list[int]]]:
+        # Concatenate all texts.
+        concatenated_examples = {k: list(chain(*examples[k])) for k in examples}
+        total_length = len(concatenated_examples[next(iter(examples))])
+        # We drop the small remainder, and if the total_length < block_size we exclude this batch and return an
+        # empty dict. We could add padding if the model supported it instead of this drop.
+        total_length = (total_length // block_size) * block_size
+        # Split by chunks of max_len.
+        result = {
+            k: [t[i : i + block_size] for i in range(0, total_length, block_size)]
+            for k, t in concatenated_examples.items()
+        }
+        result["labels"] = result["input_ids"].copy()
+        return result
+
+    # Note that with `batched=True`, this map processes 1,000 texts together, so group_texts throws away a remainder
+    # for each of those groups of 1,000 texts.
+    with training_args.main_process_first(desc="grouping texts together"):
+        if not data_args.streaming:
+            lm_datasets = tokenized_datasets.map(
+                group_texts,
+                batched=True,
+                num_proc=data_args.preprocessing_num_workers,
+                load_from_cache_file=not data_args.overwrite_cache,
+                desc=f"Grouping texts in chunks of {block_size}",
+            )
+        else:
+            lm_datasets = tokenized_datasets.map(group_texts, batched=True)
+
+    train_dataset = None
+    if training_args.do_train:
+        if "train" not in tokenized_datasets:
+            raise ValueError("--do_train requires a train dataset")
+        train_dataset = lm_datasets["train"]
+        if data_args.max_train_samples is not None:
+            if data_args.streaming:
+                train_dataset = train_dataset.take(data_args.max_train_samples)
+            else:
+                max_train_samples = min(len(train_dataset), data_args.max_train_samples)
+                train_dataset = train_dataset.select(range(max_train_samples))
+
+    eval_dataset = None
+    preprocess_logits_for_metrics = compute_metrics = None
+    if training_args.do_eval:
+        if "validation" not in tokenized_datasets:
+            raise ValueError("--do_eval requires a validation dataset")
+        eval_dataset = lm_datasets["validation"]
+        if data_args.max_eval_samples is not None:
+            if data_args.streaming:
+                eval_dataset = eval_dataset.take(data_args.max_eval_samples)
+            else:
+                max_eval_samples = min(len(eval_dataset), data_args.max_eval_samples)
+                eval_dataset = eval_dataset.select(range(max_eval_samples))
+        preprocess_logits_for_metrics, compute_metrics = _accuracy_metrics(model_args.cache_dir)
+
+    # Initialize our Trainer
+    trainer = GPATrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        # Data collator will default to DataCollatorWithPadding, so we change it.
+        data_collator=default_data_collator,
+        compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+    )
+
+    all_metrics: dict[str, float] = {}
+    # Training
+    if training_args.do_train:
+        checkpoint = training_args.resume_from_checkpoint or last_checkpoint
+        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()  # Saves the tokenizer too for easy upload; GPATrainer writes the averaged weights x.
+
+        metrics = train_result.metrics
+        if not data_args.streaming:
+            metrics["train_samples"] = len(train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        all_metrics.update(metrics)
+
+    # Evaluation
+    if training_args.do_eval:
+        logger.info("*** Evaluate ***")
+
+        metrics = trainer.evaluate()
+        if not data_args.streaming:
+            metrics["eval_samples"] = len(eval_dataset)
+        try:
+            perplexity = math.exp(metrics["eval_loss"])
+        except OverflowError:
+            perplexity = float("inf")
+        metrics["perplexity"] = perplexity
+
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        all_metrics.update(metrics)
+
+    kwargs: dict[str, Any] = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-generation"}
+    if data_args.dataset_name is not None:
+        kwargs["dataset_tags"] = data_args.dataset_name
+        if data_args.dataset_config_name is not None:
+            kwargs["dataset_args"] = data_args.dataset_config_name
+            kwargs["dataset"] = f"{data_args.dataset_name} {data_args.dataset_config_name}"
+        else:
+            kwargs["dataset"] = data_args.dataset_name
+    elif data_args.uses_embedded_corpus:
+        kwargs["dataset"] = "Python standard library source (hf_gpa.data)"
+
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**kwargs)
+    else:
+        trainer.create_model_card(**kwargs)
+    return all_metrics
+
+
+if __name__ == "__main__":
+    main()
