@@ -263,11 +263,9 @@ ORACLE_INIT = TinyRegressor().double().state_dict()
     ids=["gpa_adamw", "adamw", "sgd"],
 )
 def test_trainer_matches_three_sequence_oracle(optim, base, tmp_path):
-    """Trainer-driven GPA (cosine schedule with warm-up, decay groups) follows the paper's x/y/z recursion (fp64).
-
-    Also the plain nn.Module case: the checkpoint's model.safetensors is x (the oracle's, and the optimizer's
-    bitwise), not y, and evaluate() equals the loss of the oracle's x.
-    """
+    """Trainer-driven GPA (cosine warm-up schedule, decay groups) follows the paper's x/y/z recursion in fp64."""
+    # Also the plain nn.Module case: the checkpoint's model.safetensors is x (the oracle's, and the optimizer's
+    # bitwise), not y, and evaluate() equals the loss of the oracle's x.
     steps = 5
     train, held_out = RegressionDataset(16, seed=1), RegressionDataset(8, seed=2)
     args = make_args(
@@ -622,3 +620,56 @@ def test_x_state_dict_leaves_y(tmp_path):
     optimizer.eval()
     assert_equal_dicts(params_of(model), {n: x[n] for n in y})
     assert max_abs_diff(x, y) > 1e-4
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.pixel_values = torch.randn(n, 3, 8, 8, generator=g)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.pixel_values[i], "labels": self.labels[i]}
+
+
+def test_vit_image_classification_evaluates_and_saves_x(tmp_path):
+    """A small ViT classifier: evaluate() loss and accuracy equal a hand evaluation of the saved x weights."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    held_out = ImageDataset(12, seed=2)
+
+    def accuracy(prediction) -> dict[str, float]:
+        return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+    args = make_args(tmp_path, max_steps=3, per_device_eval_batch_size=12, learning_rate=0.05)
+    trainer = GPATrainer(
+        model=ViTForImageClassification(config),
+        args=args,
+        train_dataset=ImageDataset(12, seed=1),
+        eval_dataset=held_out,
+        compute_metrics=accuracy,
+    )
+    trainer.train()
+    trainer.save_model()
+    metrics = trainer.evaluate()
+    x_model = ViTForImageClassification.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        out = x_model(pixel_values=held_out.pixel_values, labels=held_out.labels)
+    assert metrics["eval_loss"] == pytest.approx(out.loss.item(), rel=1e-6)
+    assert metrics["eval_accuracy"] == (out.logits.argmax(-1) == held_out.labels).double().mean().item()
+    unwrap_gpa_optimizer(trainer.optimizer).train()
+    assert max_abs_diff(params_of(x_model), params_of(trainer.model)) > 1e-4  # x was saved, y is what trains
