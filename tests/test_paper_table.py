@@ -1,0 +1,106 @@
+"""The paper-table benchmark: speedup arithmetic against closed forms, and the --quick pipeline end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "paper_table.py"
+
+
+@pytest.fixture(scope="module")
+def paper_table():
+    spec = importlib.util.spec_from_file_location("paper_table", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["paper_table"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("paper_table", None)
+
+
+def test_steps_to_reach_interpolates_linearly(paper_table):
+    """Loss 1 - s/100 sampled every 10 steps reaches 0.55 at step 45 exactly (linear interpolation)."""
+    steps = list(range(10, 101, 10))
+    losses = [1.0 - s / 100 for s in steps]
+    assert paper_table.steps_to_reach(steps, losses, 0.55) == pytest.approx(45.0)
+    assert paper_table.speedup(steps, losses, 0.55, total_steps=100) == pytest.approx(55.0)
+
+
+def test_speedup_on_hyperbola_between_eval_points(paper_table):
+    """On L(s) = 100/s sampled at 25, 50, 75, 100, the target 1.6 lies on the chord from (50, 2) to (75, 4/3)."""
+    steps = [25, 50, 75, 100]
+    losses = [100 / s for s in steps]
+    # chord: 2 + (s - 50) * (4/3 - 2) / 25 = 1.6  ->  s = 50 + 0.4 * 25 / (2/3) = 65
+    assert paper_table.steps_to_reach(steps, losses, 1.6) == pytest.approx(65.0)
+    assert paper_table.speedup(steps, losses, 1.6, total_steps=100) == pytest.approx(35.0)
+
+
+def test_speedup_edge_cases(paper_table):
+    """A curve that never reaches the target has no speedup; one that matches it only at the end has 0%."""
+    steps, losses = [50, 100], [2.0, 1.5]
+    assert paper_table.speedup(steps, losses, 1.4, total_steps=100) is None
+    assert paper_table.speedup(steps, losses, 1.5, total_steps=100) == pytest.approx(0.0)
+    assert paper_table.speedup(steps, [2.0, math.nan], 1.0, total_steps=100) is None
+
+
+def test_lr_schedule_matches_the_paper_recipe(paper_table):
+    """Linear warmup over 10% to the peak, cosine to 0 at the end (half way through the decay: 0.5); SF stays flat."""
+    f = paper_table.lr_factor
+    assert f(0, 1000, 0.1, "cosine") == pytest.approx(1 / 100)
+    assert f(99, 1000, 0.1, "cosine") == pytest.approx(1.0)
+    assert f(100 + 450, 1000, 0.1, "cosine") == pytest.approx(0.5)
+    assert f(1000, 1000, 0.1, "cosine") == pytest.approx(0.0, abs=1e-12)
+    assert f(999, 1000, 0.1, "constant") == 1.0
+
+
+def test_batch_order_depends_on_the_seed_only(paper_table):
+    """Every method with the same seed trains on identical batches in identical order."""
+    import torch
+
+    workload = paper_table.Workload(batch_size=4)
+    a = paper_table.batch_order(100, workload, 30, seed=1)
+    b = paper_table.batch_order(100, workload, 30, seed=1)
+    assert torch.equal(a, b) and a.shape == (30, 4)
+    assert not torch.equal(a, paper_table.batch_order(100, workload, 30, seed=2))
+    assert len(set(a[:25].flatten().tolist())) == 100  # one epoch without repeats
+
+
+def test_quick_pipeline_writes_every_method_and_sane_numbers(paper_table, tmp_path):
+    """--quick runs sweep + full budget for every family, records curves in JSON, and regenerates table and PNGs."""
+    paper_table.main(["--quick", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    full = [run for run in data["runs"] if run["spec"]["phase"] == "full"]
+    assert {run["spec"]["method"] for run in full} == set(paper_table.METHODS)
+    assert {run["spec"]["method"] for run in data["runs"] if run["spec"]["phase"] == "sweep"} == set(
+        paper_table.METHODS
+    )
+    plan = paper_table.QUICK_PLAN
+    for method in ("diloco", "gpa"):
+        hs = {run["spec"]["inner_steps"] for run in full if run["spec"]["method"] == method}
+        assert hs == set(plan.inner_steps)
+    log_vocab = math.log(paper_table.QUICK_WORKLOAD.vocab_size)
+    for run in full:
+        assert run["steps"][-1] == paper_table.QUICK_WORKLOAD.steps
+        assert len(run["val"]) == len(run["steps"])
+        # trained for a few steps from a near-uniform start: finite, below chance level + margin
+        assert all(math.isfinite(v) and 0.0 < v < log_vocab + 0.5 for v in run["val"])
+        if run["spec"]["method"] in ("gpa", "sf", "diloco"):
+            assert all(v is not None and math.isfinite(v) for v in run["val_train"])
+    # every seed of every full-budget configuration is present
+    seeds = {run["spec"]["seed"] for run in full}
+    assert seeds == set(plan.seeds)
+    for name in ("table.md", "val_loss.png", "speedup.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    table = (tmp_path / "table.md").read_text()
+    assert "GPA-AdamW" in table and "DiLoCo-AdamW" in table and "H = 4" in table
+
+    # the report is regenerated from the JSON alone, identically
+    before = table
+    (tmp_path / "table.md").unlink()
+    paper_table.main(["--out", str(tmp_path), "--report-only"])
+    assert (tmp_path / "table.md").read_text() == before
