@@ -230,15 +230,21 @@ def three_sequence_oracle(args: GPATrainingArguments, base: str, data: dict[str,
         {"params": [z[n] for n in z if n in no_decay], "weight_decay": 0.0},
     ]
     if base == "sgd":
-        base_opt = torch.optim.SGD(groups, lr=args.learning_rate)
+        base_opt = torch.optim.SGD(groups, lr=args.learning_rate, momentum=0.9)
     else:
         betas = (args.adam_beta1, args.adam_beta2)
         base_opt = torch.optim.AdamW(groups, lr=args.learning_rate, betas=betas, eps=args.adam_epsilon)
     scheduler = get_scheduler(
         args.lr_scheduler_type, base_opt, num_warmup_steps=args.get_warmup_steps(steps), num_training_steps=steps
     )
-    history = []
+    history, weight_sum = [], 0.0
     for _ in range(steps):
+        lr = base_opt.param_groups[0]["lr"]
+        if args.gpa_averaging == "gpa":
+            mu_x = args.gpa_mu_x
+        else:  # Schedule-Free's average weighted by lr**2 (paper eq. 5); it stays put while all weights are 0
+            weight_sum += lr**2
+            mu_x = 1.0 - (lr**2 / weight_sum if weight_sum > 0 else 0.0)
         model.zero_grad()
         model(**data)["loss"].backward()  # the model's parameters hold y
         for n, p in model.named_parameters():
@@ -247,7 +253,7 @@ def three_sequence_oracle(args: GPATrainingArguments, base: str, data: dict[str,
         scheduler.step()
         with torch.no_grad():
             for n, p in model.named_parameters():
-                x[n].mul_(args.gpa_mu_x).add_(z[n], alpha=1 - args.gpa_mu_x)
+                x[n].mul_(mu_x).add_(z[n], alpha=1 - mu_x)
                 p.copy_(args.gpa_mu_y * x[n] + (1 - args.gpa_mu_y) * z[n])
         history.append(({n: t.clone() for n, t in x.items()}, params_of(model)))
     return history
@@ -258,11 +264,16 @@ ORACLE_INIT = TinyRegressor().double().state_dict()
 
 
 @pytest.mark.parametrize(
-    ("optim", "base"),
-    [("gpa_adamw", "adamw"), ("gpa", "adamw_torch"), ("gpa", "sgd")],
-    ids=["gpa_adamw", "adamw", "sgd"],
+    ("optim", "base", "averaging"),
+    [
+        ("gpa_adamw", "adamw", "gpa"),
+        ("gpa_adamw", "adamw", "schedule_free"),
+        ("gpa", "adamw_torch", "gpa"),
+        ("gpa", "sgd", "gpa"),
+    ],
+    ids=["gpa_adamw", "gpa_adamw-schedule_free", "adamw_torch", "sgd-momentum"],
 )
-def test_trainer_matches_three_sequence_oracle(optim, base, tmp_path):
+def test_trainer_matches_three_sequence_oracle(optim, base, averaging, tmp_path):
     """Trainer-driven GPA (cosine warm-up schedule, decay groups) follows the paper's x/y/z recursion in fp64."""
     # Also the plain nn.Module case: the checkpoint's model.safetensors is x (the oracle's, and the optimizer's
     # bitwise), not y, and evaluate() equals the loss of the oracle's x.
@@ -272,6 +283,8 @@ def test_trainer_matches_three_sequence_oracle(optim, base, tmp_path):
         tmp_path,
         optim=optim,
         gpa_base_optim=None if optim == "gpa_adamw" else base,
+        gpa_averaging=averaging,
+        optim_args="momentum=0.9" if base == "sgd" else None,  # reaches the base as with the stock --optim sgd
         learning_rate=0.05,
         weight_decay=0.1,
         lr_scheduler_type="cosine",
