@@ -55,6 +55,77 @@ def oracle_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: rang
         optimizer.zero_grad()
 
 
+# ---------------------------------------------------------------- DDP through GPATrainer (shared with the oracle)
+
+DDP_STEPS = 4  # checkpoints at steps 2 and 4; the resume starts from step 2
+DDP_PER_DEVICE_BATCH = 2  # x NPROC ranks = the oracle's single-process batch
+
+
+def tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Fixed-length random token sequences: every rank's mean loss has the same token count, so DDP's gradient
+    average is the global batch's."""
+
+    def __init__(self, n: int, seed: int, length: int = 16) -> None:
+        self.ids = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def trainer_args(output_dir: Path, per_device_train_batch_size: int, **overrides: Any) -> Any:
+    from hf_gpa import GPATrainingArguments
+
+    kwargs: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        max_steps=DDP_STEPS,
+        save_strategy="steps",
+        save_steps=2,
+        logging_steps=1,
+        learning_rate=1e-2,
+        per_device_train_batch_size=per_device_train_batch_size,
+        per_device_eval_batch_size=2,
+        optim="gpa_adamw",
+        gpa_mu_x=0.5,  # a short memory: x, y and z are far apart after a few steps
+        gpa_mu_y=0.7,
+    )
+    kwargs.update(overrides)
+    return GPATrainingArguments(**kwargs)
+
+
+def make_trainer(output_dir: Path, per_device_train_batch_size: int, **overrides: Any) -> Any:
+    from hf_gpa import GPATrainer
+
+    return GPATrainer(
+        model=tiny_llama(),
+        args=trainer_args(output_dir, per_device_train_batch_size, **overrides),
+        train_dataset=TokenDataset(32, seed=1),
+        eval_dataset=TokenDataset(8, seed=2),
+    )
+
+
 # ---------------------------------------------------------------- FSDP2 helpers (workers only)
 
 
@@ -249,7 +320,103 @@ def fsdp2(out: Path) -> None:
     _write(out, rank, facts, full)
 
 
-SCENARIOS: dict[str, Callable[[Path], None]] = {"fsdp2": fsdp2}
+class _WriteSpy:
+    """Records what this rank writes under ``root``: Python-level opens for writing, mkdir/rename (audit hook), plus
+    ``torch.save`` and ``save_pretrained`` calls, whose bytes are written from native code the hook cannot see."""
+
+    def __init__(self, root: Path) -> None:
+        import transformers
+
+        self.root, self.events = str(root), []
+        sys.addaudithook(self._audit)
+        save, save_pretrained = torch.save, transformers.PreTrainedModel.save_pretrained
+
+        def spy_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+            self._record("torch.save", f)
+            return save(obj, f, *args, **kwargs)
+
+        def spy_save_pretrained(model: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+            self._record("save_pretrained", save_directory)
+            return save_pretrained(model, save_directory, *args, **kwargs)
+
+        torch.save = spy_save
+        transformers.PreTrainedModel.save_pretrained = spy_save_pretrained
+
+    def _record(self, event: str, path: Any) -> None:
+        if isinstance(path, (str, os.PathLike)) and os.path.abspath(path).startswith(self.root):
+            self.events.append([event, os.path.relpath(os.path.abspath(path), self.root)])
+
+    def _audit(self, event: str, args: tuple) -> None:
+        if event == "open" and isinstance(args[1], str) and set(args[1]) & set("wax+"):
+            self._record(event, args[0])
+        elif event in ("os.mkdir", "os.rename", "os.remove", "shutil.rmtree"):
+            self._record(event, args[0])
+
+
+def _y_and_z(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """y (the parameters, in train mode) and z of every parameter, by name."""
+    from hf_gpa.checkpoint import unwrap_gpa_optimizer
+
+    opt = unwrap_gpa_optimizer(trainer.optimizer)
+    opt.train()
+    named = list(trainer.model.named_parameters())
+    return {
+        "y": {n: p.detach().clone() for n, p in named},
+        "z": {n: opt.state[p]["z"].detach().clone() for n, p in named},
+    }
+
+
+def ddp_trainer(out: Path) -> None:
+    """GPATrainer under DDP (launched by accelerate): train, evaluate at x, save x, and resume from step 2."""
+    from transformers import TrainerCallback
+
+    from hf_gpa.checkpoint import unwrap_gpa_optimizer
+
+    class EvalModeProbe(TrainerCallback):
+        """At each evaluation batch: does the optimizer hold x (eval mode) in the parameters?"""
+
+        def __init__(self) -> None:
+            self.train_mode_during_eval: list[bool] = []
+
+        def on_prediction_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any) -> None:
+            self.train_mode_during_eval.append(unwrap_gpa_optimizer(optimizer).train_mode)
+
+    spy = _WriteSpy(out)
+    trainer = make_trainer(out / "run", DDP_PER_DEVICE_BATCH)
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    probe = EvalModeProbe()
+    trainer.add_callback(probe)
+    trainer.train()
+    y_before_eval = _y_and_z(trainer)["y"]
+    metrics = trainer.evaluate()
+    facts: dict[str, Any] = {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "eval_loss": metrics["eval_loss"],
+        "train_mode_during_eval": probe.train_mode_during_eval,
+        "train_mode_after_eval": unwrap_gpa_optimizer(trainer.optimizer).train_mode,
+        "y_bitwise_after_eval": all(torch.equal(y_before_eval[n], p) for n, p in trainer.model.named_parameters()),
+    }
+    trainer.save_model(str(out / "run" / "final"))
+    uninterrupted = _y_and_z(trainer)
+
+    resumed = make_trainer(out / "resumed", DDP_PER_DEVICE_BATCH)
+    resumed.train(resume_from_checkpoint=str(out / "run" / "checkpoint-2"))
+    resumed.save_model(str(out / "resumed" / "final"))
+    after_resume = _y_and_z(resumed)
+    facts["resume_bitwise"] = all(
+        torch.equal(uninterrupted[k][n], after_resume[k][n]) for k in ("y", "z") for n in uninterrupted[k]
+    )
+    facts["writes"] = list(spy.events)
+    dist.barrier()
+    torch.save(uninterrupted, out / f"y_z_rank{rank}.pt")  # after the spy's events were taken
+    _write(out, rank, facts)
+
+
+SCENARIOS: dict[str, Callable[[Path], None]] = {"fsdp2": fsdp2, "ddp_trainer": ddp_trainer}
 
 
 def _write(out: Path, rank: int, facts: dict[str, Any], full: dict[str, Any] | None = None) -> None:
@@ -261,14 +428,16 @@ def _write(out: Path, rank: int, facts: dict[str, Any], full: dict[str, Any] | N
 def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
-    scenario, out = argv[0], Path(argv[1])
+    scenario, out = argv[0], Path(argv[1]).resolve()
     torch.set_num_threads(1)  # CI shares 2 cores among 2 ranks
-    dist.init_process_group("gloo")
+    if not dist.is_initialized() and scenario != "ddp_trainer":  # the Trainer's accelerator starts its own
+        dist.init_process_group("gloo")
     try:
         SCENARIOS[scenario](out)
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """GPA across processes: FSDP2 (``fully_shard``, DTensor shards) and DDP through `GPATrainer`, 2 CPU ranks on gloo.
 
-Each scenario is one ``torchrun --standalone`` launch of ``tests/distributed_workers.py`` (the port is picked by the
-OS; the launch runs in its own process group, killed on timeout so a hang fails the test instead of blocking CI).
+Each scenario is one launch of ``tests/distributed_workers.py`` -- FSDP2 by ``torchrun --standalone`` (the OS picks
+the port), DDP by ``accelerate launch`` with ``configs/accelerate_ddp.yaml`` on a free port -- in its own process
+group, killed on timeout so that a hang fails the test instead of blocking CI.
 The workers only report; the asserts here compare their files with an unsharded single-process run of the same
 model on the same global batches. The launches are shared between tests through module-scoped fixtures.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 import distributed_workers as dw
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hf_gpa import GPA, GPAAdamW
 from hf_gpa.optim import _kernels
@@ -30,11 +33,14 @@ F64 = dict(rtol=1e-10, atol=1e-12)  # reduction order only (the gradient all-red
 F32 = dict(rtol=1e-5, atol=1e-6)
 
 
-def torchrun(scenario: str, out: Path, *extra: str, timeout: float = LAUNCH_TIMEOUT_S) -> list[dict[str, Any]]:
-    """Run ``scenario`` on NPROC CPU ranks and return each rank's facts; fail with the log on error or timeout."""
+def launch(launcher: list[str], scenario: str, out: Path, timeout: float = LAUNCH_TIMEOUT_S) -> list[dict[str, Any]]:
+    """Run ``scenario`` with ``python <launcher...> distributed_workers.py`` and return each rank's facts.
+
+    The launch runs in its own session, killed as a group on timeout; a failure or a hang fails the test with the
+    end of the log.
+    """
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}"]
-    cmd += [str(WORKERS), scenario, str(out), *extra]
+    cmd = [sys.executable, *launcher, str(WORKERS), scenario, str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKERS.parent.parent), env.get("PYTHONPATH")]))
     log = out / "launch.log"
@@ -45,10 +51,15 @@ def torchrun(scenario: str, out: Path, *extra: str, timeout: float = LAUNCH_TIME
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: the session started above
             proc.wait()
-            pytest.fail(f"torchrun {scenario} hung for {timeout} s:\n{_tail(log)}")
+            pytest.fail(f"{scenario} hung for {timeout} s:\n{_tail(log)}")
     if rc != 0:
-        pytest.fail(f"torchrun {scenario} exited with {rc}:\n{_tail(log)}")
+        pytest.fail(f"{scenario} exited with {rc}:\n{_tail(log)}")
     return [json.loads((out / f"facts_rank{r}.json").read_text()) for r in range(NPROC)]
+
+
+def torchrun(scenario: str, out: Path) -> list[dict[str, Any]]:
+    """``torchrun --standalone``: NPROC CPU ranks on a port the OS picks."""
+    return launch(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}"], scenario, out)
 
 
 def _tail(log: Path, chars: int = 6000) -> str:
@@ -184,3 +195,99 @@ def test_fsdp2_eval_mode_checkpoint_resumes_bitwise(fsdp2: tuple) -> None:
     """A DCP sharded checkpoint saved in eval mode (x + residual) resumes, after train(), bitwise like the run."""
     facts, _ = fsdp2
     assert all(f["resume_eval_mode_bitwise"] for f in facts)
+
+
+# ---------------------------------------------------------------- DDP: GPATrainer under accelerate launch (CPU, gloo)
+
+ACCELERATE_DDP_CONFIG = Path(__file__).parent.parent / "configs" / "accelerate_ddp.yaml"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One `accelerate launch` of the DDP scenario with the repository's config (MULTI_CPU here: no GPU)."""
+    out = tmp_path_factory.mktemp("ddp")
+    launcher = ["-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DDP_CONFIG)]
+    launcher += ["--num_processes", str(NPROC), "--main_process_port", str(_free_port())]
+    return out, launch(launcher, "ddp_trainer", out)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """The oracle: the same Trainer run in one process with the same global batch (NPROC x the per-device batch)."""
+    out = tmp_path_factory.mktemp("single")
+    trainer = dw.make_trainer(out / "run", NPROC * dw.DDP_PER_DEVICE_BATCH)
+    trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    trainer.save_model(str(out / "run" / "final"))
+    return out, eval_loss
+
+
+def test_ddp_runs_on_cpu_gloo(ddp: tuple) -> None:
+    """The DDP config launches 2 processes that accelerate runs as MULTI_CPU over gloo (no GPU needed)."""
+    _, facts = ddp
+    for f in facts:
+        assert (f["distributed_type"], f["backend"], f["world_size"]) == ("DistributedType.MULTI_CPU", "gloo", NPROC)
+
+
+def test_ddp_ranks_hold_bitwise_identical_y_and_z(ddp: tuple) -> None:
+    """After training, every rank holds bitwise the same y (parameters) and z (optimizer state)."""
+    out, _ = ddp
+    states = [torch.load(out / f"y_z_rank{r}.pt", weights_only=True) for r in range(NPROC)]
+    for key in ("y", "z"):
+        for name, tensor in states[0][key].items():
+            for other in states[1:]:
+                assert torch.equal(other[key][name], tensor), (key, name)
+    assert any(not torch.equal(states[0]["y"][n], states[0]["z"][n]) for n in states[0]["y"])  # y and z differ
+
+
+@pytest.mark.parametrize("saved", ["checkpoint-2", "checkpoint-4", "final"])
+def test_ddp_saved_x_matches_single_process(ddp: tuple, single_process: tuple, saved: str) -> None:
+    """The x written under DDP equals the single-process run's x with the same global batch (fp32 reductions)."""
+    out, _ = ddp
+    single, _ = single_process
+    actual = load_file(out / "run" / saved / "model.safetensors")
+    expected = load_file(single / "run" / saved / "model.safetensors")
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **F32)
+
+
+def test_ddp_only_rank_zero_writes(ddp: tuple) -> None:
+    """Rank 0 writes every model and optimizer file; the other ranks write only their own RNG state."""
+    _, facts = ddp
+    rank0 = {path for _, path in facts[0]["writes"]}
+    for folder in ("run/checkpoint-2", "run/checkpoint-4", "run/final", "resumed/checkpoint-4", "resumed/final"):
+        assert folder in {path for event, path in facts[0]["writes"] if event == "save_pretrained"}, folder
+    assert {"run/checkpoint-2/optimizer.pt", "run/checkpoint-2/rng_state_0.pth"} <= rank0
+    for rank, f in enumerate(facts[1:], start=1):
+        assert f["writes"], "the spy saw nothing: it is not observing this rank"
+        for event, path in f["writes"]:
+            folder, name = os.path.split(path)
+            checkpoint_dir = event == "os.mkdir" and name.startswith("checkpoint-")  # makedirs(exist_ok=True)
+            own_rng = event == "torch.save" and name == f"rng_state_{rank}.pth"
+            assert checkpoint_dir or (own_rng and os.path.basename(folder).startswith("checkpoint-")), (event, path)
+
+
+def test_ddp_evaluation_runs_at_x_on_all_ranks(ddp: tuple, single_process: tuple) -> None:
+    """Every rank evaluates with x in the parameters, gets the single-process eval loss, and is back at y after."""
+    _, facts = ddp
+    _, expected = single_process
+    for f in facts:
+        assert f["train_mode_during_eval"] and not any(f["train_mode_during_eval"])
+        assert f["eval_loss"] == pytest.approx(expected, rel=1e-5)
+        assert f["train_mode_after_eval"] and f["y_bitwise_after_eval"]
+
+
+def test_ddp_resume_continues_bitwise(ddp: tuple) -> None:
+    """Resuming at step 2 on every rank reaches the uninterrupted run's y and z bitwise, and writes the same x."""
+    out, facts = ddp
+    assert all(f["resume_bitwise"] for f in facts)
+    resumed, uninterrupted = (load_file(out / d / "final" / "model.safetensors") for d in ("resumed", "run"))
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[n], uninterrupted[n]) for n in uninterrupted)
