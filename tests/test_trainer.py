@@ -686,3 +686,81 @@ def test_vit_image_classification_evaluates_and_saves_x(tmp_path):
     assert metrics["eval_accuracy"] == (out.logits.argmax(-1) == held_out.labels).double().mean().item()
     unwrap_gpa_optimizer(trainer.optimizer).train()
     assert max_abs_diff(params_of(x_model), params_of(trainer.model)) > 1e-4  # x was saved, y is what trains
+
+
+def test_stock_optim_run_is_the_stock_trainer_run(tmp_path):
+    """With --optim adamw_torch, GPATrainer trains, evaluates and saves bitwise as transformers' Trainer does."""
+    results = []
+    for cls in (Trainer, GPATrainer):
+        model = TinyRegressor().double()
+        model.load_state_dict(ORACLE_INIT)
+        out = tmp_path / cls.__name__
+        args = make_args(out, optim="adamw_torch", max_steps=3, save_strategy="steps", save_steps=3)
+        trainer = cls(
+            model=model, args=args, train_dataset=RegressionDataset(12, 1), eval_dataset=RegressionDataset(8, 2)
+        )
+        trainer.train()
+        results.append(
+            (
+                train_losses(trainer),
+                trainer.evaluate()["eval_loss"],
+                load_file(out / "checkpoint-3" / "model.safetensors"),
+            )
+        )
+    (stock_losses, stock_eval, stock_file), (losses, eval_loss, saved) = results
+    assert losses == stock_losses and eval_loss == stock_eval
+    assert_equal_dicts(saved, stock_file)
+
+
+def test_user_built_gpa_optimizer_with_plain_training_arguments(tmp_path):
+    """A GPAAdamW passed via optimizers=(...) with plain TrainingArguments is also evaluated and saved at x."""
+    from transformers import TrainingArguments
+
+    snapshots = Snapshots()
+    model = tiny_llama()
+    optimizer = GPAAdamW(model.parameters(), lr=1e-2, mu_x=MU_X, mu_y=MU_Y)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2, save_strategy="steps", save_steps=2
+    )
+    trainer = GPATrainer(
+        model=model, args=args, train_dataset=TokenDataset(8, 1), optimizers=(optimizer, None), callbacks=[snapshots]
+    )
+    trainer.train()
+    x_file = load_file(os.path.join(tmp_path, "checkpoint-2", "model.safetensors"))
+    assert_equal_dicts(x_file, snapshots.saved_x[2])
+    assert max_abs_diff(x_file, snapshots.saved_y[2]) > 1e-4
+
+
+def test_accelerated_optimizer_forwards_modes_and_closure(tmp_path):
+    """trainer.optimizer (accelerate's wrapper) forwards train()/eval() and step(closure) to GPAAdamW."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    model = TinyRegressor().double()
+    data = RegressionDataset(8, 1)
+    trainer = GPATrainer(model=model, args=make_args(tmp_path, max_steps=1), train_dataset=data)
+    trainer.train()
+    assert isinstance(trainer.optimizer, AcceleratedOptimizer)
+    inner = unwrap_gpa_optimizer(trainer.optimizer)
+    assert type(inner) is GPAAdamW and not inner.train_mode
+    trainer.optimizer.train()
+    assert inner.train_mode
+    with pytest.raises(RuntimeError, match="eval mode"):
+        trainer.optimizer.eval()
+        trainer.optimizer.step()
+    trainer.optimizer.train()
+
+    losses = []
+
+    def closure() -> torch.Tensor:
+        model.zero_grad()
+        loss = model(**data[:])["loss"]
+        loss.backward()
+        losses.append(loss.item())
+        return loss
+
+    before = params_of(model)
+    expected = model(**data[:])["loss"].item()  # at y
+    trainer.optimizer.step(closure)  # accelerate's wrapper forwards the closure (and drops its return value)
+    assert losses == [expected]
+    assert max_abs_diff(before, params_of(model)) > 0
+    assert inner.step(closure).item() == losses[-1]  # the optimizer itself returns the closure's loss
