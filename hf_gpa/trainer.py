@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_optimizer import is_optimizer_factory
+from transformers.trainer_utils import HubStrategy
 from transformers.training_args import OptimizerNames, TrainingArguments
 
 from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer
@@ -36,14 +38,13 @@ from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
 from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
 
 if TYPE_CHECKING:
+    from torch.utils.data import Dataset
     from transformers import PreTrainedModel
     from transformers.trainer_utils import PredictionOutput, TrainOutput
 
 __all__ = ["GPATrainer", "gpa_model_card_section"]
 
 logger = logging.getLogger(__name__)
-
-OPTIMIZER_NAME = "optimizer.pt"  # transformers.trainer.OPTIMIZER_NAME
 
 
 def _adam_kwargs(args: TrainingArguments) -> dict[str, Any]:
@@ -134,15 +135,22 @@ class GPATrainer(Trainer):
 
     # ---- the weights x: evaluation, prediction, saving ----
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+    def evaluate(
+        self,
+        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
         """`Trainer.evaluate` at x; the optimizer's mode (and so y) is restored afterwards."""
         with evaluation_weights(self.optimizer):
-            return super().evaluate(*args, **kwargs)
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
-    def predict(self, *args: Any, **kwargs: Any) -> PredictionOutput:
+    def predict(
+        self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
+    ) -> PredictionOutput:
         """`Trainer.predict` at x; the optimizer's mode (and so y) is restored afterwards."""
         with evaluation_weights(self.optimizer):
-            return super().predict(*args, **kwargs)
+            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`Trainer.save_model` writing x; the live weights are y again afterwards, also if saving raises."""
@@ -192,9 +200,14 @@ class GPATrainer(Trainer):
                 OPTIMIZER_NAME,
             )
 
-    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> TrainOutput:
         """`Trainer.train`; afterwards the model holds x (the next training step switches back to y)."""
-        output = super().train(*args, **kwargs)
+        output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         inner = unwrap_gpa_optimizer(self.optimizer)
         if inner is not None:
             inner.eval()
@@ -237,7 +250,11 @@ class GPATrainer(Trainer):
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         # The stock checkpoint push uploads output_dir without a model card: write one, so that a repo pushed only
         # during training (--push_to_hub --hub_strategy checkpoint) still says how its weights were made.
-        if gpa_model_card_section(self.args) and self.is_world_process_zero() and self.args.hub_strategy != "end":
+        if (
+            gpa_model_card_section(self.args)
+            and self.is_world_process_zero()
+            and self.args.hub_strategy != HubStrategy.END
+        ):
             self.create_model_card(model_name=self._hub_model_name())
         super()._push_from_checkpoint(checkpoint_folder)
 

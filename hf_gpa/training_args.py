@@ -216,6 +216,25 @@ class GPATrainingArguments(TrainingArguments):
         if not 0.0 <= self.diloco_outer_momentum < 1.0:
             raise ValueError(f"--diloco_outer_momentum must lie in [0, 1), got {self.diloco_outer_momentum}")
 
+    def set_optimizer(
+        self,
+        name: str | OptimizerNames | GPAOptimizerNames = "adamw_torch",
+        learning_rate: float = 5e-5,
+        weight_decay: float = 0,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        epsilon: float = 1e-8,
+        args: str | None = None,
+    ) -> GPATrainingArguments:
+        """`TrainingArguments.set_optimizer` that also takes gpa_adamw, gpa and diloco_adamw, then checks the flags."""
+        value = name.value if isinstance(name, (OptimizerNames, GPAOptimizerNames)) else name
+        stock_name = OptimizerNames.ADAMW_TORCH if value in GPA_OPTIM_NAMES else value
+        super().set_optimizer(stock_name, learning_rate, weight_decay, beta1, beta2, epsilon, args)
+        if value in GPA_OPTIM_NAMES:
+            self.optim = GPAOptimizerNames(value)
+        self._check_gpa_flags(value)
+        return self
+
     @property
     def uses_gpa(self) -> bool:
         """True when `--optim` is one of hf_gpa's optimizers (gpa_adamw, gpa or diloco_adamw)."""

@@ -235,3 +235,12 @@ def test_to_dict_json_and_pickle_round_trip(kwargs, tmp_path):
         for name in GPA_FIELDS:
             assert getattr(other, name) == getattr(args, name), name
         assert type(other.optim) is type(args.optim)
+
+
+def test_set_optimizer_takes_gpa_names(tmp_path):
+    """args.set_optimizer(name=...) accepts our names (checked like the flags) and still the stock ones."""
+    args = make(tmp_path).set_optimizer(name="gpa_adamw", learning_rate=3e-3, beta1=0.8)
+    assert (args.optim, args.learning_rate, args.adam_beta1) == (GPAOptimizerNames.GPA_ADAMW, 3e-3, 0.8)
+    assert args.set_optimizer(name="sgd").optim is OptimizerNames.SGD
+    with pytest.raises(ValueError, match="--optim gpa needs --gpa_base_optim"):
+        make(tmp_path).set_optimizer(name="gpa")
