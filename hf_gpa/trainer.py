@@ -171,9 +171,10 @@ class GPATrainer(Trainer):
         if checkpoint is None or inner is None:
             return
         if inner.train_mode:
-            # Saved in train mode (not by GPATrainer): the model file then held y, nothing to switch.
+            # No optimizer state there (save_only_model), or one saved in train mode by another trainer: the
+            # weights file is then the only starting point there is, and training resumes from it as y.
             logger.warning(
-                "The optimizer state in %s was saved in train mode; resuming from its weights as they are.", checkpoint
+                "No eval-mode optimizer state in %s: resuming from its weights as the training point y.", checkpoint
             )
             return
         # The model holds the checkpoint's x and the optimizer its eval-mode state: train() restores y bitwise.
