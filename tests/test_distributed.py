@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import distributed_workers as dw
 import pytest
@@ -197,9 +198,48 @@ def test_fsdp2_eval_mode_checkpoint_resumes_bitwise(fsdp2: tuple) -> None:
     assert all(f["resume_eval_mode_bitwise"] for f in facts)
 
 
+
+# ---------------------------------------------------------------- the configs, as `accelerate launch` reads them
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+def _launch_settings(config: Path) -> tuple[Any, dict[str, str]]:
+    """The arguments and process environment `accelerate launch --config_file config` gives its workers."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(config), "x.py"]))
+    return args, prepare_multi_gpu_env(args)
+
+
+def test_fsdp2_config_builds_the_documented_plugin() -> None:
+    """accelerate_fsdp2.yaml gives FSDP2, full sharding, FULL_STATE_DICT saves and no activation checkpointing."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    args, env = _launch_settings(CONFIGS / "accelerate_fsdp2.yaml")
+    assert args.use_fsdp and not args.multi_gpu and args.num_processes == NPROC
+    with mock.patch.dict(os.environ, env):
+        plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2
+    assert plugin.reshard_after_forward is True  # FULL_SHARD: parameters re-sharded after the forward
+    assert str(plugin.state_dict_type).endswith("FULL_STATE_DICT")  # save_model/checkpoints gather the full x
+    assert plugin.activation_checkpointing is False
+    assert not isinstance(plugin.cpu_offload, CPUOffloadPolicy)  # GPA's state stays next to its shard
+
+
+def test_ddp_config_is_plain_data_parallel() -> None:
+    """accelerate_ddp.yaml launches NPROC data-parallel processes with no FSDP or DeepSpeed plugin."""
+    args, env = _launch_settings(CONFIGS / "accelerate_ddp.yaml")
+    assert args.multi_gpu and not args.use_fsdp and not args.use_deepspeed and args.num_processes == NPROC
+    assert env["ACCELERATE_MIXED_PRECISION"] == "no"
+    assert not any(key.startswith(("FSDP_", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")) for key in env)
+
+
 # ---------------------------------------------------------------- DDP: GPATrainer under accelerate launch (CPU, gloo)
 
-ACCELERATE_DDP_CONFIG = Path(__file__).parent.parent / "configs" / "accelerate_ddp.yaml"
+ACCELERATE_DDP_CONFIG = CONFIGS / "accelerate_ddp.yaml"
 
 
 def _free_port() -> int:
