@@ -23,7 +23,7 @@ from transformers.training_args import OptimizerNames
 from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer, x_state_dict
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
 from hf_gpa.trainer import GPATrainer
-from hf_gpa.training_args import GPATrainingArguments
+from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
 
 MU_X, MU_Y = 0.5, 0.7  # a short memory so that x, y and the initial weights are far apart after a few steps
 
@@ -416,6 +416,9 @@ def test_checkpoint_holds_x_and_loads_with_from_pretrained(llama_runs):
         assert max_abs_diff(x_file, snapshots.saved_y[step]) > 1e-4
         assert_equal_dicts(snapshots.saved_y[step], snapshots.y[step])  # the save left y in place
         assert_equal_dicts(params_of(LlamaForCausalLM.from_pretrained(path)), snapshots.saved_x[step])
+        saved_args = torch.load(os.path.join(path, "training_args.bin"), weights_only=False)
+        assert type(saved_args) is GPATrainingArguments and saved_args.optim is GPAOptimizerNames.GPA_ADAMW
+        assert (saved_args.gpa_mu_x, saved_args.gpa_mu_y) == (MU_X, MU_Y)
 
 
 def manual_loss(model: nn.Module, dataset: TokenDataset) -> tuple[float, torch.Tensor]:
