@@ -24,6 +24,7 @@ STEPS = 3  # steps of every FSDP2 scenario
 GLOBAL_BATCH = 8  # rows per step, split evenly over the ranks
 ADAMW_KW: dict[str, Any] = dict(lr=0.05, betas=(0.9, 0.99), weight_decay=0.1, mu_x=0.9, mu_y=0.5)
 SGD_KW: dict[str, Any] = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, mu_x=0.9, mu_y=0.5)
+DILOCO_KW: dict[str, Any] = dict(inner_steps=2, outer_lr=0.7, outer_momentum=0.9, lr=0.05, weight_decay=0.1)
 
 
 # ---------------------------------------------------------------- shared with the oracle
@@ -217,7 +218,7 @@ def fsdp2(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from hf_gpa import GPA, GPAAdamW
+    from hf_gpa import GPA, DiLoCo, GPAAdamW
     from hf_gpa.optim._kernels import load_cpu_kernel
 
     rank = dist.get_rank()
@@ -281,6 +282,13 @@ def fsdp2(out: Path) -> None:
     _train_steps(model, opt, range(STEPS), f64)
     full["gpa_sgd_y"] = [p.full_tensor() for p in model.parameters()]
     full["gpa_sgd_x"] = _full_x(model, opt)
+
+    # DiLoCo (the baseline) around AdamW: one outer step within the 3 steps; its outer weights are its x.
+    model = _shard(build_mlp(f64))
+    opt = DiLoCo(model.parameters(), base=torch.optim.AdamW, **DILOCO_KW)
+    _train_steps(model, opt, range(STEPS), f64)
+    full["diloco_y"] = [p.full_tensor() for p in model.parameters()]
+    full["diloco_x"] = _full_x(model, opt)
 
     # The optimizer built before wrapping (as Trainer.create_optimizer does), its parameters then switched to the
     # shards by accelerate's own helper: nothing was created early, so nothing is lost.
