@@ -20,7 +20,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, get_scheduler
 from transformers.training_args import OptimizerNames
 
-from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer, x_state_dict
+from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
 from hf_gpa.trainer import GPATrainer
 from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
@@ -618,23 +618,6 @@ def test_diloco_adamw_trains_and_saves_outer_weights(tmp_path):
     x_file = load_file(os.path.join(tmp_path, "checkpoint-3", "model.safetensors"))
     assert_equal_dicts(x_file, snapshots.saved_x[3])
     assert_equal_dicts(snapshots.saved_y[3], snapshots.y[3])
-
-
-def test_x_state_dict_leaves_y(tmp_path):
-    """x_state_dict returns x and leaves the parameters at y bitwise (the optimizer back in train mode)."""
-    model = TinyRegressor().double()
-    optimizer = GPAAdamW(model.parameters(), lr=0.1, mu_x=MU_X, mu_y=MU_Y)
-    for _ in range(3):
-        model.zero_grad()
-        model(**RegressionDataset(8, seed=1)[:])["loss"].backward()
-        optimizer.step()
-    y = params_of(model)
-    x = x_state_dict(model, optimizer)
-    assert optimizer.train_mode
-    assert_equal_dicts(params_of(model), y)
-    optimizer.eval()
-    assert_equal_dicts(params_of(model), {n: x[n] for n in y})
-    assert max_abs_diff(x, y) > 1e-4
 
 
 class ImageDataset(torch.utils.data.Dataset):
