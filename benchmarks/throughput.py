@@ -1,0 +1,225 @@
+"""End-to-end training throughput: ``GPATrainer`` with ``--optim gpa_adamw`` against the stock ``Trainer`` with
+``--optim adamw_torch_fused``, on the same model, data and arguments, measured side by side in one run.
+
+Why this file exists: the optimizer step of GPA costs a little more than AdamW's (one more state tensor), and
+``GPATrainer`` adds mode switches around evaluation and saving; what a user pays is the ratio of tokens per second
+of the whole training step (data, forward, backward, clipping, optimizer, scheduler, callbacks). The two trainers
+take turns (rounds alternate the order, ABBA), each round trains a fresh copy of the same initial model for
+``--steps`` steps, and the tokens/s of a round is timed from the end of step ``--warmup`` to the last step, so
+one-time costs (kernel load, allocator warm-up, dataloader start) are left out. The table reports the median over
+rounds and the ratio of medians; a benchmark, never a test (run it on a quiet machine).
+
+    python benchmarks/throughput.py                          # Llama 5M, seq 256, batch 8
+    python benchmarks/throughput.py --quick                  # a quick look (tiny model, few steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("throughput")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The shared model, data and loop; both trainers get exactly this."""
+
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 688
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 25
+    warmup: int = 5
+    rounds: int = 6
+    #: torch threads (None: torch's default); 1 gives steadier numbers on a shared machine.
+    threads: int | None = None
+
+
+QUICK = Setup(vocab_size=512, hidden_size=32, num_layers=2, intermediate_size=64, seq_len=64, batch_size=4, steps=8,
+              warmup=2, rounds=2)  # fmt: skip
+
+
+class _Windows(torch.utils.data.Dataset):
+    """Fixed token windows as causal-LM examples (labels = input_ids, the model shifts them)."""
+
+    def __init__(self, windows: torch.Tensor) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return self.windows.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = self.windows[index].long()
+        return {"input_ids": ids, "labels": ids}
+
+
+def _dataset(setup: Setup) -> _Windows:
+    from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
+
+    tokenizer = get_default_tokenizer(vocab_size=setup.vocab_size)
+    needed = (setup.steps * setup.batch_size + 1) * setup.seq_len
+    ids: list[int] = []
+    for text in load_stdlib_texts("train"):
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if len(ids) >= needed:
+            break
+    stream = torch.tensor(ids[: len(ids) // setup.seq_len * setup.seq_len])
+    return _Windows(stream.view(-1, setup.seq_len))
+
+
+def _model(setup: Setup) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=setup.vocab_size,
+        hidden_size=setup.hidden_size,
+        intermediate_size=setup.intermediate_size,
+        num_hidden_layers=setup.num_layers,
+        num_attention_heads=setup.num_heads,
+        num_key_value_heads=setup.num_heads,
+        max_position_embeddings=setup.seq_len,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+class _StepClock:
+    """A TrainerCallback that stamps the end of every optimizer step."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class _Callback(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                clock.stamps.append(time.perf_counter())
+
+        self.stamps: list[float] = []
+        self.callback = _Callback()
+
+
+def _train_once(name: str, setup: Setup, model: torch.nn.Module, dataset: _Windows, out_dir: str) -> float:
+    """Train a fresh copy of ``model`` with trainer ``name``; tokens/s after the warm-up steps."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_gpa import GPATrainer, GPATrainingArguments
+
+    common: dict[str, Any] = dict(
+        output_dir=out_dir,
+        max_steps=setup.steps,
+        per_device_train_batch_size=setup.batch_size,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, setup.steps // 10),
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    if name == "gpa_adamw":
+        args = GPATrainingArguments(optim="gpa_adamw", gpa_inner_steps=32, gpa_mu_y=0.7, **common)
+        trainer_cls: type[Trainer] = GPATrainer
+    else:
+        args = TrainingArguments(optim="adamw_torch_fused", **common)
+        trainer_cls = Trainer
+    clock = _StepClock()
+    trainer = trainer_cls(model=copy.deepcopy(model), args=args, train_dataset=dataset, callbacks=[clock.callback])
+    trainer.train()
+    timed = clock.stamps[setup.warmup - 1 :]
+    return (len(timed) - 1) * setup.batch_size * setup.seq_len / (timed[-1] - timed[0])
+
+
+def measure(setup: Setup) -> dict[str, Any]:
+    """Per-round tokens/s of both trainers, their medians, the ratio of medians and the median per-round ratio."""
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    dataset = _dataset(setup)
+    model = _model(setup)
+    names = ("adamw_torch_fused", "gpa_adamw")
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        _train_once("gpa_adamw", setup, model, dataset, tmp)  # untimed: loads the fused kernel, warms caches
+        for r in range(setup.rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                rates[name].append(_train_once(name, setup, model, dataset, tmp))
+                logger.info("round %d %-18s %.0f tokens/s", r, name, rates[name][-1])
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    ratios = [g / a for g, a in zip(rates["gpa_adamw"], rates["adamw_torch_fused"])]
+    return {
+        "setup": asdict(setup),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "device": "cuda" if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "torch_threads": torch.get_num_threads(),
+        "tokens_per_s": rates,
+        "median_tokens_per_s": medians,
+        "ratio_of_medians": medians["gpa_adamw"] / medians["adamw_torch_fused"],
+        "median_round_ratio": statistics.median(ratios),
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """A markdown table of the medians and the ratio."""
+    med = result["median_tokens_per_s"]
+    lines = [
+        f"{result['parameters'] / 1e6:.1f}M-parameter Llama, seq {result['setup']['seq_len']} x batch "
+        f"{result['setup']['batch_size']}, {result['setup']['rounds']} rounds on {result['device']}, "
+        f"{result['torch_threads']} threads",
+        "",
+        "| trainer | optim | median tokens/s |",
+        "|---|---|---|",
+        f"| Trainer | adamw_torch_fused | {med['adamw_torch_fused']:.0f} |",
+        f"| GPATrainer | gpa_adamw | {med['gpa_adamw']:.0f} |",
+        "",
+        f"ratio of medians (GPATrainer / Trainer): **{result['ratio_of_medians']:.3f}**; median per-round ratio "
+        f"{result['median_round_ratio']:.3f}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, measure, print the table and write it with the raw numbers as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/throughput"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    setup = QUICK if args.quick else Setup()
+    overrides = {k: v for k, v in (("rounds", args.rounds), ("steps", args.steps), ("threads", args.threads)) if v}
+    setup = Setup(**{**asdict(setup), **overrides})
+    result = measure(setup)
+    text = table(result)
+    print(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "throughput.json").write_text(json.dumps(result, indent=1))
+    (args.out_dir / "throughput.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
