@@ -32,6 +32,9 @@ NPROC = 2
 LAUNCH_TIMEOUT_S = 180  # a scenario takes ~10-30 s on 2 shared cores; past this it is a hang, not slowness
 F64 = dict(rtol=1e-10, atol=1e-12)  # reduction order only (the gradient all-reduce/reduce-scatter)
 F32 = dict(rtol=1e-5, atol=1e-6)
+# DDP vs one process, fp32 Llama: Adam's normalization turns the all-reduce's ~1e-7 gradient differences into up to
+# ~5e-7 in the weights (measured), against updates of ~1e-2 (lr) per step.
+DDP_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 def launch(launcher: list[str], scenario: str, out: Path, timeout: float = LAUNCH_TIMEOUT_S) -> list[dict[str, Any]]:
@@ -305,7 +308,10 @@ def test_ddp_saved_x_matches_single_process(ddp: tuple, single_process: tuple, s
     expected = load_file(single / "run" / saved / "model.safetensors")
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], **F32)
+        torch.testing.assert_close(actual[name], expected[name], **DDP_TOL)
+    initial = dw.tiny_llama().state_dict()
+    moved = max((expected[n] - initial[n]).abs().max().item() for n in expected)
+    assert moved > 100 * DDP_TOL["atol"]  # the tolerance is far below what training changed
 
 
 def test_ddp_only_rank_zero_writes(ddp: tuple) -> None:
