@@ -273,6 +273,7 @@ def fsdp2(out: Path) -> None:
     opt = GPAAdamW(model.parameters(), **ADAMW_KW)
     _train_steps(model, opt, range(STEPS), torch.float32)
     facts["fused_kernel_available"] = load_cpu_kernel() is not None
+    facts["default_implementation"] = opt._implementation(opt.param_groups[0], _locals(model.parameters()))
     full["default_fp32_y"] = [p.full_tensor() for p in model.parameters()]
     full["default_fp32_x"] = _full_x(model, opt)
 
@@ -297,7 +298,7 @@ def fsdp2(out: Path) -> None:
     model = build_mlp(f64)
     opt = GPAAdamW(model.parameters(), **ADAMW_KW, foreach=True)
     names = [n for n, _ in model.named_parameters()]
-    old = {n: p.data_ptr for n, p in model.named_parameters()}
+    old = {n: p.data_ptr for n, p in model.named_parameters()}  # the helper looks params up by `p.data_ptr`
     facts["prewrap_state_entries"] = len(opt.state)
     _shard(model)
     new = dict(model.named_parameters())
