@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -68,6 +69,33 @@ def torchrun(scenario: str, out: Path) -> list[dict[str, Any]]:
 
 def _tail(log: Path, chars: int = 6000) -> str:
     return log.read_text(errors="replace")[-chars:]
+
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped by its new parent, counts as dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_a_hanging_launch_fails_and_its_ranks_are_killed(tmp_path: Path) -> None:
+    """A launch that hangs fails at its timeout, and its whole process group, the ranks included, is killed."""
+    # Stands in for a launcher whose rank never returns from a collective: no torch, so it starts in milliseconds.
+    hang = (
+        "import subprocess, sys, time; "
+        "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "open(sys.argv[3] + '/rank.pid', 'w').write(str(rank.pid)); time.sleep(600)"
+    )
+    with pytest.raises(pytest.fail.Exception, match="hung"):
+        launch(["-c", hang], "hang", tmp_path, timeout=5)
+    pid = int((tmp_path / "rank.pid").read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:  # SIGKILL is delivered asynchronously
+        time.sleep(0.05)
+    assert not _alive(pid)
 
 
 # ---------------------------------------------------------------- FSDP2 (fully_shard on CPU, gloo)
