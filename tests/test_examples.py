@@ -198,3 +198,137 @@ def test_clm_bad_flags_fail_clearly(run_clm: ModuleType, argv: list[str], messag
     """A wrong flag fails before any data or model is loaded, with a ValueError that names it."""
     with pytest.raises(ValueError, match=message):
         run_clm.parse_args(["--output_dir", "unused", *argv])
+
+
+# --- run_vit_gpa.py --------------------------------------------------------------------------------------------------
+
+TINY_VIT: dict[str, object] = {
+    "max_steps": 4,
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 16,
+    "max_train_samples": 64,
+    "max_eval_samples": 32,
+    "config_overrides": "hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=32",
+    "eval_strategy": "no",
+    "report_to": "none",
+    "disable_tqdm": True,
+    "dataloader_pin_memory": False,
+}
+
+
+@pytest.fixture(scope="module")
+def run_vit() -> ModuleType:
+    return _load_script("run_vit_gpa")
+
+
+@pytest.fixture(scope="module")
+def vit_default_run(tmp_path_factory: pytest.TempPathFactory, run_vit: ModuleType) -> Path:
+    """One tiny training run of run_vit_gpa.py on scikit-learn's digits with the default GPA recipe."""
+    output_dir = tmp_path_factory.mktemp("vit")
+    _run_main(run_vit, ["--output_dir", str(output_dir), *_as_argv(TINY_VIT)])
+    return output_dir
+
+
+def test_vit_default_run_reports_accuracy(vit_default_run: Path) -> None:
+    """all_results.json has train metrics and eval accuracy (from the local evaluate module) on 32 images."""
+    results = _results(vit_default_run)
+    for key in ("train_loss", "train_runtime", "eval_loss", "eval_accuracy", "eval_samples"):
+        assert key in results, key
+    assert results["eval_samples"] == 32 and results["train_samples"] == 64
+    assert 0.0 <= results["eval_accuracy"] <= 1.0 and math.isfinite(results["eval_loss"])
+    args = torch.load(vit_default_run / "training_args.bin", weights_only=False)
+    assert str(getattr(args.optim, "value", args.optim)) == "gpa_adamw" and args.remove_unused_columns is False
+
+
+def test_vit_saved_model_and_processor_reproduce_eval(vit_default_run: Path) -> None:
+    """model.safetensors and the saved image processor reload and give the reported eval loss and accuracy."""
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    from hf_gpa.data import load_digits_dataset
+
+    assert (vit_default_run / "model.safetensors").is_file()
+    assert (vit_default_run / "preprocessor_config.json").is_file()
+    model = AutoModelForImageClassification.from_pretrained(vit_default_run).eval()
+    processor = AutoImageProcessor.from_pretrained(vit_default_run)
+    assert model.config.id2label == {i: str(i) for i in range(10)}
+    # The script's eval set: 15% split off (seed 42, stratified), shuffled with the seed, the first 32.
+    split = load_digits_dataset().train_test_split(0.15, seed=42, stratify_by_column="label")
+    validation = split["test"].shuffle(seed=42).select(range(32))
+    pixels = processor([image.convert("RGB") for image in validation["image"]], return_tensors="pt")["pixel_values"]
+    labels = torch.tensor(validation["label"])
+    with torch.no_grad():
+        output = model(pixel_values=pixels, labels=labels)
+    results = _results(vit_default_run)
+    accuracy = (output.logits.argmax(-1) == labels).float().mean().item()
+    assert accuracy == pytest.approx(results["eval_accuracy"], abs=1e-6)
+    torch.testing.assert_close(output.loss.item(), results["eval_loss"], rtol=1e-4, atol=1e-5)
+
+
+def test_vit_user_train_dir(tmp_path: Path, run_vit: ModuleType) -> None:
+    """A user image folder (--train_dir, imagefolder layout) trains, with its class names as the labels."""
+    from PIL import Image
+    from transformers import AutoConfig
+
+    generator = torch.Generator().manual_seed(0)
+    for label, channel in (("cat", 0), ("dog", 2)):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for i in range(10):
+            pixels = torch.randint(0, 80, (12, 12, 3), generator=generator, dtype=torch.uint8)
+            pixels[..., channel] += 150
+            Image.fromarray(pixels.numpy()).save(tmp_path / "images" / label / f"{i}.png")
+    flags = {**TINY_VIT, "max_train_samples": 16, "max_eval_samples": 4, "train_val_split": 0.2}
+    _run_main(
+        run_vit, ["--output_dir", str(tmp_path / "out"), "--train_dir", str(tmp_path / "images"), *_as_argv(flags)]
+    )
+    results = _results(tmp_path / "out")
+    assert results["eval_samples"] == 4 and math.isfinite(results["eval_loss"])
+    assert AutoConfig.from_pretrained(tmp_path / "out").id2label == {0: "cat", 1: "dog"}
+
+
+def test_vit_defaults_yield_to_user_flags(run_vit: ModuleType) -> None:
+    """Script defaults fill only the flags not given; the digits sizing applies only to the embedded dataset."""
+    _, data_args, args = run_vit.parse_args(["--output_dir", "unused"])
+    assert args.optim.value == "gpa_adamw" and args.do_train and args.do_eval
+    assert (args.num_train_epochs, args.gpa_inner_steps, data_args.horizontal_flip) == (30, 8, False)
+    _, data_args, args = run_vit.parse_args(["--output_dir", "unused", "--max_steps", "10", "--horizontal_flip"])
+    assert args.max_steps == 10 and args.num_train_epochs == 3.0 and data_args.horizontal_flip
+    _, data_args, args = run_vit.parse_args(["--output_dir", "unused", "--dataset_name", "user/images"])
+    assert args.lr_scheduler_type.value == "cosine" and args.remove_unused_columns is False
+    assert args.num_train_epochs == 3.0 and data_args.min_crop_scale == 0.08
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--not_a_flag", "1"], "not used by the HfArgumentParser"),
+        (["--train_dir", "/nonexistent/images"], "not a directory"),
+        (["--min_crop_scale", "0"], "min_crop_scale"),
+        (["--gpa_mu_y", "0"], "gpa_mu_y"),
+        (["--model_type", "llama"], "image-classification model type"),
+    ],
+)
+def test_vit_bad_flags_fail_clearly(run_vit: ModuleType, argv: list[str], message: str) -> None:
+    """A wrong flag fails before any data or model is loaded, with a ValueError that names it."""
+    with pytest.raises(ValueError, match=message):
+        run_vit.parse_args(["--output_dir", "unused", *argv])
+
+
+def test_vit_missing_label_column_fails_clearly(tmp_path: Path, run_vit: ModuleType) -> None:
+    """A --label_column_name absent from the dataset fails before the model is built, listing the columns."""
+    with pytest.raises(ValueError, match="one of image, label"):
+        run_vit.main(["--output_dir", str(tmp_path), "--label_column_name", "digit"])
+
+
+def test_random_resized_crop_stays_inside_and_repeats(run_vit: ModuleType) -> None:
+    """Crops are sub-rectangles of at least min_scale of the area (up to rounding), identical for equal seeds."""
+    import random
+
+    from PIL import Image
+
+    image = Image.new("RGB", (8, 8))
+    crops = [run_vit.random_resized_crop(image, 0.5, random.Random(3)).size for _ in range(2)]
+    assert crops[0] == crops[1]
+    rng = random.Random(0)
+    for _ in range(200):
+        width, height = run_vit.random_resized_crop(image, 0.5, rng).size
+        assert 0 < width <= 8 and 0 < height <= 8 and width * height >= 0.5 * 64 * 0.7

@@ -1,8 +1,10 @@
 """Embedded default corpora for the example scripts and benchmarks (no network needed).
 
-See :mod:`hf_gpa.data.stdlib_corpus` for the corpus definition, the train/validation split and the tokenizer.
+See :mod:`hf_gpa.data.stdlib_corpus` for the text corpus (its train/validation split and the tokenizer) and
+:mod:`hf_gpa.data.digits` for the image dataset.
 """
 
+from .digits import DIGIT_NAMES, load_digits_dataset
 from .stdlib_corpus import (
     EOS_TOKEN,
     MAX_FILE_BYTES,
@@ -17,6 +19,7 @@ from .stdlib_corpus import (
 )
 
 __all__ = [
+    "DIGIT_NAMES",
     "EOS_TOKEN",
     "MAX_FILE_BYTES",
     "SPLITS",
@@ -24,6 +27,7 @@ __all__ = [
     "corpus_fingerprint",
     "default_cache_dir",
     "get_default_tokenizer",
+    "load_digits_dataset",
     "load_stdlib_texts",
     "stdlib_root",
     "stdlib_source_files",

@@ -1,0 +1,616 @@
+#!/usr/bin/env python
+"""Image classification (ViT and other AutoModelForImageClassification models) with the GPA optimizer.
+
+This is transformers' ``examples/pytorch/image-classification/run_image_classification.py`` with two names changed
+(``TrainingArguments`` -> ``GPATrainingArguments``, ``Trainer`` -> ``GPATrainer``), an offline default for every
+input, and the paper's training recipe as the default. Accuracy comes from `evaluate` loaded from the metric module
+that ships in hf_gpa (:data:`hf_gpa.metrics.ACCURACY`), since evaluate's Hub metrics need a network.
+
+With no dataset and no model named, the script needs no network:
+
+* data: scikit-learn's bundled handwritten digits (:func:`hf_gpa.data.load_digits_dataset`, 1,797 8x8 images),
+  15% split off for validation, stratified by label, with ``--seed``;
+* model: a small ViT built from a config (:data:`DEFAULT_VIT_CONFIG`, 16x16 inputs in 4x4 patches) and a matching
+  ``ViTImageProcessor`` (resize to 16x16, normalize to [-1, 1]);
+* training: :data:`EMBEDDED_DEFAULTS` (30 epochs of 32 images), a few minutes on 2 CPU cores.
+
+Train-time augmentation is a random resized crop (``--min_crop_scale``) and an optional horizontal flip
+(``--horizontal_flip``), done on the PIL image before the image processor; evaluation sees the whole image.
+Without torchvision this uses PIL only.
+
+Defaults, in the order they apply (a flag given on the command line or in the JSON file always wins):
+
+* :data:`GPA_RECIPE_DEFAULTS`, always: ``--optim gpa_adamw``, 10% linear warmup, cosine decay, weight decay 0.1,
+  gradient clipping at 1.0 (the paper's recipe), and ``--remove_unused_columns false`` (the image column must
+  reach the transform);
+* :data:`EMBEDDED_DEFAULTS`, when no ``--dataset_name``/``--train_dir``/``--validation_dir`` is given;
+* ``--do_train --do_eval`` when none of ``--do_train``/``--do_eval``/``--do_predict`` is given.
+
+Examples::
+
+    python run_vit_gpa.py --output_dir outputs/vit-gpa                       # the embedded default
+    python run_vit_gpa.py --output_dir outputs/vit-adamw --optim adamw_torch   # the same run with AdamW
+    python run_vit_gpa.py --train_dir my_images/train --validation_dir my_images/val --output_dir outputs/mine
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import evaluate
+import numpy as np
+import torch
+import transformers
+from datasets import DatasetDict, load_dataset
+from PIL import Image
+from transformers import (
+    CONFIG_MAPPING,
+    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModelForImageClassification,
+    EvalPrediction,
+    HfArgumentParser,
+    PreTrainedConfig,
+    ViTConfig,
+    ViTImageProcessorPil,
+    set_seed,
+)
+from transformers.image_processing_utils import BaseImageProcessor
+from transformers.trainer_utils import get_last_checkpoint
+
+from hf_gpa import GPATrainer, GPATrainingArguments
+from hf_gpa.data import load_digits_dataset
+from hf_gpa.metrics import ACCURACY
+
+logger = logging.getLogger(__name__)
+
+MODEL_CONFIG_CLASSES = list(MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING.keys())
+MODEL_TYPES = tuple(conf.model_type for conf in MODEL_CONFIG_CLASSES)
+
+#: The paper's recipe for GPA-AdamW: applied unless the flag is given. The image column must survive until the
+#: on-the-fly transform, hence remove_unused_columns=False (which upstream's README passes by hand).
+GPA_RECIPE_DEFAULTS: dict[str, Any] = {
+    "optim": "gpa_adamw",
+    "warmup_steps": 0.1,  # a float in [0, 1) is a ratio of the total steps
+    "lr_scheduler_type": "cosine",
+    "weight_decay": 0.1,
+    "max_grad_norm": 1.0,
+    "remove_unused_columns": False,
+}
+
+#: Sizing of the embedded default (digits, small ViT): a few minutes on 2 CPU cores, well above chance accuracy.
+#: Applied unless the flag is given, and only when no dataset or image folder is named.
+EMBEDDED_DEFAULTS: dict[str, Any] = {
+    "num_train_epochs": 30,
+    "learning_rate": 2e-3,
+    "per_device_train_batch_size": 32,
+    "per_device_eval_batch_size": 64,
+    "logging_steps": 20,
+    "eval_strategy": "epoch",
+    "save_strategy": "no",
+    # Digits are not mirror-symmetric, and 8x8 images have little room to crop.
+    "horizontal_flip": False,
+    "min_crop_scale": 0.7,
+    # 1,440 steps: a shorter averaging window than the paper's H = 32 (mu_x = 0.9967) tuned for ~10^4 steps.
+    "gpa_inner_steps": 8,
+}
+
+# A default that is left out when the user gives any of the flags it is coupled to.
+_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
+    "num_train_epochs": ("max_steps",),
+    "gpa_inner_steps": ("gpa_mu_x",),
+}
+
+#: The default model: a 4-layer ViT on 16x16 images in 4x4 patches (16 patches + CLS; about 0.3M parameters).
+DEFAULT_VIT_CONFIG: dict[str, Any] = {
+    "image_size": 16,
+    "patch_size": 4,
+    "num_channels": 3,
+    "hidden_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "intermediate_size": 192,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+
+
+@dataclass
+class DataTrainingArguments:
+    """What data to train and evaluate on. No dataset or folder: scikit-learn's bundled digits."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Name of a dataset from the hub (could be your own, possibly private dataset hosted on the hub). "
+                "Unset (and no --train_dir/--validation_dir): scikit-learn's bundled digits."
+            )
+        },
+    )
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."}
+    )
+    train_dir: str | None = field(default=None, metadata={"help": "A folder containing the training data."})
+    validation_dir: str | None = field(default=None, metadata={"help": "A folder containing the validation data."})
+    train_val_split: float | None = field(
+        default=0.15, metadata={"help": "Percent to split off of train for validation."}
+    )
+    max_train_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "For debugging purposes or quicker training, truncate the number of training examples to this "
+                "value if set."
+            )
+        },
+    )
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "For debugging purposes or quicker training, truncate the number of evaluation examples to this "
+                "value if set."
+            )
+        },
+    )
+    image_column_name: str = field(
+        default="image",
+        metadata={"help": "The name of the dataset column containing the image data. Defaults to 'image'."},
+    )
+    label_column_name: str = field(
+        default="label",
+        metadata={"help": "The name of the dataset column containing the labels. Defaults to 'label'."},
+    )
+    min_crop_scale: float = field(
+        default=0.08,
+        metadata={
+            "help": (
+                "Train-time augmentation: the smallest area fraction of the random resized crop, in (0, 1] "
+                "(1 keeps whole images; 0.08 as torchvision's RandomResizedCrop)."
+            )
+        },
+    )
+    horizontal_flip: bool = field(
+        default=True, metadata={"help": "Train-time augmentation: flip images left-right with probability 1/2."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.train_val_split is not None and not 0.0 <= self.train_val_split < 1.0:
+            raise ValueError(f"--train_val_split must lie in [0, 1), got {self.train_val_split}")
+        if not 0.0 < self.min_crop_scale <= 1.0:
+            raise ValueError(f"--min_crop_scale must lie in (0, 1], got {self.min_crop_scale}")
+        for flag in ("train_dir", "validation_dir"):
+            path = getattr(self, flag)
+            if path is not None and not os.path.isdir(path):
+                raise ValueError(f"--{flag} {path!r} is not a directory (the imagefolder loader reads a folder)")
+
+    @property
+    def uses_embedded_dataset(self) -> bool:
+        """True when no dataset or folder is named, so scikit-learn's digits are used."""
+        return self.dataset_name is None and self.train_dir is None and self.validation_dir is None
+
+
+@dataclass
+class ModelArguments:
+    """Which model/config/image processor to fine-tune, or train from scratch."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Path to pretrained model or model identifier from huggingface.co/models. Unset: train a model from "
+                "scratch (by default the small ViT of DEFAULT_VIT_CONFIG)."
+            )
+        },
+    )
+    model_type: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "If training from scratch, the model type whose default config to use, one of: "
+                + ", ".join(MODEL_TYPES)
+                + ". Unset: a small ViT (DEFAULT_VIT_CONFIG)."
+            )
+        },
+    )
+    config_name: str | None = field(
+        default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"}
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Override some existing default config settings when a model is trained from scratch. Example: "
+                "hidden_size=64,num_hidden_layers=2"
+            )
+        },
+    )
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Where do you want to store the pretrained models downloaded from s3"}
+    )
+    model_revision: str = field(
+        default="main",
+        metadata={"help": "The specific model version to use (can be a branch name, tag name or commit id)."},
+    )
+    image_processor_name: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Name or path of preprocessor config. Unset (and no --model_name_or_path): a ViTImageProcessor "
+                "that resizes to the config's image_size and normalizes to [-1, 1]."
+            )
+        },
+    )
+    token: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "The token to use as HTTP bearer authorization for remote files. If not specified, will use the "
+                "token generated when running `hf auth login` (stored in `~/.huggingface`)."
+            )
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Whether to trust the execution of code from datasets/models defined on the Hub. This option should "
+                "only be set to `True` for repositories you trust and in which you have read the code, as it will "
+                "execute code present on the Hub on your local machine."
+            )
+        },
+    )
+    ignore_mismatched_sizes: bool = field(
+        default=False,
+        metadata={"help": "Will enable to load a pretrained model whose head dimensions are different."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.config_overrides is not None and (self.config_name is not None or self.model_name_or_path is not None):
+            raise ValueError(
+                "--config_overrides can't be used in combination with --config_name or --model_name_or_path"
+            )
+        if self.model_type is not None and self.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"--model_type {self.model_type!r} is not an image-classification model type; use one of {MODEL_TYPES}"
+            )
+
+
+def _flag_names(argv: Sequence[str]) -> set[str]:
+    """The field names of the flags in argv (``--do-train=true`` -> ``do_train``)."""
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0].replace("-", "_")
+            names.add(name[3:] if name.startswith("no_") else name)
+    return names
+
+
+def _defaults_for(given: set[str], uses_embedded_dataset: bool) -> dict[str, Any]:
+    """The script's defaults for every flag the user did not give."""
+    defaults = dict(GPA_RECIPE_DEFAULTS)
+    if uses_embedded_dataset:
+        defaults.update(EMBEDDED_DEFAULTS)
+    if not given & {"do_train", "do_eval", "do_predict"}:
+        defaults.update(do_train=True, do_eval=True)
+    return {
+        name: value
+        for name, value in defaults.items()
+        if name not in given and not given & set(_COUPLED_FLAGS.get(name, ()))
+    }
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+) -> tuple[ModelArguments, DataTrainingArguments, GPATrainingArguments]:
+    """Parse the command line (or one JSON file), filling in the script's defaults for flags not given."""
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, GPATrainingArguments))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
+        given = set(given_dict)
+        embedded = not {"dataset_name", "train_dir", "validation_dir"} & {k for k, v in given_dict.items() if v}
+        return parser.parse_dict({**_defaults_for(given, embedded), **given_dict})
+    given = _flag_names(argv)
+    # A first pass over the data flags only, to learn whether the embedded dataset is used.
+    (data_args, _) = HfArgumentParser(DataTrainingArguments).parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True
+    )
+    prefix: list[str] = []
+    for name, value in _defaults_for(given, data_args.uses_embedded_dataset).items():
+        prefix += [f"--{name}", str(value)]
+    return parser.parse_args_into_dataclasses(args=prefix + argv)
+
+
+def load_raw_dataset(model_args: ModelArguments, data_args: DataTrainingArguments, seed: int) -> datasets.DatasetDict:
+    """The train and validation splits as named by the flags (validation split off train when missing)."""
+    if data_args.uses_embedded_dataset:
+        logger.info("No dataset given: using scikit-learn's bundled digits (hf_gpa.data.load_digits_dataset)")
+        dataset = DatasetDict({"train": load_digits_dataset()})
+    elif data_args.dataset_name is not None:
+        dataset = load_dataset(
+            data_args.dataset_name,
+            data_args.dataset_config_name,
+            cache_dir=model_args.cache_dir,
+            token=model_args.token,
+            trust_remote_code=model_args.trust_remote_code,
+        )
+    else:
+        data_files = {}
+        if data_args.train_dir is not None:
+            data_files["train"] = os.path.join(data_args.train_dir, "**")
+        if data_args.validation_dir is not None:
+            data_files["validation"] = os.path.join(data_args.validation_dir, "**")
+        dataset = load_dataset("imagefolder", data_files=data_files, cache_dir=model_args.cache_dir)
+
+    # If we don't have a validation split, split off a percentage of train as validation (seeded, and stratified
+    # when the labels are a ClassLabel, so that every class is in both splits).
+    if "validation" not in dataset and data_args.train_val_split:
+        if "train" not in dataset:
+            raise ValueError("No train split to take a validation split from: pass --validation_dir or a dataset")
+        stratify = data_args.label_column_name
+        if not isinstance(dataset["train"].features.get(stratify), datasets.ClassLabel):
+            stratify = None
+        split = dataset["train"].train_test_split(data_args.train_val_split, seed=seed, stratify_by_column=stratify)
+        dataset["train"] = split["train"]
+        dataset["validation"] = split["test"]
+    return dataset
+
+
+def build_config(model_args: ModelArguments, labels: list[str]) -> PreTrainedConfig:
+    """The model config with this dataset's labels: pretrained, a stock model type's default, or the small ViT."""
+    label2id = {label: i for i, label in enumerate(labels)}
+    id2label = dict(enumerate(labels))
+    common: dict[str, Any] = {
+        "num_labels": len(labels),
+        "label2id": label2id,
+        "id2label": id2label,
+        "finetuning_task": "image-classification",
+    }
+    name = model_args.config_name or model_args.model_name_or_path
+    if name:
+        return AutoConfig.from_pretrained(
+            name,
+            cache_dir=model_args.cache_dir,
+            revision=model_args.model_revision,
+            token=model_args.token,
+            trust_remote_code=model_args.trust_remote_code,
+            **common,
+        )
+    if model_args.model_type is None:
+        config = ViTConfig(**DEFAULT_VIT_CONFIG, **common)
+    else:
+        config = CONFIG_MAPPING[model_args.model_type](**common)
+    logger.warning("You are instantiating a new config instance from scratch.")
+    if model_args.config_overrides is not None:
+        logger.info(f"Overriding config: {model_args.config_overrides}")
+        config.update_from_string(model_args.config_overrides)
+        logger.info(f"New config: {config}")
+    return config
+
+
+def build_image_processor(model_args: ModelArguments, config: PreTrainedConfig) -> BaseImageProcessor:
+    """The image processor: pretrained when named (or when a model is), else one sized to config.image_size."""
+    name = model_args.image_processor_name or model_args.model_name_or_path
+    if name:
+        return AutoImageProcessor.from_pretrained(
+            name,
+            cache_dir=model_args.cache_dir,
+            revision=model_args.model_revision,
+            token=model_args.token,
+            trust_remote_code=model_args.trust_remote_code,
+        )
+    image_size = getattr(config, "image_size", 224)
+    # The PIL backend needs no torchvision; a saved preprocessor_config.json loads with AutoImageProcessor.
+    return ViTImageProcessorPil(
+        size={"height": image_size, "width": image_size}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
+    )
+
+
+def random_resized_crop(image: Image.Image, min_scale: float, rng: random.Random) -> Image.Image:
+    """A crop of random area fraction in [min_scale, 1] and aspect ratio in [3/4, 4/3] (torchvision's recipe).
+
+    The crop keeps its own size; the image processor resizes it afterwards. Falls back to the whole image when ten
+    draws do not fit, as torchvision does (its fallback is a center crop; the whole image is the same for squares).
+    """
+    width, height = image.size
+    area = width * height
+    for _ in range(10):
+        target_area = area * rng.uniform(min_scale, 1.0)
+        aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left = rng.randint(0, width - w)
+            top = rng.randint(0, height - h)
+            return image.crop((left, top, left + w, top + h))
+    return image
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
+    model_args, data_args, training_args = parse_args(argv)
+
+    # Setup logging
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    if training_args.should_log:
+        # The default of training_args.log_level is passive, so we set log level at info here to have that default.
+        transformers.utils.logging.set_verbosity_info()
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    logging.getLogger("hf_gpa").setLevel(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.enable_explicit_format()
+
+    logger.warning(
+        f"Process rank: {training_args.local_process_index}, device: {training_args.device}, "
+        f"n_gpu: {training_args.n_gpu}, distributed training: {training_args.parallel_mode.value == 'distributed'}, "
+        f"16-bits training: {training_args.fp16 or training_args.bf16}"
+    )
+    logger.info(f"Training/evaluation parameters {training_args}")
+
+    # Detecting last checkpoint.
+    last_checkpoint = None
+    if os.path.isdir(training_args.output_dir) and training_args.do_train:
+        last_checkpoint = get_last_checkpoint(training_args.output_dir)
+        if last_checkpoint is not None and training_args.resume_from_checkpoint is None:
+            logger.info(
+                f"Checkpoint detected, resuming training at {last_checkpoint}. To avoid this behavior, change "
+                "the `--output_dir` or remove its checkpoint-* folders."
+            )
+
+    # Set seed before initializing model.
+    set_seed(training_args.seed)
+
+    dataset = load_raw_dataset(model_args, data_args, training_args.seed)
+    some_split = dataset["train"] if "train" in dataset else dataset["validation"]
+    for flag in ("image_column_name", "label_column_name"):
+        column = getattr(data_args, flag)
+        if column not in some_split.column_names:
+            raise ValueError(
+                f"--{flag} {column!r} not found in dataset '{data_args.dataset_name}'. Make sure to set "
+                f"`--{flag}` to the correct column - one of {', '.join(some_split.column_names)}."
+            )
+    label_feature = some_split.features[data_args.label_column_name]
+    if not isinstance(label_feature, datasets.ClassLabel):
+        raise ValueError(f"--label_column_name {data_args.label_column_name!r} must be a ClassLabel column")
+    labels = list(label_feature.names)
+
+    # Load the accuracy metric from the module that ships with hf_gpa (no Hub access).
+    metric = evaluate.load(ACCURACY, cache_dir=model_args.cache_dir)
+
+    # Define our compute_metrics function. It takes an `EvalPrediction` object (a namedtuple with a
+    # predictions and label_ids field) and has to return a dictionary string to float.
+    def compute_metrics(p: EvalPrediction) -> dict[str, float]:
+        """Computes accuracy on a batch of predictions"""
+        return metric.compute(predictions=np.argmax(p.predictions, axis=1), references=p.label_ids)
+
+    config = build_config(model_args, labels)
+    if model_args.model_name_or_path:
+        model = AutoModelForImageClassification.from_pretrained(
+            model_args.model_name_or_path,
+            config=config,
+            cache_dir=model_args.cache_dir,
+            revision=model_args.model_revision,
+            token=model_args.token,
+            trust_remote_code=model_args.trust_remote_code,
+            ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+        )
+    else:
+        model = AutoModelForImageClassification.from_config(config, trust_remote_code=model_args.trust_remote_code)
+        n_params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+        logger.info(f"Training new model from scratch - Total size={n_params / 2**20:.2f}M params")
+    image_processor = build_image_processor(model_args, config)
+
+    # Augmentation draws from its own generator, seeded by --seed, so that runs repeat.
+    augment_rng = random.Random(training_args.seed)
+
+    def _augment(image: Image.Image) -> Image.Image:
+        image = random_resized_crop(image, data_args.min_crop_scale, augment_rng)
+        if data_args.horizontal_flip and augment_rng.random() < 0.5:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return image
+
+    def train_transforms(example_batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """Apply the random augmentation, then the image processor, across a batch."""
+        images = [_augment(image.convert("RGB")) for image in example_batch[data_args.image_column_name]]
+        example_batch["pixel_values"] = list(image_processor(images, return_tensors="pt")["pixel_values"])
+        return example_batch
+
+    def val_transforms(example_batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """Apply the image processor alone across a batch."""
+        images = [image.convert("RGB") for image in example_batch[data_args.image_column_name]]
+        example_batch["pixel_values"] = list(image_processor(images, return_tensors="pt")["pixel_values"])
+        return example_batch
+
+    def collate_fn(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        pixel_values = torch.stack([example["pixel_values"] for example in examples])
+        labels = torch.tensor([example[data_args.label_column_name] for example in examples])
+        return {"pixel_values": pixel_values, "labels": labels}
+
+    if training_args.do_train:
+        if "train" not in dataset:
+            raise ValueError("--do_train requires a train dataset")
+        if data_args.max_train_samples is not None:
+            dataset["train"] = (
+                dataset["train"].shuffle(seed=training_args.seed).select(range(data_args.max_train_samples))
+            )
+        # Set the training transforms
+        dataset["train"].set_transform(train_transforms)
+
+    if training_args.do_eval:
+        if "validation" not in dataset:
+            raise ValueError("--do_eval requires a validation dataset")
+        if data_args.max_eval_samples is not None:
+            dataset["validation"] = (
+                dataset["validation"].shuffle(seed=training_args.seed).select(range(data_args.max_eval_samples))
+            )
+        # Set the validation transforms
+        dataset["validation"].set_transform(val_transforms)
+
+    # Initialize our trainer
+    trainer = GPATrainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset["train"] if training_args.do_train else None,
+        eval_dataset=dataset["validation"] if training_args.do_eval else None,
+        compute_metrics=compute_metrics,
+        processing_class=image_processor,
+        data_collator=collate_fn,
+    )
+
+    all_metrics: dict[str, float] = {}
+    # Training
+    if training_args.do_train:
+        checkpoint = training_args.resume_from_checkpoint or last_checkpoint
+        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()  # GPATrainer writes the averaged weights x, and the image processor with them.
+        metrics = train_result.metrics
+        metrics["train_samples"] = len(dataset["train"])
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        all_metrics.update(metrics)
+
+    # Evaluation
+    if training_args.do_eval:
+        metrics = trainer.evaluate()
+        metrics["eval_samples"] = len(dataset["validation"])
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        all_metrics.update(metrics)
+
+    # Write model card and (optionally) push to hub
+    kwargs: dict[str, Any] = {
+        "finetuned_from": model_args.model_name_or_path,
+        "tasks": "image-classification",
+        "dataset": data_args.dataset_name or ("scikit-learn digits" if data_args.uses_embedded_dataset else None),
+        "tags": ["image-classification", "vision", "gpa"],
+    }
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**kwargs)
+    else:
+        trainer.create_model_card(**kwargs)
+    return all_metrics
+
+
+if __name__ == "__main__":
+    main()
