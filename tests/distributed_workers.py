@@ -1,11 +1,12 @@
-"""Worker code for tests/test_distributed.py: each scenario runs inside 2 CPU processes started by torchrun (gloo).
+"""Worker code for tests/test_distributed.py: each scenario runs in 2 CPU processes (gloo), started by a launcher.
 
 Workers only observe and write what they saw to an output directory (full tensors gathered on rank 0 as ``*.pt``,
 per-rank facts as ``facts_rank{r}.json``); the tests compare those files with an unsharded single-process run
 computed in the pytest process. The model and data helpers below are shared by both sides, so the oracle sees the
 same initial weights and the same global batches.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_workers.py SCENARIO OUT_DIR
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_workers.py fsdp2 OUT_DIR
+    accelerate launch --config_file configs/accelerate_ddp.yaml tests/distributed_workers.py ddp_trainer OUT_DIR
 """
 
 from __future__ import annotations
