@@ -322,6 +322,8 @@ def fsdp2(out: Path) -> None:
         model = _shard(build_mlp(f64))
         opt = GPAAdamW(model.parameters(), **ADAMW_KW, foreach=True)
         _load_sharded(model, opt, out / f"ckpt_{mode}")
+        if mode == "eval_mode":  # what train() needs to restore y from x: every shard's own residual
+            facts["eval_mode_residuals_loaded"] = all("y_residual" in opt.state[p] for p in model.parameters())
         opt.train()
         _train_steps(model, opt, range(2, 4), f64)
         z = _locals(opt.state[p]["z"] for p in model.parameters())

@@ -238,6 +238,7 @@ def test_fsdp2_sharded_checkpoint_resumes_bitwise(fsdp2: tuple) -> None:
 def test_fsdp2_eval_mode_checkpoint_resumes_bitwise(fsdp2: tuple) -> None:
     """A DCP sharded checkpoint saved in eval mode (x + residual) resumes, after train(), bitwise like the run."""
     facts, _ = fsdp2
+    assert all(f["eval_mode_residuals_loaded"] for f in facts)
     assert all(f["resume_eval_mode_bitwise"] for f in facts)
 
 
