@@ -33,7 +33,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,8 +81,8 @@ class Workload:
     intermediate_size: int = 64
     seq_len: int = 64
     batch_size: int = 16
-    steps: int = 1000
-    eval_every: int = 50
+    steps: int = 2000
+    eval_every: int = 100
     val_windows: int = 128
     warmup_fraction: float = 0.1
     weight_decay: float = 0.1
@@ -97,11 +97,11 @@ class Plan:
 
     lrs: dict[str, tuple[float, ...]] = field(
         default_factory=lambda: {
-            "adamw": (1e-2, 2e-2, 4e-2),
+            "adamw": (2.5e-3, 5e-3, 1e-2),
             "sf": (5e-3, 1e-2, 2e-2),
             "sf_ref": (5e-3, 1e-2, 2e-2),
-            "diloco": (5e-3, 1e-2, 2e-2),
-            "gpa": (1e-2, 2e-2, 4e-2),
+            "diloco": (2.5e-3, 5e-3, 1e-2),
+            "gpa": (5e-3, 1e-2, 2e-2),
         }
     )
     inner_steps: tuple[int, ...] = (8, 16, 32, 64)
@@ -500,7 +500,7 @@ def run_specs(
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures = [pool.submit(_worker_run, spec, workload) for spec in todo]
-        for future in futures:
+        for future in as_completed(futures):
             _record(results, future.result())
 
 
