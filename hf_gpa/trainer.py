@@ -166,8 +166,12 @@ class GPATrainer(Trainer):
     # ---- resuming and best-model loading: weights on disk are x ----
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
         inner = unwrap_gpa_optimizer(self.optimizer)
+        if checkpoint is not None and inner is not None and self.is_fsdp_enabled:
+            # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
+            # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.
+            inner.init_state(eval_mode=True)
+        super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None or inner is None:
             return
         if inner.train_mode:

@@ -321,6 +321,8 @@ def fsdp2(out: Path) -> None:
     for mode in ("train_mode", "eval_mode"):
         model = _shard(build_mlp(f64))
         opt = GPAAdamW(model.parameters(), **ADAMW_KW, foreach=True)
+        if mode == "eval_mode":  # the load template must hold the eval-mode keys (DCP fills only those)
+            opt.init_state(eval_mode=True)
         _load_sharded(model, opt, out / f"ckpt_{mode}")
         if mode == "eval_mode":  # what train() needs to restore y from x: every shard's own residual
             facts["eval_mode_residuals_loaded"] = all("y_residual" in opt.state[p] for p in model.parameters())

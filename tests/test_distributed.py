@@ -229,14 +229,8 @@ def test_fsdp2_sharded_checkpoint_resumes_bitwise(fsdp2: tuple) -> None:
     assert all(f["resume_train_mode_bitwise"] for f in facts)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hf_gpa.optim._modes: eval() stores y_residual as a plain rank-local tensor for DTensor params, so a "
-    "DCP/full-state-dict checkpoint taken in eval mode keeps one rank's residual (or none on load) and the resume "
-    "continues from x instead of y (reproducer in the issue-4 report)",
-)
 def test_fsdp2_eval_mode_checkpoint_resumes_bitwise(fsdp2: tuple) -> None:
-    """A DCP sharded checkpoint saved in eval mode (x + residual) resumes, after train(), bitwise like the run."""
+    """A DCP checkpoint saved in eval mode (x + sharded residual) resumes bitwise when loaded via init_state(True)."""
     facts, _ = fsdp2
     assert all(f["eval_mode_residuals_loaded"] for f in facts)
     assert all(f["resume_eval_mode_bitwise"] for f in facts)

@@ -128,3 +128,38 @@ def test_state_dict_round_trip_continues_bitwise(name: str, eval_mode_save: bool
     opt.train()
     _steps(opt, params, 6, 14)
     assert all(torch.equal(p, r) for p, r in zip(params, ref_params))
+
+
+def test_dropped_residual_falls_back_to_rounded_y() -> None:
+    """An eval-mode state loaded without its residual still restores y, to within a couple of ulps."""
+    params = _params()
+    opt = FACTORIES["gpa_adamw"](params)
+    _steps(opt, params, 0, 5)
+    y = [p.detach().clone() for p in params]
+    opt.eval()
+    state = copy.deepcopy(opt.state_dict())
+    for s in state["state"].values():
+        del s["y_residual"]
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = FACTORIES["gpa_adamw"](fresh_params)
+    fresh.load_state_dict(state)
+    fresh.train()
+    for p, ref in zip(fresh_params, y):
+        torch.testing.assert_close(p.detach(), ref, rtol=4e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_init_state_gives_an_eval_mode_template(name: str) -> None:
+    """init_state(eval_mode=True) creates every state key an eval-mode checkpoint has, and keeps lr and grads."""
+    params = _params()
+    opt = FACTORIES[name](params)
+    _steps(opt, params, 0, 3)
+    opt.eval()
+    saved = opt.state_dict()
+    fresh = FACTORIES[name](_params())
+    fresh.init_state(eval_mode=True)
+    template = fresh.state_dict()
+    assert not fresh.train_mode
+    assert [g["lr"] for g in template["param_groups"]] == [g["lr"] for g in saved["param_groups"]]
+    assert all(p.grad is None for g in fresh.param_groups for p in g["params"])
+    assert {i: set(s) for i, s in template["state"].items()} == {i: set(s) for i, s in saved["state"].items()}

@@ -1,11 +1,16 @@
 """Train/eval switching shared by every hf_gpa optimizer, exact to the bit.
 
 In train mode the parameters hold the gradient point (GPA: y; DiLoCo: the inner weights); in eval mode they hold
-the evaluation weights (GPA: x; DiLoCo: the outer weights). For GPA, x = (y - (1 - mu_y) z) / mu_y is rounded, and
+the evaluation weights (GPA: x; DiLoCo: the outer weights). The mode is recorded in the param groups and travels
+with ``state_dict()``. For GPA, x = (y - (1 - mu_y) z) / mu_y is rounded, and
 going back with y' = mu_y x + (1 - mu_y) z rounds again, so y' can differ from y by a few units in the last place.
 Instead of keeping a second copy of y while in eval mode, `eval()` keeps the *integer* difference between the bit
 patterns of y and of its round trip y' (almost always within an int8, so a quarter of an fp32 copy), and `train()`
 adds it back: y is restored bitwise, however often the two are alternated, and nothing is kept in train mode.
+
+For FSDP2 (DTensor) parameters the residual is a DTensor sharded like its parameter, so sharded and full state
+dicts save it whole. A loader that only fills keys its template already has (torch.distributed.checkpoint into a
+fresh optimizer) drops it; ``train()`` then rebuilds y from x and z by rounding (within an ulp or so, not bitwise).
 """
 
 from __future__ import annotations
@@ -34,21 +39,36 @@ def state_dtype_for(param: torch.Tensor) -> torch.dtype:
     return torch.float32 if param.dtype in (torch.bfloat16, torch.float16) else param.dtype
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The process-local shard of a DTensor (FSDP2), or the tensor itself: GPA's update is elementwise."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+    return t.to_local() if is_dtensor(t) else t
 
 
-def encode_residual(target: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor sharded like ``param`` when ``param`` is one (so checkpoints gather and reshard it)."""
+    if not is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def encode_residual(target: torch.Tensor, approx: torch.Tensor, narrow: bool = True) -> torch.Tensor:
     """Integer difference of the bit patterns, ``bits(target) - bits(approx)``, in the smallest integer dtype.
 
     The subtraction wraps around in two's complement, so ``decode_residual`` restores ``target`` exactly whatever
-    the values; the narrowing to int8/int16 is taken only when every difference fits.
+    the values; the narrowing to int8/int16 is taken only when every difference fits (and ``narrow`` is set: shards
+    of one DTensor must agree on a dtype without talking to each other, so they keep the full width).
     """
     int_dtype = _INT_VIEW[target.dtype]
     diff = target.view(int_dtype) - approx.view(int_dtype)
-    for small in (torch.int8, torch.int16, torch.int32):
+    for small in (torch.int8, torch.int16, torch.int32) if narrow else ():
         if small.itemsize >= int_dtype.itemsize:
             break
         info = torch.iinfo(small)
@@ -94,6 +114,36 @@ class PrimalAveragingOptimizer(torch.optim.Optimizer):
             if not group["train_mode"]:
                 self._params_to_train(group)
                 group["train_mode"] = True
+
+    @torch.no_grad()
+    def init_state(self, eval_mode: bool = False) -> None:
+        """Create every parameter's state now, then switch to eval mode if asked.
+
+        State is normally created lazily in ``step()``. Checkpoint loaders that fill a template taken from the
+        optimizer (``torch.distributed.checkpoint`` under FSDP2) only restore keys the template has; call
+        ``init_state(eval_mode=True)`` before taking the template when the checkpoint was saved in eval mode, so the
+        residual that restores y exactly is loaded too. Like torch's own initializer, it takes one step with zero
+        gradients and zero learning rates; the parameters are meant to be overwritten by the load that follows.
+        """
+        if not self.state:
+            grads = {}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad:
+                        grads[p] = p.grad
+                        p.grad = torch.zeros_like(p)
+            saved = [dict(group) for group in self.param_groups]
+            for group in self.param_groups:
+                if "lr" in group:
+                    group["lr"] = 0.0
+            self.train()
+            self.step()
+            for group, old in zip(self.param_groups, saved):
+                group.update({k: v for k, v in old.items() if k != "params"})
+            for p, g in grads.items():
+                p.grad = g
+        if eval_mode:
+            self.eval()
 
     def _params_to_eval(self, group: dict[str, Any]) -> None:
         raise NotImplementedError

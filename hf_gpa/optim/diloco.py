@@ -46,7 +46,7 @@ class DiLoCo(PrimalAveragingOptimizer):
         \end{aligned}
 
     ``eval()`` puts the outer weights :math:`\tilde x` into the parameters (they are exchanged with the inner
-    weights, so ``train()`` restores the inner weights bitwise).
+    weights, which ``state["outer"]`` holds while in eval mode, so ``train()`` restores them bitwise).
 
     Args:
         params: iterable of parameters or dicts defining parameter groups.
@@ -137,19 +137,19 @@ class DiLoCo(PrimalAveragingOptimizer):
             outer.sub_(pseudo_grad.add_(buf, alpha=mu), alpha=outer_lr)
             inner.copy_(outer)
 
+    # The switch exchanges the contents of the parameter and of state["outer"], keeping the key names (checkpoint
+    # loaders fill only keys their template has): in eval mode state["outer"] holds the inner weights.
     def _params_to_eval(self, group: dict[str, Any]) -> None:
+        self._exchange(group)
+
+    def _params_to_train(self, group: dict[str, Any]) -> None:
+        self._exchange(group)
+
+    def _exchange(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
             state = self.state.get(p)
             if state and "outer" in state:
                 _swap_(local_tensor(p), local_tensor(state["outer"]))
-                state["inner"] = state.pop("outer")
-
-    def _params_to_train(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            state = self.state.get(p)
-            if state and "inner" in state:
-                _swap_(local_tensor(p), local_tensor(state["inner"]))
-                state["outer"] = state.pop("inner")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the outer weights, momentum and the base's state; the base is rebuilt around them."""

@@ -21,7 +21,15 @@ import torch
 
 from ._checks import check_adam, check_averaging, check_lr, check_mu
 from ._kernels import load_cpu_kernel
-from ._modes import PrimalAveragingOptimizer, decode_residual, encode_residual, local_tensor, state_dtype_for
+from ._modes import (
+    PrimalAveragingOptimizer,
+    decode_residual,
+    encode_residual,
+    is_dtensor,
+    local_tensor,
+    shard_like,
+    state_dtype_for,
+)
 from .schedules import averaging_mu_x
 
 __all__ = ["GPAAdamW", "GPA"]
@@ -50,17 +58,22 @@ class _GPAModes(PrimalAveragingOptimizer):
                 continue  # never stepped (x = y = z), or mu_y = 1 (x = y)
             y, z = local_tensor(p), local_tensor(state["z"])
             x = _x_from_y(y, z, mu_y)
-            state["y_residual"] = encode_residual(y, _y_from_x(x, z, mu_y))
+            residual = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
+            state["y_residual"] = shard_like(residual, p)
             y.copy_(x)
 
     def _params_to_train(self, group: dict[str, Any]) -> None:
         mu_y = group["mu_y"]
         for p in group["params"]:
             state = self.state.get(p)
-            if not state or "y_residual" not in state:
+            if not state or "z" not in state or mu_y == 1.0:
                 continue
             x, z = local_tensor(p), local_tensor(state["z"])
-            x.copy_(decode_residual(_y_from_x(x, z, mu_y), state.pop("y_residual")))
+            y = _y_from_x(x, z, mu_y)
+            if "y_residual" in state:
+                y = decode_residual(y, local_tensor(state.pop("y_residual")))
+            # else: a loader dropped the residual (see _modes); y is rebuilt by rounding, not bitwise.
+            x.copy_(y)
 
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
         self._check_train_mode()
