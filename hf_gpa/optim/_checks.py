@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 AVERAGING_MODES = ("gpa", "schedule_free")
 
 
@@ -35,3 +37,18 @@ def check_adam(betas: tuple[float, float], eps: float, weight_decay: float) -> N
         raise ValueError(f"Invalid epsilon value: {eps} (eps must be >= 0)")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (weight_decay must be >= 0)")
+
+
+def base_defaults(base: Any, base_kwargs: dict[str, Any], reserved: tuple[str, ...], owner: str) -> dict[str, Any]:
+    """The defaults of a base optimizer class with ``base_kwargs`` applied, checked by the base itself.
+
+    Instantiating the base on a dummy tensor runs its own argument checks now, before any work, and yields its
+    hyper-parameter names (lr, betas, ...), which the wrapper then carries in its own param groups.
+    """
+    if not (isinstance(base, type) and issubclass(base, torch.optim.Optimizer)):
+        raise ValueError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass)")
+    defaults = dict(base([torch.zeros(2, 2, requires_grad=True)], **base_kwargs).defaults)
+    overlap = sorted(set(defaults) & set(reserved))
+    if overlap:
+        raise ValueError(f"Invalid base: {base.__name__} uses hyper-parameter names reserved by {owner}: {overlap}")
+    return defaults

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_lr
+from ._checks import base_defaults, check_lr
 from ._modes import PrimalAveragingOptimizer, local_tensor
 
 __all__ = ["DiLoCo"]
@@ -66,15 +66,10 @@ class DiLoCo(PrimalAveragingOptimizer):
         outer_momentum: float = 0.9,
         **base_kwargs: Any,
     ) -> None:
-        if not (isinstance(base, type) and issubclass(base, torch.optim.Optimizer)):
-            raise ValueError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass)")
         _check_diloco(inner_steps, outer_lr, outer_momentum)
-        base_defaults = dict(base([torch.zeros(2, 2, requires_grad=True)], **base_kwargs).defaults)
-        overlap = set(base_defaults) & set(_DILOCO_KEYS)
-        if overlap:
-            raise ValueError(f"Invalid base: {base.__name__} uses hyper-parameter names reserved by DiLoCo: {overlap}")
+        base_hypers = base_defaults(base, base_kwargs, _DILOCO_KEYS, "DiLoCo")
         defaults = dict(
-            base_defaults, inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0
+            base_hypers, inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -82,7 +77,7 @@ class DiLoCo(PrimalAveragingOptimizer):
             if "lr" in group:
                 check_lr(group["lr"])
         self.base_class = base
-        self._base_keys = tuple(base_defaults)
+        self._base_keys = tuple(base_hypers)
         self._base: torch.optim.Optimizer | None = None
 
     @property

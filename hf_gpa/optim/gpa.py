@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_adam, check_averaging, check_lr, check_mu
+from ._checks import base_defaults, check_adam, check_averaging, check_lr, check_mu
 from ._kernels import load_cpu_kernel
 from ._modes import (
     PrimalAveragingOptimizer,
@@ -339,16 +339,10 @@ class GPA(_GPAModes):
         averaging: str = "gpa",
         **base_kwargs: Any,
     ) -> None:
-        if not (isinstance(base, type) and issubclass(base, torch.optim.Optimizer)):
-            raise ValueError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass)")
         check_mu(mu_x, mu_y)
         check_averaging(averaging)
-        # Instantiating the base on a dummy tensor validates its arguments now and gives its defaults (lr, ...).
-        base_defaults = dict(base([torch.zeros(2, 2, requires_grad=True)], **base_kwargs).defaults)
-        overlap = set(base_defaults) & set(_GPA_KEYS)
-        if overlap:
-            raise ValueError(f"Invalid base: {base.__name__} uses hyper-parameter names reserved by GPA: {overlap}")
-        defaults = dict(base_defaults, mu_x=mu_x, mu_y=mu_y, averaging=averaging, weight_sum=0.0)
+        base_hypers = base_defaults(base, base_kwargs, _GPA_KEYS, "GPA")
+        defaults = dict(base_hypers, mu_x=mu_x, mu_y=mu_y, averaging=averaging, weight_sum=0.0)
         super().__init__(params, defaults)
         for group in self.param_groups:
             check_mu(group["mu_x"], group["mu_y"])
@@ -356,7 +350,7 @@ class GPA(_GPAModes):
             if "lr" in group:
                 check_lr(group["lr"])
         self.base_class = base
-        self._base_keys = tuple(base_defaults)
+        self._base_keys = tuple(base_hypers)
         self._base: torch.optim.Optimizer | None = None
 
     def _build_base(self) -> torch.optim.Optimizer:
