@@ -143,11 +143,12 @@ class RunSpec:
 
 
 QUICK_WORKLOAD = Workload(
-    hidden_size=16, intermediate_size=32, num_heads=2, seq_len=32, batch_size=4, steps=16, eval_every=4,
+    hidden_size=16, intermediate_size=32, num_heads=2, seq_len=32, batch_size=4, steps=12, eval_every=4,
     val_windows=4, max_train_chars=100_000,
 )  # fmt: skip
 QUICK_PLAN = Plan(
-    lrs={m: (5e-3, 2e-2) for m in METHODS}, inner_steps=(4, 8), mu_ys=(0.7, 0.9), sweep_inner_steps=8,
+    lrs={"adamw": (5e-3, 2e-2), "sf": (2e-2,), "sf_ref": (2e-2,), "diloco": (2e-2,), "gpa": (5e-3, 2e-2)},
+    inner_steps=(4, 8), mu_ys=(0.7, 0.9), sweep_inner_steps=8,
     sweep_fraction=0.5, seeds=(0, 1), all_h_seeds=(0,),
 )  # fmt: skip
 
@@ -643,6 +644,24 @@ def markdown_table(data: dict[str, Any]) -> str:
             f"{row['speedup_reached'] if row['method'] != 'adamw' else '—'} | "
             f"{'—' if mean_curve is None else f'{mean_curve:.2f}'} |"
         )
+    extras = [run for run in data["runs"] if run["spec"]["phase"] == "extra"]
+    if extras:
+        adamw = {run["spec"]["seed"]: run for run in _group_full(data["runs"]).get(("adamw", None), [])}
+        lines += [
+            "",
+            "Extra full-budget runs (outside the sweep-then-select pipeline):",
+            "",
+            "| run | final val loss | at y / inner | speedup vs AdamW, same seed (%) |",
+            "|---|---|---|---|",
+        ]
+        for run in sorted(extras, key=lambda run: run["key"]):
+            base = adamw.get(run["spec"]["seed"])
+            gain = None if base is None else speedup(run["steps"], run["val"], base["final_val"], run["spec"]["steps"])
+            at_y = run["val_train"][-1] if run["val_train"] and run["val_train"][-1] is not None else None
+            lines.append(
+                f"| {run['key']} | {run['final_val']:.4f} | {'—' if at_y is None else f'{at_y:.4f}'} | "
+                f"{'never reaches' if gain is None else f'{gain:.2f}'} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -741,8 +760,28 @@ def write_report(json_path: Path, out_dir: Path | None = None) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def run_pipeline(out: Path, workload: Workload, plan: Plan, workers: int = 1) -> str:
-    """Sweep, select, run the full budget, write the report; resumes from ``out / results.json``."""
+def parse_extra(text: str, workload: Workload) -> RunSpec:
+    """An extra full-budget run from ``"method,lr=0.02,H=8,mu_y=0.7,seed=0"`` (H and mu_y where they apply)."""
+    method, *pairs = text.split(",")
+    if method not in METHODS:
+        raise ValueError(f"Invalid method in --extra {text!r}: expected one of {METHODS}")
+    values = dict(pair.split("=", 1) for pair in pairs)
+    unknown = set(values) - {"lr", "H", "mu_y", "seed"}
+    if unknown or "lr" not in values:
+        raise ValueError(f"Invalid --extra {text!r}: needs lr=..., takes H, mu_y, seed")
+    return RunSpec(
+        method,
+        float(values["lr"]),
+        int(values.get("seed", 0)),
+        workload.steps,
+        "extra",
+        int(values["H"]) if "H" in values else None,
+        float(values["mu_y"]) if "mu_y" in values else None,
+    )
+
+
+def run_pipeline(out: Path, workload: Workload, plan: Plan, workers: int = 1, extras: Sequence[RunSpec] = ()) -> str:
+    """Sweep, select, run the full budget (then any extra runs), write the report; resumes from the JSON."""
     results = ResultsFile(out / "results.json", workload, plan)
     total, non_embedding = count_parameters(build_model(workload, 0))
     results.data["parameters"] = total
@@ -761,6 +800,8 @@ def run_pipeline(out: Path, workload: Workload, plan: Plan, workers: int = 1) ->
     results.write()
     logger.info("Selected H: %s", results.data["selected_inner_steps"])
     run_specs(full_specs(workload, plan, best, results.runs), workload, results, workers)
+    if extras:
+        run_specs(extras, workload, results, workers)
     return write_report(out / "results.json", out)
 
 
@@ -774,6 +815,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="override the full budget")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="override the full-budget seeds")
     parser.add_argument("--inner-steps", type=int, nargs="+", default=None, help="override the H grid")
+    parser.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        help="an extra full-budget run after the pipeline, e.g. gpa,lr=0.02,H=8,mu_y=0.7,seed=0 (repeatable)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.report_only:
@@ -786,7 +833,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         plan = dataclasses.replace(plan, seeds=tuple(args.seeds))
     if args.inner_steps is not None:
         plan = dataclasses.replace(plan, inner_steps=tuple(args.inner_steps))
-    print(run_pipeline(args.out, workload, plan, args.workers))
+    extras = [parse_extra(text, workload) for text in args.extra]
+    print(run_pipeline(args.out, workload, plan, args.workers, extras))
 
 
 if __name__ == "__main__":

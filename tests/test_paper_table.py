@@ -104,3 +104,12 @@ def test_quick_pipeline_writes_every_method_and_sane_numbers(paper_table, tmp_pa
     (tmp_path / "table.md").unlink()
     paper_table.main(["--out", str(tmp_path), "--report-only"])
     assert (tmp_path / "table.md").read_text() == before
+
+
+def test_parse_extra_builds_a_full_budget_spec(paper_table):
+    """--extra "gpa,lr=0.02,H=8,mu_y=0.7,seed=1" is a full-budget run with exactly those settings."""
+    workload = paper_table.Workload(steps=123)
+    spec = paper_table.parse_extra("gpa,lr=0.02,H=8,mu_y=0.7,seed=1", workload)
+    assert spec == paper_table.RunSpec("gpa", 0.02, 1, 123, "extra", 8, 0.7)
+    with pytest.raises(ValueError, match="Invalid"):
+        paper_table.parse_extra("gpa,H=8", workload)
