@@ -323,6 +323,8 @@ def parse_args(
         given = set(given_dict)
         embedded = not {"dataset_name", "train_dir", "validation_dir"} & {k for k, v in given_dict.items() if v}
         return parser.parse_dict({**_defaults_for(given, embedded), **given_dict})
+    if "-h" in argv or "--help" in argv:
+        return parser.parse_args_into_dataclasses(args=argv)  # prints the help of all three dataclasses and exits
     given = _flag_names(argv)
     # A first pass over the data flags only, to learn whether the embedded dataset is used.
     (data_args, _) = HfArgumentParser(DataTrainingArguments).parse_args_into_dataclasses(

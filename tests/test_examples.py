@@ -332,3 +332,19 @@ def test_random_resized_crop_stays_inside_and_repeats(run_vit: ModuleType) -> No
     for _ in range(200):
         width, height = run_vit.random_resized_crop(image, 0.5, rng).size
         assert 0 < width <= 8 and 0 < height <= 8 and width * height >= 0.5 * 64 * 0.7
+
+
+@pytest.mark.parametrize(
+    ("script", "flags"),
+    [("run_clm_gpa", ("--block_size", "--gpa_mu_x")), ("run_vit_gpa", ("--min_crop_scale", "--gpa_mu_x"))],
+)
+def test_help_lists_all_argument_groups(
+    script: str, flags: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--help exits 0 and lists the model, data and GPA training flags together."""
+    module = _load_script(script)
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--model_name_or_path" in out and all(flag in out for flag in flags)
