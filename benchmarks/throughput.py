@@ -9,7 +9,7 @@ take turns (rounds alternate the order, ABBA), each round trains a fresh copy of
 one-time costs (kernel load, allocator warm-up, dataloader start) are left out. The table reports the median over
 rounds and the ratio of medians; a benchmark, never a test (run it on a quiet machine).
 
-    python benchmarks/throughput.py                          # Llama 5M, seq 256, batch 8
+    python benchmarks/throughput.py --threads 1              # Llama 2.9M, seq 128, batch 8
     python benchmarks/throughput.py --quick                  # a quick look (tiny model, few steps)
 """
 
@@ -37,11 +37,11 @@ class Setup:
     """The shared model, data and loop; both trainers get exactly this."""
 
     vocab_size: int = 8192
-    hidden_size: int = 256
+    hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
-    intermediate_size: int = 688
-    seq_len: int = 256
+    intermediate_size: int = 344
+    seq_len: int = 128
     batch_size: int = 8
     steps: int = 25
     warmup: int = 5
