@@ -91,3 +91,20 @@ def test_tokenizer_round_trips_and_is_cached(tmp_path: Path) -> None:
     assert again(text)["input_ids"] == tokenizer(text)["input_ids"]
     assert (cached / "tokenizer.json").stat().st_mtime_ns == mtime
     assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_digits_dataset_matches_scikit_learn() -> None:
+    """The digits Dataset has scikit-learn's 1,797 images and labels, as 8x8 grayscale PIL images scaled to 0..255."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from hf_gpa.data import DIGIT_NAMES, load_digits_dataset
+
+    dataset = load_digits_dataset()
+    reference = load_digits()
+    assert len(dataset) == 1797 and dataset.features["label"].names == list(DIGIT_NAMES)
+    assert dataset["label"] == reference.target.tolist()
+    for i in (0, 500, 1796):
+        image = dataset[i]["image"]
+        assert image.mode == "L" and image.size == (8, 8)
+        np.testing.assert_array_equal(np.asarray(image), np.rint(reference.images[i] * 255 / 16).astype(np.uint8))
