@@ -639,30 +639,57 @@ def markdown_table(data: dict[str, Any]) -> str:
         mean_curve = row["speedup_of_mean"]
         lines.append(
             f"| {LABELS[row['method']]} | {row['inner_steps'] or '—'} | {row['lr']:g} | "
-            f"{'—' if row['mu_y'] is None else row['mu_y']} | {row['seeds']} | {_fmt(row['final_val'])} | "
-            f"{_fmt(row['speedup'], 2) if row['method'] != 'adamw' else '—'} | "
+            f"{'—' if row['mu_y'] is None else row['mu_y']} | {row['seeds']} | "
+            f"{_fmt(row['final_val'], seeds=row['seeds'])} | "
+            f"{_fmt(row['speedup'], 2, seeds=row['seeds']) if row['method'] != 'adamw' else '—'} | "
             f"{row['speedup_reached'] if row['method'] != 'adamw' else '—'} | "
             f"{'—' if mean_curve is None else f'{mean_curve:.2f}'} |"
         )
-    extras = [run for run in data["runs"] if run["spec"]["phase"] == "extra"]
-    if extras:
-        adamw = {run["spec"]["seed"]: run for run in _group_full(data["runs"]).get(("adamw", None), [])}
-        lines += [
-            "",
-            "Extra full-budget runs (outside the sweep-then-select pipeline):",
-            "",
-            "| run | final val loss | at y / inner | speedup vs AdamW, same seed (%) |",
-            "|---|---|---|---|",
-        ]
-        for run in sorted(extras, key=lambda run: run["key"]):
-            base = adamw.get(run["spec"]["seed"])
-            gain = None if base is None else speedup(run["steps"], run["val"], base["final_val"], run["spec"]["steps"])
-            at_y = run["val_train"][-1] if run["val_train"] and run["val_train"][-1] is not None else None
-            lines.append(
-                f"| {run['key']} | {run['final_val']:.4f} | {'—' if at_y is None else f'{at_y:.4f}'} | "
-                f"{'never reaches' if gain is None else f'{gain:.2f}'} |"
-            )
+    if any(run["spec"]["phase"] == "extra" for run in data["runs"]):
+        lines += ["", *all_configurations_table(data)]
     return "\n".join(lines) + "\n"
+
+
+def all_configurations_table(data: dict[str, Any]) -> list[str]:
+    """Every full-budget configuration, pipeline and ``--extra`` runs together, against the best AdamW of them.
+
+    The reference AdamW is the AdamW configuration with the most seeds and, among those, the lowest mean final
+    loss; speedups pair each run with that configuration's run of the same seed.
+    """
+    configs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for run in data["runs"]:
+        spec = run["spec"]
+        if spec["phase"] in ("full", "extra"):
+            configs.setdefault((spec["method"], spec["inner_steps"], spec["lr"], spec["mu_y"]), []).append(run)
+    adamw = [runs for key, runs in configs.items() if key[0] == "adamw"]
+    reference = min(adamw, key=lambda runs: (-len(runs), statistics.fmean(r["final_val"] for r in runs)), default=[])
+    by_seed = {run["spec"]["seed"]: run for run in reference}
+    ref_lr = reference[0]["spec"]["lr"] if reference else None
+    lines = [
+        f"All full-budget configurations (pipeline and extra runs); speedup against AdamW at lr {ref_lr}:",
+        "",
+        "| Method | H | lr | mu_y | seeds | final val loss | at y / inner | speedup vs AdamW (%) | seeds reaching |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(configs, key=lambda key: (METHODS.index(key[0]), key[1] or 0, key[2], key[3] or 0))
+    for method, inner, lr, mu_y in order:
+        runs = sorted(configs[(method, inner, lr, mu_y)], key=lambda run: run["spec"]["seed"])
+        finals = [run["final_val"] for run in runs]
+        at_y = [run["val_train"][-1] for run in runs if run["val_train"] and run["val_train"][-1] is not None]
+        gains = [
+            speedup(run["steps"], run["val"], by_seed[run["spec"]["seed"]]["final_val"], run["spec"]["steps"])
+            for run in runs
+            if run["spec"]["seed"] in by_seed
+        ]
+        reached = [gain for gain in gains if gain is not None]
+        lines.append(
+            f"| {LABELS[method]} | {inner or '—'} | {lr:g} | {'—' if mu_y is None else mu_y} | {len(runs)} | "
+            f"{_fmt(_mean_std(finals), seeds=len(runs))} | "
+            f"{_fmt(_mean_std(at_y), seeds=len(at_y)) if at_y else '—'} | "
+            f"{_fmt(_mean_std(reached), 2, seeds=len(reached)) if reached and method != 'adamw' else '—'} | "
+            f"{f'{len(reached)}/{len(gains)}' if method != 'adamw' else '—'} |"
+        )
+    return lines
 
 
 def _best_rows(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -822,6 +849,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="override the full-budget seeds")
     parser.add_argument("--inner-steps", type=int, nargs="+", default=None, help="override the H grid")
     parser.add_argument(
+        "--all-h-seeds", type=int, nargs="+", default=None, help="seeds that run every H (default: seed 0 only)"
+    )
+    parser.add_argument(
         "--extra",
         action="append",
         default=[],
@@ -839,6 +869,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         plan = dataclasses.replace(plan, seeds=tuple(args.seeds))
     if args.inner_steps is not None:
         plan = dataclasses.replace(plan, inner_steps=tuple(args.inner_steps))
+    if args.all_h_seeds is not None:
+        plan = dataclasses.replace(plan, all_h_seeds=tuple(args.all_h_seeds))
     extras = [parse_extra(text, workload) for text in args.extra]
     print(run_pipeline(args.out, workload, plan, args.workers, extras))
 
