@@ -656,11 +656,7 @@ def all_configurations_table(data: dict[str, Any]) -> list[str]:
     The reference AdamW is the AdamW configuration with the most seeds and, among those, the lowest mean final
     loss; speedups pair each run with that configuration's run of the same seed.
     """
-    configs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for run in data["runs"]:
-        spec = run["spec"]
-        if spec["phase"] in ("full", "extra"):
-            configs.setdefault((spec["method"], spec["inner_steps"], spec["lr"], spec["mu_y"]), []).append(run)
+    configs = _config_groups(data)
     adamw = [runs for key, runs in configs.items() if key[0] == "adamw"]
     reference = min(adamw, key=lambda runs: (-len(runs), statistics.fmean(r["final_val"] for r in runs)), default=[])
     by_seed = {run["spec"]["seed"]: run for run in reference}
@@ -673,7 +669,7 @@ def all_configurations_table(data: dict[str, Any]) -> list[str]:
     ]
     order = sorted(configs, key=lambda key: (METHODS.index(key[0]), key[1] or 0, key[2], key[3] or 0))
     for method, inner, lr, mu_y in order:
-        runs = sorted(configs[(method, inner, lr, mu_y)], key=lambda run: run["spec"]["seed"])
+        runs = configs[(method, inner, lr, mu_y)]
         finals = [run["final_val"] for run in runs]
         at_y = [run["val_train"][-1] for run in runs if run["val_train"] and run["val_train"][-1] is not None]
         gains = [
@@ -706,35 +702,73 @@ def _best_rows(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
+def _config_groups(data: dict[str, Any]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """Full-budget runs (pipeline and extra) grouped by (method, H, lr, mu_y), each group sorted by seed."""
+    configs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for run in data["runs"]:
+        spec = run["spec"]
+        if spec["phase"] in ("full", "extra"):
+            configs.setdefault((spec["method"], spec["inner_steps"], spec["lr"], spec["mu_y"]), []).append(run)
+    for runs in configs.values():
+        runs.sort(key=lambda run: run["spec"]["seed"])
+    return configs
+
+
+def best_configurations(data: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per method, the runs of its best full-budget configuration: most seeds first, then lowest mean final loss."""
+    best: dict[str, list[dict[str, Any]]] = {}
+    for (method, *_), runs in _config_groups(data).items():
+        rank = (-len(runs), statistics.fmean(run["final_val"] for run in runs))
+        if method not in best or rank < (-len(best[method]), statistics.fmean(r["final_val"] for r in best[method])):
+            best[method] = runs
+    return best
+
+
+def _plot_curves(ax: Any, chosen: dict[str, list[dict[str, Any]]], title: str) -> None:
+    lows: list[float] = []
+    for method in METHODS:
+        if method not in chosen:
+            continue
+        runs = chosen[method]
+        spec = runs[0]["spec"]
+        steps = runs[0]["steps"]
+        curve = [statistics.fmean(values) for values in zip(*(run["val"] for run in runs))]
+        detail = f"lr {spec['lr']:g}" + (f", H={spec['inner_steps']}" if spec["inner_steps"] else "")
+        detail += f", mu_y {spec['mu_y']:g}" if spec["mu_y"] is not None else ""
+        ax.plot(steps, curve, label=f"{LABELS[method]} ({detail})")
+        lows.append(min(curve))
+        if method == "gpa":
+            curve_y = [statistics.fmean(values) for values in zip(*(run["val_train"] for run in runs))]
+            ax.plot(steps, curve_y, linestyle=":", color=ax.lines[-1].get_color(), label="GPA-AdamW at y")
+    if lows:
+        ax.set_ylim(min(lows) - 0.02, min(lows) + 0.45)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def plot_val_loss(data: dict[str, Any], path: Path) -> None:
-    """Validation loss vs steps of the best setting per method (mean over seeds), as in the paper's Figure 2b."""
+    """Validation loss vs steps of the best setting per method (mean over seeds), as in the paper's Figure 2b.
+
+    Left: the settings the sweep-then-select pipeline chose. Right (when there are ``--extra`` runs): the best
+    full-budget configuration of each method over pipeline and extra runs.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = _group_full(data["runs"])
-    best = _best_rows(summarize(data)["rows"])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    lows: list[float] = []
-    for method, row in best.items():
-        runs = groups[(method, row["inner_steps"])]
-        steps = runs[0]["steps"]
-        curve = [statistics.fmean(values) for values in zip(*(run["val"] for run in runs))]
-        label = LABELS[method] + (f" (H={row['inner_steps']})" if row["inner_steps"] else "")
-        ax.plot(steps, curve, label=label)
-        lows.append(min(curve))
-        if method == "gpa":
-            curve_y = [statistics.fmean(values) for values in zip(*(run["val_train"] for run in runs))]
-            ax.plot(steps, curve_y, linestyle=":", color=ax.lines[-1].get_color(), label="GPA-AdamW at y")
-    if lows:
-        low = min(lows)
-        ax.set_ylim(low - 0.02, low + 0.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss")
-    ax.set_title("Best setting per method (mean over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    pipeline = {
+        method: groups[(method, row["inner_steps"])] for method, row in _best_rows(summarize(data)["rows"]).items()
+    }
+    has_extra = any(run["spec"]["phase"] == "extra" for run in data["runs"])
+    fig, axes = plt.subplots(1, 2 if has_extra else 1, figsize=(13 if has_extra else 7, 4.8), squeeze=False)
+    _plot_curves(axes[0][0], pipeline, "Pipeline: lr picked by the short-budget sweep (mean over seeds)")
+    if has_extra:
+        _plot_curves(axes[0][1], best_configurations(data), "Best full-budget configuration (mean over seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
