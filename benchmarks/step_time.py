@@ -7,6 +7,7 @@ optimizer state in bytes per parameter byte. A benchmark, never a test: run it o
 
     python benchmarks/step_time.py                       # 58M parameters, CPU
     python benchmarks/step_time.py --size small --rounds 5   # a quick look
+    python benchmarks/step_time.py --end-to-end              # also GPATrainer vs Trainer tokens/s (throughput.py)
 """
 
 from __future__ import annotations
@@ -178,6 +179,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="afterwards, measure training throughput: GPATrainer (gpa_adamw) vs Trainer (adamw_torch_fused), "
+        "tokens/s as a ratio in one run (benchmarks/throughput.py, writing under OUT_DIR/throughput)",
+    )
     args = parser.parse_args()
     if args.rounds < 1 or args.warmup < 0:
         parser.error("--rounds must be >= 1 and --warmup >= 0")
@@ -199,6 +206,10 @@ def main() -> None:
     (args.out_dir / f"{stem}.md").write_text(table + "\n")
     plot(results, args.out_dir / f"{stem}.png", f"Optimizer step time, {args.size}, {args.device}")
     logger.info("wrote %s.{json,md,png} in %s", stem, args.out_dir)
+    if args.end_to_end:
+        import throughput  # benchmarks/throughput.py, beside this file
+
+        throughput.main(["--out-dir", str(args.out_dir / "throughput")])
 
 
 if __name__ == "__main__":
