@@ -35,7 +35,6 @@ Examples::
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -43,7 +42,6 @@ import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import datasets
@@ -60,7 +58,6 @@ from transformers import (
     AutoImageProcessor,
     AutoModelForImageClassification,
     EvalPrediction,
-    HfArgumentParser,
     PreTrainedConfig,
     ViTConfig,
     ViTImageProcessorPil,
@@ -71,6 +68,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from hf_gpa import GPATrainer, GPATrainingArguments
 from hf_gpa.data import load_digits_dataset
+from hf_gpa.example_args import parse_with_defaults
 from hf_gpa.metrics import ACCURACY
 
 logger = logging.getLogger(__name__)
@@ -288,52 +286,19 @@ class ModelArguments:
             )
 
 
-def _flag_names(argv: Sequence[str]) -> set[str]:
-    """The field names of the flags in argv (``--do-train=true`` -> ``do_train``)."""
-    names = set()
-    for arg in argv:
-        if arg.startswith("--"):
-            name = arg[2:].split("=", 1)[0].replace("-", "_")
-            names.add(name[3:] if name.startswith("no_") else name)
-    return names
-
-
-def _defaults_for(given: set[str], uses_embedded_dataset: bool) -> dict[str, Any]:
-    """The script's defaults for every flag the user did not give."""
-    defaults = dict(GPA_RECIPE_DEFAULTS)
-    if uses_embedded_dataset:
-        defaults.update(EMBEDDED_DEFAULTS)
-    if not given & {"do_train", "do_eval", "do_predict"}:
-        defaults.update(do_train=True, do_eval=True)
-    return {
-        name: value
-        for name, value in defaults.items()
-        if name not in given and not given & set(_COUPLED_FLAGS.get(name, ()))
-    }
-
-
 def parse_args(
     argv: Sequence[str] | None = None,
 ) -> tuple[ModelArguments, DataTrainingArguments, GPATrainingArguments]:
     """Parse the command line (or one JSON file), filling in the script's defaults for flags not given."""
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, GPATrainingArguments))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
-        given = set(given_dict)
-        embedded = not {"dataset_name", "train_dir", "validation_dir"} & {k for k, v in given_dict.items() if v}
-        return parser.parse_dict({**_defaults_for(given, embedded), **given_dict})
-    if "-h" in argv or "--help" in argv:
-        return parser.parse_args_into_dataclasses(args=argv)  # prints the help of all three dataclasses and exits
-    given = _flag_names(argv)
-    # A first pass over the data flags only, to learn whether the embedded dataset is used.
-    (data_args, _) = HfArgumentParser(DataTrainingArguments).parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True
+    return parse_with_defaults(
+        (ModelArguments, DataTrainingArguments, GPATrainingArguments),
+        DataTrainingArguments,
+        ("dataset_name", "train_dir", "validation_dir"),
+        GPA_RECIPE_DEFAULTS,
+        EMBEDDED_DEFAULTS,
+        _COUPLED_FLAGS,
+        argv,
     )
-    prefix: list[str] = []
-    for name, value in _defaults_for(given, data_args.uses_embedded_dataset).items():
-        prefix += [f"--{name}", str(value)]
-    return parser.parse_args_into_dataclasses(args=prefix + argv)
 
 
 def load_raw_dataset(model_args: ModelArguments, data_args: DataTrainingArguments, seed: int) -> datasets.DatasetDict:
