@@ -39,7 +39,6 @@ import logging
 import math
 import os
 import random
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +47,6 @@ import datasets
 import evaluate
 import numpy as np
 import torch
-import transformers
 from datasets import DatasetDict, load_dataset
 from PIL import Image
 from transformers import (
@@ -64,11 +62,10 @@ from transformers import (
     set_seed,
 )
 from transformers.image_processing_utils import BaseImageProcessor
-from transformers.trainer_utils import get_last_checkpoint
 
 from hf_gpa import GPATrainer, GPATrainingArguments
 from hf_gpa.data import load_digits_dataset
-from hf_gpa.example_args import parse_with_defaults
+from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging
 from hf_gpa.metrics import ACCURACY
 
 logger = logging.getLogger(__name__)
@@ -410,39 +407,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
     model_args, data_args, training_args = parse_args(argv)
 
-    # Setup logging
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
-        datefmt="%m/%d/%Y %H:%M:%S",
-        handlers=[logging.StreamHandler(sys.stdout)],
-    )
-    if training_args.should_log:
-        # The default of training_args.log_level is passive, so we set log level at info here to have that default.
-        transformers.utils.logging.set_verbosity_info()
-    log_level = training_args.get_process_log_level()
-    logger.setLevel(log_level)
-    logging.getLogger("hf_gpa").setLevel(log_level)
-    datasets.utils.logging.set_verbosity(log_level)
-    transformers.utils.logging.set_verbosity(log_level)
-    transformers.utils.logging.enable_default_handler()
-    transformers.utils.logging.enable_explicit_format()
-
-    logger.warning(
-        f"Process rank: {training_args.local_process_index}, device: {training_args.device}, "
-        f"n_gpu: {training_args.n_gpu}, distributed training: {training_args.parallel_mode.value == 'distributed'}, "
-        f"16-bits training: {training_args.fp16 or training_args.bf16}"
-    )
-    logger.info(f"Training/evaluation parameters {training_args}")
-
-    # Detecting last checkpoint.
-    last_checkpoint = None
-    if os.path.isdir(training_args.output_dir) and training_args.do_train:
-        last_checkpoint = get_last_checkpoint(training_args.output_dir)
-        if last_checkpoint is not None and training_args.resume_from_checkpoint is None:
-            logger.info(
-                f"Checkpoint detected, resuming training at {last_checkpoint}. To avoid this behavior, change "
-                "the `--output_dir` or remove its checkpoint-* folders."
-            )
+    setup_logging(training_args, logger)
+    last_checkpoint = detect_last_checkpoint(training_args, logger)
 
     # Set seed before initializing model.
     set_seed(training_args.seed)

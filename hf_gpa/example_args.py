@@ -1,4 +1,4 @@
-"""Command-line parsing shared by the example scripts: script defaults that any flag the user gives overrides.
+"""What the example scripts share: parsing with defaults that any given flag overrides, logging, resume detection.
 
 ``run_clm_gpa.py`` and ``run_vit_gpa.py`` apply the paper's GPA recipe by default, and their sizing of the embedded
 default data only when no dataset is named. Both parse the command line or one JSON file with ``HfArgumentParser``,
@@ -8,14 +8,19 @@ as transformers' examples do, and fill in a default only for the flags that were
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import HfArgumentParser
+import datasets
+import transformers
+from transformers import HfArgumentParser, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
-__all__ = ["given_flag_names", "defaults_for", "parse_with_defaults"]
+__all__ = ["given_flag_names", "defaults_for", "parse_with_defaults", "setup_logging", "detect_last_checkpoint"]
 
 
 def given_flag_names(argv: Sequence[str]) -> set[str]:
@@ -81,3 +86,41 @@ def parse_with_defaults(
     for name, value in defaults.items():
         prefix += [f"--{name}", str(value)]
     return parser.parse_args_into_dataclasses(args=prefix + argv)
+
+
+def setup_logging(training_args: TrainingArguments, logger: logging.Logger) -> None:
+    """Logging as in transformers' examples: per-process level from ``--log_level``, hf_gpa included."""
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    if training_args.should_log:
+        # The default of training_args.log_level is passive, so we set log level at info here to have that default.
+        transformers.utils.logging.set_verbosity_info()
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    logging.getLogger("hf_gpa").setLevel(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.enable_explicit_format()
+    logger.warning(
+        f"Process rank: {training_args.local_process_index}, device: {training_args.device}, "
+        f"n_gpu: {training_args.n_gpu}, distributed training: {training_args.parallel_mode.value == 'distributed'}, "
+        f"16-bits training: {training_args.fp16 or training_args.bf16}"
+    )
+    logger.info(f"Training/evaluation parameters {training_args}")
+
+
+def detect_last_checkpoint(training_args: TrainingArguments, logger: logging.Logger) -> str | None:
+    """The newest ``checkpoint-*`` folder in ``--output_dir`` when training, to resume from (as run_clm.py does)."""
+    if not (os.path.isdir(training_args.output_dir) and training_args.do_train):
+        return None
+    last_checkpoint = get_last_checkpoint(training_args.output_dir)
+    if last_checkpoint is not None and training_args.resume_from_checkpoint is None:
+        logger.info(
+            f"Checkpoint detected, resuming training at {last_checkpoint}. To avoid this behavior, change "
+            "the `--output_dir` or remove its checkpoint-* folders."
+        )
+    return last_checkpoint
