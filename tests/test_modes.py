@@ -163,3 +163,13 @@ def test_init_state_gives_an_eval_mode_template(name: str) -> None:
     assert [g["lr"] for g in template["param_groups"]] == [g["lr"] for g in saved["param_groups"]]
     assert all(p.grad is None for g in fresh.param_groups for p in g["params"])
     assert {i: set(s) for i, s in template["state"].items()} == {i: set(s) for i, s in saved["state"].items()}
+
+
+def test_init_state_after_an_early_eval_is_consistent() -> None:
+    """eval() before any step, then init_state(eval_mode=True): the state really is in eval mode, with its residual."""
+    params = _params()
+    opt = FACTORIES["gpa_adamw"](params)
+    opt.eval()  # nothing to switch yet
+    opt.init_state(eval_mode=True)
+    assert not opt.train_mode
+    assert all("y_residual" in opt.state[p] for p in params)

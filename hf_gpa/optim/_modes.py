@@ -139,7 +139,8 @@ class PrimalAveragingOptimizer(torch.optim.Optimizer):
             self.train()
             self.step()
             for group, old in zip(self.param_groups, saved):
-                group.update({k: v for k, v in old.items() if k != "params"})
+                # The step left the optimizer in train mode with y in the parameters; keep that flag.
+                group.update({k: v for k, v in old.items() if k not in ("params", "train_mode")})
             for p, g in grads.items():
                 p.grad = g
         if eval_mode:
