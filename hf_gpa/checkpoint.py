@@ -20,19 +20,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
+from hf_gpa.optim._modes import PrimalAveragingOptimizer
 
 __all__ = ["SAFE_WEIGHTS_NAME", "evaluation_weights", "save_x_weights", "unwrap_gpa_optimizer", "x_state_dict"]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
-_GPA_OPTIMIZERS = (GPAAdamW, GPA, DiLoCo)
 _MAX_WRAPPER_DEPTH = 8  # accelerate wraps once; DeepSpeed/SMP-style wrappers add a level or two at most
 
 
-def unwrap_gpa_optimizer(optimizer: Any) -> GPAAdamW | GPA | DiLoCo | None:
+def unwrap_gpa_optimizer(optimizer: Any) -> PrimalAveragingOptimizer | None:
     """The hf_gpa optimizer inside ``optimizer`` (itself, or behind ``.optimizer`` wrappers), else None."""
     for _ in range(_MAX_WRAPPER_DEPTH):
-        if optimizer is None or isinstance(optimizer, _GPA_OPTIMIZERS):
+        if optimizer is None or isinstance(optimizer, PrimalAveragingOptimizer):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
     return None
