@@ -1,7 +1,8 @@
 """hf_gpa.optim: the GPA optimizers in pure PyTorch (imports nothing but torch)."""
 
 from .diloco import DiLoCo
-from .gpa import GPA, GPAAdamW
+from .gpa import GPA
+from .gpa_adamw import GPAAdamW
 from .reference import ReferenceGPA
 from .schedules import inner_steps_from_mu_x, mu_x_from_inner_steps
 

@@ -1,0 +1,62 @@
+"""What GPAAdamW and the GPA wrapper share: eval() writes x = (y - (1 - mu_y) z) / mu_y, train() restores y bitwise.
+
+Both optimizers store the memory-efficient form of the paper (Algorithm 3): the parameters hold the gradient point y,
+the optimizer state holds z, and x is recovered only when ``eval()`` is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._modes import PrimalAveragingOptimizer, decode_residual, encode_residual, is_dtensor, local_tensor, shard_like
+
+__all__ = ["GPAModes"]
+
+
+def _x_from_y(y: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
+    """x = (y - (1 - mu_y) z) / mu_y, computed in z's dtype, returned in y's dtype."""
+    return torch.sub(y.to(z.dtype), z, alpha=1.0 - mu_y).div_(mu_y).to(y.dtype)
+
+
+def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
+    """y = mu_y x + (1 - mu_y) z, computed in z's dtype, returned in x's dtype."""
+    return torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
+
+
+class GPAModes(PrimalAveragingOptimizer):
+    """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_modes``)."""
+
+    def _params_to_eval(self, group: dict[str, Any]) -> None:
+        mu_y = group["mu_y"]
+        for p in group["params"]:
+            state = self.state.get(p)
+            if not state or "z" not in state or mu_y == 1.0:
+                continue  # never stepped (x = y = z), or mu_y = 1 (x = y)
+            y, z = local_tensor(p), local_tensor(state["z"])
+            x = _x_from_y(y, z, mu_y)
+            residual = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
+            state["y_residual"] = shard_like(residual, p)
+            y.copy_(x)
+
+    def _params_to_train(self, group: dict[str, Any]) -> None:
+        mu_y = group["mu_y"]
+        for p in group["params"]:
+            state = self.state.get(p)
+            if not state or "z" not in state or mu_y == 1.0:
+                continue
+            x, z = local_tensor(p), local_tensor(state["z"])
+            y = _y_from_x(x, z, mu_y)
+            if "y_residual" in state:
+                y = decode_residual(y, local_tensor(state.pop("y_residual")))
+            # else: a loader dropped the residual (see _modes); y is rebuilt by rounding, not bitwise.
+            x.copy_(y)
+
+    def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
+        self._check_train_mode()
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
