@@ -95,7 +95,8 @@ EMBEDDED_DEFAULTS: dict[str, Any] = {
 # A default that is left out when the user gives any of the flags it is coupled to.
 _COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
     "max_steps": ("num_train_epochs",),
-    "gpa_inner_steps": ("gpa_mu_x",),
+    # Schedule-Free averaging takes no H: a given --gpa_averaging drops the default H with it.
+    "gpa_inner_steps": ("gpa_mu_x", "gpa_averaging"),
 }
 
 #: The default model: a 4-layer Llama (about 2.5M parameters with the default 4096-token vocabulary).

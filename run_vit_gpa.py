@@ -104,7 +104,8 @@ EMBEDDED_DEFAULTS: dict[str, Any] = {
 # A default that is left out when the user gives any of the flags it is coupled to.
 _COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
     "num_train_epochs": ("max_steps",),
-    "gpa_inner_steps": ("gpa_mu_x",),
+    # Schedule-Free averaging takes no H: a given --gpa_averaging drops the default H with it.
+    "gpa_inner_steps": ("gpa_mu_x", "gpa_averaging"),
 }
 
 #: The default model: a 4-layer ViT on 16x16 images in 4x4 patches (16 patches + CLS; about 0.3M parameters).

@@ -24,15 +24,25 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
 
+# The defaults, ranges and checks are the optimizers' own: one source of truth, called here with the flag's name.
+from hf_gpa.optim._checks import (
+    AVERAGING_MODES,
+    DEFAULT_AVERAGING,
+    DEFAULT_INNER_STEPS,
+    DEFAULT_MU_X,
+    DEFAULT_MU_Y,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    check_averaging,
+    check_inner_steps,
+    check_mu_x,
+    check_mu_y,
+    check_outer_lr,
+    check_outer_momentum,
+)
 from hf_gpa.optim.schedules import inner_steps_from_mu_x, mu_x_from_inner_steps
 
 __all__ = ["GPAOptimizerNames", "GPATrainingArguments", "DEFAULT_MU_X", "DEFAULT_MU_Y"]
-
-DEFAULT_MU_X = 0.9967  # the paper's mu_x for H = 32 inner steps with mu = 0.9 (Section 3.1)
-DEFAULT_MU_Y = 0.7
-# DiLoCo's outer momentum the paper converts from: mu_x = DILOCO_MU ** (1 / H) (Table 4).
-DILOCO_MU = 0.9
-AVERAGING_CHOICES = ("gpa", "schedule_free")
 
 
 class GPAOptimizerNames(ExplicitEnum):
@@ -65,7 +75,9 @@ class GPATrainingArguments(TrainingArguments):
     baseline. Every stock `--optim` value keeps working unchanged.
 
     The averaging constant is `--gpa_mu_x` or, equivalently, `--gpa_inner_steps H` with mu_x = 0.9 ** (1 / H)
-    (paper, Table 4). Both may be given only when they agree (as they do in a saved configuration).
+    (paper, Table 4). Both may be given only when they agree (as they do in a saved configuration). With
+    `--gpa_averaging schedule_free` there is no averaging constant: giving either flag is an error, and both stay
+    None.
     """
 
     optim: str = field(
@@ -106,29 +118,32 @@ class GPATrainingArguments(TrainingArguments):
         default=None,
         metadata={
             "help": (
-                "Set mu_x from an equivalent number H >= 1 of DiLoCo inner steps: mu_x = 0.9 ** (1 / H) (paper, "
-                "Table 4). Conflicts with a different --gpa_mu_x."
+                f"Set mu_x from an equivalent number H >= 1 of DiLoCo inner steps: mu_x = {DEFAULT_OUTER_MOMENTUM} ** "
+                "(1 / H) (paper, Table 4). Conflicts with a different --gpa_mu_x."
             )
         },
     )
     gpa_averaging: str = field(
-        default="gpa",
+        default=DEFAULT_AVERAGING,
         metadata={
             "help": (
                 "How x averages z: gpa (an exponential moving average with constant mu_x, needs an lr schedule) or "
-                "schedule_free (Schedule-Free's lr**2-weighted uniform average)."
+                "schedule_free (Schedule-Free's lr**2-weighted uniform average; takes no --gpa_mu_x)."
             ),
-            "choices": AVERAGING_CHOICES,
+            "choices": AVERAGING_MODES,
         },
     )
     diloco_inner_steps: int = field(
-        default=32, metadata={"help": "With --optim diloco_adamw: inner AdamW steps H between outer steps (>= 1)."}
+        default=DEFAULT_INNER_STEPS,
+        metadata={"help": "With --optim diloco_adamw: inner AdamW steps H between outer steps (>= 1)."},
     )
     diloco_outer_lr: float = field(
-        default=0.7, metadata={"help": "With --optim diloco_adamw: the outer (Nesterov) learning rate (> 0)."}
+        default=DEFAULT_OUTER_LR,
+        metadata={"help": "With --optim diloco_adamw: the outer (Nesterov) learning rate (finite, > 0)."},
     )
     diloco_outer_momentum: float = field(
-        default=0.9, metadata={"help": "With --optim diloco_adamw: the outer Nesterov momentum in [0, 1)."}
+        default=DEFAULT_OUTER_MOMENTUM,
+        metadata={"help": "With --optim diloco_adamw: the outer Nesterov momentum in [0, 1)."},
     )
 
     def __post_init__(self) -> None:
@@ -177,44 +192,35 @@ class GPATrainingArguments(TrainingArguments):
                 "--optim gpa needs --gpa_base_optim NAME (a stock --optim name such as adamw_torch or sgd)"
             )
 
-        if self.gpa_inner_steps is not None:
-            if isinstance(self.gpa_inner_steps, bool) or int(self.gpa_inner_steps) != self.gpa_inner_steps:
-                raise ValueError(f"--gpa_inner_steps must be an integer >= 1, got {self.gpa_inner_steps!r}")
-            if self.gpa_inner_steps < 1:
-                raise ValueError(f"--gpa_inner_steps must be an integer >= 1, got {self.gpa_inner_steps}")
-            self.gpa_inner_steps = int(self.gpa_inner_steps)
-            mu_x = mu_x_from_inner_steps(self.gpa_inner_steps, DILOCO_MU)
+        self.gpa_averaging = check_averaging(self.gpa_averaging, "--gpa_averaging")
+        if self.gpa_averaging == "schedule_free":
+            # Schedule-Free's average has no constant: a given mu_x or H would be silently ignored.
+            for flag in ("gpa_mu_x", "gpa_inner_steps"):
+                if getattr(self, flag) is not None:
+                    raise ValueError(
+                        f"--{flag} {getattr(self, flag)} does not apply with --gpa_averaging schedule_free (its "
+                        "average weights each step by lr**2 and has no averaging constant); leave it out"
+                    )
+        elif self.gpa_inner_steps is not None:
+            self.gpa_inner_steps = check_inner_steps(self.gpa_inner_steps, "--gpa_inner_steps")
+            mu_x = mu_x_from_inner_steps(self.gpa_inner_steps, DEFAULT_OUTER_MOMENTUM)
             # Both flags are fine when they agree: a saved configuration carries both.
-            if self.gpa_mu_x is not None and not math.isclose(self.gpa_mu_x, mu_x, rel_tol=0.0, abs_tol=1e-12):
-                raise ValueError(
-                    f"--gpa_inner_steps {self.gpa_inner_steps} sets mu_x = 0.9 ** (1 / {self.gpa_inner_steps}) = "
-                    f"{mu_x!r}, which conflicts with --gpa_mu_x {self.gpa_mu_x}; give only one of the two"
-                )
+            if self.gpa_mu_x is not None:
+                given = check_mu_x(self.gpa_mu_x, "--gpa_mu_x")
+                if not math.isclose(given, mu_x, rel_tol=0.0, abs_tol=1e-12):
+                    raise ValueError(
+                        f"--gpa_inner_steps {self.gpa_inner_steps} sets mu_x = {DEFAULT_OUTER_MOMENTUM} ** "
+                        f"(1 / {self.gpa_inner_steps}) = {mu_x!r}, which conflicts with --gpa_mu_x {self.gpa_mu_x}; "
+                        "give only one of the two"
+                    )
             self.gpa_mu_x = mu_x
-        elif self.gpa_mu_x is None:
-            self.gpa_mu_x = DEFAULT_MU_X
+        else:
+            self.gpa_mu_x = check_mu_x(DEFAULT_MU_X if self.gpa_mu_x is None else self.gpa_mu_x, "--gpa_mu_x")
+        self.gpa_mu_y = check_mu_y(self.gpa_mu_y, "--gpa_mu_y")
 
-        if not 0.0 <= self.gpa_mu_x < 1.0:
-            raise ValueError(f"--gpa_mu_x must lie in [0, 1), got {self.gpa_mu_x}")
-        if not 0.0 < self.gpa_mu_y <= 1.0:
-            raise ValueError(
-                f"--gpa_mu_y must lie in (0, 1], got {self.gpa_mu_y} (the memory-efficient form divides by mu_y)"
-            )
-        if self.gpa_averaging not in AVERAGING_CHOICES:
-            raise ValueError(
-                f"--gpa_averaging must be one of {', '.join(AVERAGING_CHOICES)}, got {self.gpa_averaging!r}"
-            )
-        if (
-            isinstance(self.diloco_inner_steps, bool)
-            or int(self.diloco_inner_steps) != self.diloco_inner_steps
-            or self.diloco_inner_steps < 1
-        ):
-            raise ValueError(f"--diloco_inner_steps must be an integer >= 1, got {self.diloco_inner_steps!r}")
-        self.diloco_inner_steps = int(self.diloco_inner_steps)
-        if not self.diloco_outer_lr > 0.0:
-            raise ValueError(f"--diloco_outer_lr must be > 0, got {self.diloco_outer_lr}")
-        if not 0.0 <= self.diloco_outer_momentum < 1.0:
-            raise ValueError(f"--diloco_outer_momentum must lie in [0, 1), got {self.diloco_outer_momentum}")
+        self.diloco_inner_steps = check_inner_steps(self.diloco_inner_steps, "--diloco_inner_steps")
+        self.diloco_outer_lr = check_outer_lr(self.diloco_outer_lr, "--diloco_outer_lr")
+        self.diloco_outer_momentum = check_outer_momentum(self.diloco_outer_momentum, "--diloco_outer_momentum")
 
     def set_optimizer(
         self,
@@ -226,13 +232,22 @@ class GPATrainingArguments(TrainingArguments):
         epsilon: float = 1e-8,
         args: str | None = None,
     ) -> GPATrainingArguments:
-        """`TrainingArguments.set_optimizer` that also takes gpa_adamw, gpa and diloco_adamw, then checks the flags."""
+        """`TrainingArguments.set_optimizer` that also takes gpa_adamw, gpa and diloco_adamw, and checks the flags.
+
+        A name or flag it rejects leaves the arguments exactly as they were.
+        """
         value = name.value if isinstance(name, (OptimizerNames, GPAOptimizerNames)) else name
-        stock_name = OptimizerNames.ADAMW_TORCH if value in GPA_OPTIM_NAMES else value
-        super().set_optimizer(stock_name, learning_rate, weight_decay, beta1, beta2, epsilon, args)
-        if value in GPA_OPTIM_NAMES:
-            self.optim = GPAOptimizerNames(value)
-        self._check_gpa_flags(value)
+        before = dict(self.__dict__)
+        try:
+            stock_name = OptimizerNames.ADAMW_TORCH if value in GPA_OPTIM_NAMES else value
+            super().set_optimizer(stock_name, learning_rate, weight_decay, beta1, beta2, epsilon, args)
+            if value in GPA_OPTIM_NAMES:
+                self.optim = GPAOptimizerNames(value)
+            self._check_gpa_flags(value)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
         return self
 
     @property
@@ -242,9 +257,10 @@ class GPATrainingArguments(TrainingArguments):
 
     @property
     def gpa_effective_inner_steps(self) -> float | None:
-        """H with mu_x = 0.9 ** (1 / H): the DiLoCo inner steps GPA's averaging matches (None when mu_x = 0)."""
+        """H with mu_x = 0.9 ** (1 / H): the DiLoCo inner steps GPA's averaging matches (None when mu_x = 0 or with
+        schedule_free averaging)."""
         if self.gpa_inner_steps is not None:
             return float(self.gpa_inner_steps)
-        if not 0.0 < self.gpa_mu_x < 1.0:
+        if self.gpa_mu_x is None or not 0.0 < self.gpa_mu_x < 1.0:  # None: schedule_free, which has no mu_x
             return None
-        return inner_steps_from_mu_x(self.gpa_mu_x, DILOCO_MU)
+        return inner_steps_from_mu_x(self.gpa_mu_x, DEFAULT_OUTER_MOMENTUM)

@@ -100,6 +100,8 @@ def make_args(output_dir, **overrides) -> GPATrainingArguments:
         gpa_mu_x=MU_X,
         gpa_mu_y=MU_Y,
     )
+    if overrides.get("gpa_averaging") == "schedule_free":
+        del kwargs["gpa_mu_x"]  # Schedule-Free's average has no mu_x: giving one is an error
     kwargs.update(overrides)
     return GPATrainingArguments(**kwargs)
 

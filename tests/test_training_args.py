@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import pickle
 
@@ -11,6 +12,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.training_args import OptimizerNames
 
+from hf_gpa import GPA, DiLoCo, GPAAdamW
 from hf_gpa.training_args import DEFAULT_MU_X, DEFAULT_MU_Y, GPAOptimizerNames, GPATrainingArguments
 
 
@@ -109,16 +111,16 @@ def test_agreeing_inner_steps_and_mu_x(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"gpa_mu_x": 1.0}, r"--gpa_mu_x must lie in \[0, 1\), got 1.0"),
-        ({"gpa_mu_x": -0.1}, r"--gpa_mu_x must lie in \[0, 1\), got -0.1"),
-        ({"gpa_mu_y": 0.0}, r"--gpa_mu_y must lie in \(0, 1\], got 0.0"),
-        ({"gpa_mu_y": 1.5}, r"--gpa_mu_y must lie in \(0, 1\], got 1.5"),
-        ({"gpa_inner_steps": 0}, r"--gpa_inner_steps must be an integer >= 1, got 0"),
-        ({"gpa_inner_steps": 2.5}, r"--gpa_inner_steps must be an integer >= 1, got 2.5"),
-        ({"gpa_averaging": "polyak"}, r"--gpa_averaging must be one of gpa, schedule_free, got 'polyak'"),
-        ({"diloco_inner_steps": 0}, r"--diloco_inner_steps must be an integer >= 1, got 0"),
-        ({"diloco_outer_lr": 0.0}, r"--diloco_outer_lr must be > 0, got 0.0"),
-        ({"diloco_outer_momentum": 1.0}, r"--diloco_outer_momentum must lie in \[0, 1\), got 1.0"),
+        ({"gpa_mu_x": 1.0}, r"Invalid --gpa_mu_x: 1.0 \(must lie in \[0, 1\)\)"),
+        ({"gpa_mu_x": -0.1}, r"Invalid --gpa_mu_x: -0.1 \(must lie in \[0, 1\)\)"),
+        ({"gpa_mu_y": 0.0}, r"Invalid --gpa_mu_y: 0.0 \(must lie in \(0, 1\]"),
+        ({"gpa_mu_y": 1.5}, r"Invalid --gpa_mu_y: 1.5 \(must lie in \(0, 1\]"),
+        ({"gpa_inner_steps": 0}, r"Invalid --gpa_inner_steps: 0 \(must be an integer >= 1\)"),
+        ({"gpa_inner_steps": 2.5}, r"Invalid --gpa_inner_steps: 2.5 \(must be an integer >= 1\)"),
+        ({"gpa_averaging": "polyak"}, r"Invalid --gpa_averaging: 'polyak' \(must be one of gpa, schedule_free\)"),
+        ({"diloco_inner_steps": 0}, r"Invalid --diloco_inner_steps: 0 \(must be an integer >= 1\)"),
+        ({"diloco_outer_lr": 0.0}, r"Invalid --diloco_outer_lr: 0.0 \(must be finite and > 0\)"),
+        ({"diloco_outer_momentum": 1.0}, r"Invalid --diloco_outer_momentum: 1.0 \(must lie in \[0, 1\)\)"),
     ],
 )
 def test_out_of_range_values_name_the_flag(kwargs, message, tmp_path):
@@ -179,14 +181,14 @@ def test_beside_other_dataclasses_and_from_json(tmp_path):
     parser = HfArgumentParser((ModelArguments, GPATrainingArguments))
     argv = ["--model_name", "llama", "--output_dir", str(tmp_path), "--report_to", "none", "--optim", "gpa"]
     argv += ["--gpa_base_optim", "adamw_torch_fused", "--gpa_mu_y", "0.9", "--gpa_inner_steps", "16"]
-    argv += ["--gpa_averaging", "schedule_free", "--learning_rate", "3e-4"]
+    argv += ["--gpa_averaging", "gpa", "--learning_rate", "3e-4"]
     model_args, args = parser.parse_args_into_dataclasses(argv)
     assert model_args.model_name == "llama"
     assert (args.optim, args.gpa_base_optim, args.gpa_mu_y) == (GPAOptimizerNames.GPA, "adamw_torch_fused", 0.9)
-    assert (args.gpa_mu_x, args.gpa_averaging, args.learning_rate) == (0.9 ** (1 / 16), "schedule_free", 3e-4)
+    assert (args.gpa_mu_x, args.gpa_averaging, args.learning_rate) == (0.9 ** (1 / 16), "gpa", 3e-4)
 
     config = {"model_name": "llama", "output_dir": str(tmp_path), "report_to": "none", "optim": "gpa"}
-    config.update(gpa_base_optim="adamw_torch_fused", gpa_mu_y=0.9, gpa_inner_steps=16, gpa_averaging="schedule_free")
+    config.update(gpa_base_optim="adamw_torch_fused", gpa_mu_y=0.9, gpa_inner_steps=16, gpa_averaging="gpa")
     config["learning_rate"] = 3e-4
     path = tmp_path / "args.json"
     path.write_text(json.dumps(config))
@@ -244,3 +246,128 @@ def test_set_optimizer_takes_gpa_names(tmp_path):
     assert args.set_optimizer(name="sgd").optim is OptimizerNames.SGD
     with pytest.raises(ValueError, match="--optim gpa needs --gpa_base_optim"):
         make(tmp_path).set_optimizer(name="gpa")
+
+
+# ---------------------------------------------------------------- one source of truth: the optimizers' own checks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"gpa_mu_x": "0.5"}, "--gpa_mu_x"),
+        ({"gpa_mu_y": None}, "--gpa_mu_y"),
+        ({"gpa_mu_y": True}, "--gpa_mu_y"),
+        ({"gpa_mu_x": float("nan")}, "--gpa_mu_x"),
+        ({"gpa_inner_steps": True}, "--gpa_inner_steps"),
+        ({"gpa_inner_steps": "8"}, "--gpa_inner_steps"),
+        ({"gpa_averaging": None}, "--gpa_averaging"),
+        ({"diloco_inner_steps": "8"}, "--diloco_inner_steps"),
+        ({"diloco_outer_lr": "1"}, "--diloco_outer_lr"),
+        ({"diloco_outer_lr": float("inf")}, "--diloco_outer_lr"),
+        ({"diloco_outer_lr": float("nan")}, "--diloco_outer_lr"),
+        ({"diloco_outer_momentum": None}, "--diloco_outer_momentum"),
+    ],
+)
+def test_python_values_that_are_not_valid_numbers_name_the_flag(kwargs, flag, tmp_path):
+    """From Python, a string, None, a bool, NaN or inf is a ValueError naming the flag, not a TypeError or accepted."""
+    with pytest.raises(ValueError, match=f"Invalid {flag}: "):
+        make(tmp_path, optim="diloco_adamw" if flag.startswith("--diloco") else "gpa_adamw", **kwargs)
+
+
+def test_infinite_outer_lr_rejected_on_command_line(tmp_path):
+    """--diloco_outer_lr inf (which would send the weights to -inf at the first outer step) is rejected."""
+    with pytest.raises(ValueError, match="--diloco_outer_lr"):
+        parse(["--optim", "diloco_adamw", "--diloco_outer_lr", "inf"], tmp_path)
+
+
+@pytest.mark.parametrize("outer_lr", [float("inf"), float("nan"), "1", True])
+def test_diloco_optimizer_rejects_what_the_flag_rejects(outer_lr):
+    """DiLoCo's own outer_lr check (default and per group) is the flag's: finite numbers > 0 only."""
+    with pytest.raises(ValueError, match="outer_lr"):
+        DiLoCo([torch.nn.Parameter(torch.zeros(3))], outer_lr=outer_lr)
+    with pytest.raises(ValueError, match="outer_lr"):
+        DiLoCo([{"params": [torch.nn.Parameter(torch.zeros(3))], "outer_lr": outer_lr}])
+
+
+@pytest.mark.parametrize(
+    ("flag", "optimizer", "argument"),
+    [
+        ("gpa_mu_x", GPAAdamW, "mu_x"),
+        ("gpa_mu_y", GPAAdamW, "mu_y"),
+        ("gpa_averaging", GPAAdamW, "averaging"),
+        ("gpa_mu_x", GPA, "mu_x"),
+        ("gpa_mu_y", GPA, "mu_y"),
+        ("diloco_inner_steps", DiLoCo, "inner_steps"),
+        ("diloco_outer_lr", DiLoCo, "outer_lr"),
+        ("diloco_outer_momentum", DiLoCo, "outer_momentum"),
+    ],
+)
+def test_flags_default_to_the_optimizers_defaults(flag, optimizer, argument, tmp_path):
+    """Each flag's default is the optimizer constructor's default for the same argument."""
+    args = make(tmp_path, optim="gpa_adamw")
+    assert getattr(args, flag) == inspect.signature(optimizer).parameters[argument].default
+
+
+@pytest.mark.parametrize(
+    ("flag", "argument", "value"),
+    [
+        ("gpa_mu_x", "mu_x", 1.0),
+        ("gpa_mu_x", "mu_x", "0.5"),
+        ("gpa_mu_y", "mu_y", 0.0),
+        ("gpa_mu_y", "mu_y", True),
+        ("gpa_averaging", "averaging", "ema"),
+        ("diloco_inner_steps", "inner_steps", 0),
+        ("diloco_outer_lr", "outer_lr", float("inf")),
+        ("diloco_outer_momentum", "outer_momentum", 1.0),
+    ],
+)
+def test_flags_and_optimizers_reject_the_same_values(flag, argument, value, tmp_path):
+    """A value the optimizer rejects, the flag rejects too, with the same message but for the flag's name."""
+    optimizer = DiLoCo if argument in ("inner_steps", "outer_lr", "outer_momentum") else GPAAdamW
+    with pytest.raises(ValueError, match=f"Invalid {argument}: ") as from_optimizer:
+        optimizer([torch.nn.Parameter(torch.zeros(3))], **{argument: value})
+    with pytest.raises(ValueError, match=f"Invalid --{flag}: ") as from_flag:
+        make(tmp_path, optim="gpa_adamw", **{flag: value})
+    assert str(from_flag.value).replace(f"--{flag}", argument) == str(from_optimizer.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("gpa", {"learning_rate": 5.0}),  # --optim gpa without --gpa_base_optim
+        ("gpa_adamw", {}),  # with a flag that set_optimizer's checks reject (set below)
+        ("not_an_optimizer", {"learning_rate": 5.0}),
+    ],
+)
+def test_set_optimizer_that_raises_leaves_the_arguments_unchanged(name, kwargs, tmp_path):
+    """set_optimizer(...) that raises leaves every field as it was (no half-applied optimizer or learning rate)."""
+    args = make(tmp_path, optim="adamw_torch", learning_rate=1e-3)
+    if name == "gpa_adamw":
+        args.gpa_mu_y = 2.0
+    before = dict(vars(args))
+    with pytest.raises(ValueError):
+        args.set_optimizer(name=name, beta1=0.5, **kwargs)
+    assert vars(args) == before
+
+
+@pytest.mark.parametrize("flag", [["--gpa_mu_x", "0.99"], ["--gpa_inner_steps", "8"]])
+def test_schedule_free_takes_no_averaging_constant(flag, tmp_path):
+    """With --gpa_averaging schedule_free, --gpa_mu_x or --gpa_inner_steps is an error instead of being ignored."""
+    with pytest.raises(ValueError, match=f"{flag[0]} .*does not apply with --gpa_averaging schedule_free"):
+        parse(["--optim", "gpa_adamw", "--gpa_averaging", "schedule_free", *flag], tmp_path)
+
+
+def test_schedule_free_arguments_carry_no_mu_x(tmp_path):
+    """schedule_free: mu_x and H stay None, re-parse from to_dict, build the optimizer, and the card omits them."""
+    from hf_gpa.trainer import GPATrainer, gpa_model_card_section
+
+    args = make(tmp_path, optim="gpa_adamw", gpa_averaging="schedule_free", gpa_mu_y=0.9)
+    assert args.gpa_mu_x is None and args.gpa_inner_steps is None and args.gpa_effective_inner_steps is None
+    (again,) = HfArgumentParser(GPATrainingArguments).parse_dict(json.loads(args.to_json_string()))
+    assert again.gpa_mu_x is None and again.gpa_averaging == "schedule_free"
+    cls, kwargs = GPATrainer.get_optimizer_cls_and_kwargs(args)
+    optimizer = cls([torch.nn.Parameter(torch.zeros(3))], **kwargs)
+    assert optimizer.param_groups[0]["averaging"] == "schedule_free" and optimizer.param_groups[0]["mu_y"] == 0.9
+    card = gpa_model_card_section(args)
+    assert "schedule_free" in card and "mu_y = 0.9" in card
+    assert "mu_x" not in card and "H =" not in card

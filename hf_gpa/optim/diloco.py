@@ -18,21 +18,19 @@ from typing import Any
 
 import torch
 
-from ._checks import base_defaults, check_lr
+from ._checks import (
+    DEFAULT_INNER_STEPS,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    base_defaults,
+    check_diloco,
+    check_lr,
+)
 from ._modes import PrimalAveragingOptimizer, local_tensor
 
 __all__ = ["DiLoCo"]
 
 _DILOCO_KEYS = ("inner_steps", "outer_lr", "outer_momentum", "inner_step", "train_mode")
-
-
-def _check_diloco(inner_steps: int, outer_lr: float, outer_momentum: float) -> None:
-    if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
-        raise ValueError(f"Invalid inner_steps: {inner_steps} (must be an integer >= 1)")
-    if not outer_lr > 0.0:
-        raise ValueError(f"Invalid outer_lr: {outer_lr} (must be > 0)")
-    if not 0.0 <= outer_momentum < 1.0:
-        raise ValueError(f"Invalid outer_momentum: {outer_momentum} (must lie in [0, 1))")
 
 
 class DiLoCo(PrimalAveragingOptimizer):
@@ -61,19 +59,19 @@ class DiLoCo(PrimalAveragingOptimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         base: type[torch.optim.Optimizer] = torch.optim.AdamW,
-        inner_steps: int = 32,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        inner_steps: int = DEFAULT_INNER_STEPS,
+        outer_lr: float = DEFAULT_OUTER_LR,
+        outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
         **base_kwargs: Any,
     ) -> None:
-        _check_diloco(inner_steps, outer_lr, outer_momentum)
+        check_diloco(inner_steps, outer_lr, outer_momentum)
         base_hypers = base_defaults(base, base_kwargs, _DILOCO_KEYS, "DiLoCo")
         defaults = dict(
             base_hypers, inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
-            _check_diloco(group["inner_steps"], group["outer_lr"], group["outer_momentum"])
+            check_diloco(group["inner_steps"], group["outer_lr"], group["outer_momentum"])
             if "lr" in group:
                 check_lr(group["lr"])
         self.base_class = base

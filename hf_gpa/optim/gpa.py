@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._checks import base_defaults, check_averaging, check_lr, check_mu
+from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, base_defaults, check_averaging, check_lr, check_mu
 from ._gpa_modes import GPAModes
 from ._modes import local_tensor, state_dtype_for
 from ._passes import foreach_add_scaled_, foreach_axpby_
@@ -55,9 +55,9 @@ class GPA(GPAModes):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         base: type[torch.optim.Optimizer] = torch.optim.AdamW,
-        mu_x: float = 0.9967,
-        mu_y: float = 0.7,
-        averaging: str = "gpa",
+        mu_x: float = DEFAULT_MU_X,
+        mu_y: float = DEFAULT_MU_Y,
+        averaging: str = DEFAULT_AVERAGING,
         **base_kwargs: Any,
     ) -> None:
         check_mu(mu_x, mu_y)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_adam, check_averaging, check_lr, check_mu
+from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, check_adam, check_averaging, check_lr, check_mu
 from ._gpa_modes import GPAModes
 from ._kernels import load_cpu_kernel
 from ._modes import local_tensor, state_dtype_for
@@ -71,10 +71,10 @@ class GPAAdamW(GPAModes):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        mu_x: float = 0.9967,
-        mu_y: float = 0.7,
+        mu_x: float = DEFAULT_MU_X,
+        mu_y: float = DEFAULT_MU_Y,
         *,
-        averaging: str = "gpa",
+        averaging: str = DEFAULT_AVERAGING,
         foreach: bool | None = None,
         fused: bool | None = None,
         maximize: bool = False,

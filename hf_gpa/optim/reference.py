@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_averaging, check_mu
+from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, check_averaging, check_mu
 from .schedules import averaging_mu_x
 
 __all__ = ["ReferenceGPA"]
@@ -32,9 +32,9 @@ class ReferenceGPA(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         momentum: float = 0.0,
         nesterov: bool = False,
-        mu_x: float = 0.9967,
-        mu_y: float = 0.7,
-        averaging: str = "gpa",
+        mu_x: float = DEFAULT_MU_X,
+        mu_y: float = DEFAULT_MU_Y,
+        averaging: str = DEFAULT_AVERAGING,
     ) -> None:
         if base not in ("adamw", "sgd"):
             raise ValueError(f"Invalid base: {base!r} (must be 'adamw' or 'sgd')")

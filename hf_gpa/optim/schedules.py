@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from ._checks import DEFAULT_OUTER_MOMENTUM
+
 __all__ = ["mu_x_from_inner_steps", "inner_steps_from_mu_x", "averaging_mu_x"]
 
 
@@ -16,7 +18,7 @@ def _check_mu(mu: float) -> None:
         raise ValueError(f"Invalid mu: {mu} (DiLoCo's outer momentum must lie in (0, 1))")
 
 
-def mu_x_from_inner_steps(inner_steps: float, mu: float = 0.9) -> float:
+def mu_x_from_inner_steps(inner_steps: float, mu: float = DEFAULT_OUTER_MOMENTUM) -> float:
     """GPA's ``mu_x`` that matches DiLoCo with ``inner_steps`` (H) inner steps and outer momentum ``mu``.
 
     ``mu_x = mu ** (1 / H)`` (paper, Table 4): H=32, mu=0.9 gives 0.99671.
@@ -27,7 +29,7 @@ def mu_x_from_inner_steps(inner_steps: float, mu: float = 0.9) -> float:
     return mu ** (1.0 / inner_steps)
 
 
-def inner_steps_from_mu_x(mu_x: float, mu: float = 0.9) -> float:
+def inner_steps_from_mu_x(mu_x: float, mu: float = DEFAULT_OUTER_MOMENTUM) -> float:
     """The effective number of DiLoCo inner steps H of a GPA ``mu_x``: the inverse of `mu_x_from_inner_steps`."""
     if not 0.0 < mu_x < 1.0:
         raise ValueError(f"Invalid mu_x: {mu_x} (must lie in (0, 1) to have an effective number of inner steps)")
