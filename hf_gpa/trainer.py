@@ -53,7 +53,10 @@ def _adam_kwargs(args: TrainingArguments) -> dict[str, Any]:
 
 
 def _gpa_kwargs(args: GPATrainingArguments) -> dict[str, Any]:
-    return {"mu_x": args.gpa_mu_x, "mu_y": args.gpa_mu_y, "averaging": args.gpa_averaging}
+    kwargs = {"mu_y": args.gpa_mu_y, "averaging": args.gpa_averaging}
+    if args.gpa_mu_x is not None:  # None with schedule_free averaging, which has no averaging constant
+        kwargs["mu_x"] = args.gpa_mu_x
+    return kwargs
 
 
 def _get_gpa_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
@@ -106,12 +109,16 @@ def gpa_model_card_section(args: TrainingArguments) -> str:
             "The weights in this repository are the outer (slow) weights.\n"
         )
     base = "AdamW" if args.optim == GPAOptimizerNames.GPA_ADAMW else f"`{args.gpa_base_optim}`"
-    steps = args.gpa_effective_inner_steps
-    h = "" if steps is None else f", H = {steps:.4g} (mu_x = 0.9 ** (1 / H), the equivalent DiLoCo inner steps)"
+    if args.gpa_averaging == "schedule_free":
+        # Schedule-Free's average has no mu_x, hence no H either.
+        constants = f"mu_y = {args.gpa_mu_y:.6g}, averaging = schedule_free (x is the lr**2-weighted average of z)"
+    else:
+        steps = args.gpa_effective_inner_steps
+        h = "" if steps is None else f", H = {steps:.4g} (mu_x = 0.9 ** (1 / H), the equivalent DiLoCo inner steps)"
+        constants = f"mu_x = {args.gpa_mu_x:.6g}, mu_y = {args.gpa_mu_y:.6g}{h}, averaging = {args.gpa_averaging}"
     return (
         "## Optimizer: GPA (hf_gpa)\n\n"
-        f"Trained with `--optim {name}`: Generalized Primal Averaging around {base} with "
-        f"mu_x = {args.gpa_mu_x:.6g}, mu_y = {args.gpa_mu_y:.6g}{h}, averaging = {args.gpa_averaging}. "
+        f"Trained with `--optim {name}`: Generalized Primal Averaging around {base} with {constants}. "
         "The weights in this repository are GPA's evaluation sequence x.\n"
     )
 
