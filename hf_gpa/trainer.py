@@ -13,7 +13,10 @@ happened to run just before the save. This subclass fixes the places that read o
 * `_load_optimizer_and_scheduler()` (resume) loads x weights and the eval-mode state, then calls `train()`: y is
   back bitwise and the resumed run matches the uninterrupted one.
 * `_load_best_model()` loads the best checkpoint's x together with its optimizer state, so the two agree.
-* After `train()` returns, the model holds x (the weights to use); the next training step switches back to y.
+* When training ends, the model holds x (the weights to use) before any `on_train_end` callback runs, so that
+  logging integrations that save or upload the model there (W&B with `WANDB_LOG_MODEL=end`, DVCLive with
+  `log_model=True`) get x: `GPATrainer` puts its own callback first in the callback list. The next training step
+  switches back to y.
 
 Only overrides; transformers and accelerate are not patched. With a stock `--optim` it behaves as `Trainer`.
 """
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_optimizer import is_optimizer_factory
 from transformers.trainer_utils import HubStrategy
@@ -142,6 +145,15 @@ def _with_gpa_tags(
     return bound.args, bound.kwargs
 
 
+class EvaluationWeightsAtTrainEnd(TrainerCallback):
+    """Switches the parameters to x in ``on_train_end``; `GPATrainer` keeps it first among its callbacks."""
+
+    def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        inner = unwrap_gpa_optimizer(kwargs.get("optimizer"))
+        if inner is not None:
+            inner.eval()
+
+
 class GPATrainer(Trainer):
     """`Trainer` that builds the hf_gpa optimizers from `GPATrainingArguments` and evaluates and saves at x.
 
@@ -162,6 +174,12 @@ class GPATrainer(Trainer):
         if handler is None:
             return super().get_optimizer_cls_and_kwargs(args, model, *more, **kwargs)
         return handler(args, model)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # First in the list, so every other callback's on_train_end (callbacks added later with add_callback are
+        # appended after it) sees x; the callback handler calls them in list order.
+        self.callback_handler.callbacks.insert(0, EvaluationWeightsAtTrainEnd())
 
     # ---- the weights x: evaluation, prediction, saving ----
 
@@ -231,6 +249,7 @@ class GPATrainer(Trainer):
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """The next class's `train`; afterwards the model holds x (the next training step switches back to y)."""
         output = super().train(*args, **kwargs)
+        # Already x since on_train_end; also when a user removed that callback.
         inner = unwrap_gpa_optimizer(self.optimizer)
         if inner is not None:
             inner.eval()

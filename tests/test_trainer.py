@@ -751,3 +751,29 @@ def test_accelerated_optimizer_forwards_modes_and_closure(tmp_path):
     assert losses == [expected]
     assert max_abs_diff(before, params_of(model)) > 0
     assert inner.step(closure).item() == losses[-1]  # the optimizer itself returns the closure's loss
+
+
+class SaveAtTrainEnd(TrainerCallback):
+    """What a logging integration uploading the model in on_train_end (W&B, DVCLive) would save."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, torch.Tensor] | None = None
+
+    def on_train_end(self, args, state, control, model=None, **kwargs) -> None:
+        self.saved = params_of(model)
+
+
+def test_on_train_end_callbacks_see_x(tmp_path):
+    """Every on_train_end callback (given at construction or added later) sees x: the final checkpoint's weights."""
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=4, per_device_train_batch_size=8)
+    given, added = SaveAtTrainEnd(), SaveAtTrainEnd()
+    trainer = GPATrainer(
+        model=TinyRegressor().double(), args=args, train_dataset=RegressionDataset(32, seed=1), callbacks=[given]
+    )
+    trainer.add_callback(added)
+    trainer.train()
+    x = {name: t.double() for name, t in load_file(tmp_path / "checkpoint-4" / "model.safetensors").items()}
+    assert_equal_dicts(given.saved, x)
+    assert_equal_dicts(added.saved, x)
+    unwrap_gpa_optimizer(trainer.optimizer).train()
+    assert max_abs_diff(params_of(trainer.model), x) > 1e-3  # y is far from x: the test tells them apart
