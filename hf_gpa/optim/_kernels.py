@@ -14,8 +14,9 @@ Why this file does more than call ``torch.utils.cpp_extension.load``:
   for a live build is bounded by ``HF_GPA_CPU_KERNEL_LOCK_TIMEOUT`` seconds (default 600), after which this process
   uses the foreach path with one warning naming the folder.
 * **The build is keyed by the machine.** It is compiled with ``-march=native``, so the build folder's name carries a
-  short hash of the CPU (``/proc/cpuinfo``'s model and feature flags), the compiler, torch, Python and the source: a
-  cache directory shared by hosts with different CPUs never hands one host another's binary.
+  short hash of the CPU (``/proc/cpuinfo``'s model and feature flags), the compiler, torch (its version and where it
+  is installed), Python and the source: a cache directory shared by hosts with different CPUs never hands one host
+  another's binary, and two environments never rebuild over each other's.
 * **A failed build is remembered.** Its error goes to ``build_failed.txt`` in the (keyed) build folder, and later
   processes fall back at once, with one short warning saying how to retry (delete that file). Installing a compiler
   or ninja changes the key, so the next process tries again by itself.
@@ -93,14 +94,17 @@ def _compiler() -> str:
 
 
 def build_key(cpuinfo: str | None = None, compiler: str | None = None) -> str:
-    """A short hash of everything the binary depends on: CPU, compiler, ninja, torch, Python, flags and source."""
+    """A short hash of what the binary depends on: CPU, compiler, ninja, torch (version and installation), Python,
+    flags and source."""
     import torch
 
     parts = [
         cpu_fingerprint(cpuinfo),
         _compiler() if compiler is None else compiler,
         f"ninja: {shutil.which('ninja') is not None}",
-        f"torch {torch.__version__} {torch.version.git_version}",
+        # The installation too: the build file names its headers and libraries, so two environments with the same
+        # torch version would otherwise rebuild over each other's binary.
+        f"torch {torch.__version__} {torch.version.git_version} {os.path.dirname(torch.__file__)}",
         f"python {sys.version_info[:2]} {sys.abiflags if hasattr(sys, 'abiflags') else ''}",
         " ".join(_CFLAGS),
         hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
