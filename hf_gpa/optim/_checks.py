@@ -10,6 +10,8 @@ AVERAGING_MODES = ("gpa", "schedule_free")
 
 
 def check_lr(lr: Any) -> None:
+    if torch.is_tensor(lr) and lr.numel() != 1:
+        raise ValueError(f"Invalid learning rate: a tensor lr must have one element, got shape {tuple(lr.shape)}")
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr} (lr must be >= 0)")
 

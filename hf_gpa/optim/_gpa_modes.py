@@ -26,6 +26,11 @@ def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
     return torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as pairs of reals (its bit patterns then have an integer view), others as they are."""
+    return torch.view_as_real(t) if torch.is_complex(t) else t
+
+
 class GPAModes(PrimalAveragingOptimizer):
     """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_modes``)."""
 
@@ -35,7 +40,10 @@ class GPAModes(PrimalAveragingOptimizer):
             state = self.state.get(p)
             if not state or "z" not in state or mu_y == 1.0:
                 continue  # never stepped (x = y = z), or mu_y = 1 (x = y)
-            y, z = local_tensor(p), local_tensor(state["z"])
+            y, z = _real(local_tensor(p)), _real(local_tensor(state["z"]))
+            if "y_fp32" in state:  # bf16/fp16: x from the float32 y; train() restores y from it, no residual
+                y.copy_(_x_from_y(local_tensor(state["y_fp32"]), z, mu_y))
+                continue
             x = _x_from_y(y, z, mu_y)
             residual = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
             state["y_residual"] = shard_like(residual, p)
@@ -47,7 +55,10 @@ class GPAModes(PrimalAveragingOptimizer):
             state = self.state.get(p)
             if not state or "z" not in state or mu_y == 1.0:
                 continue
-            x, z = local_tensor(p), local_tensor(state["z"])
+            x, z = _real(local_tensor(p)), _real(local_tensor(state["z"]))
+            if "y_fp32" in state:
+                x.copy_(local_tensor(state["y_fp32"]))
+                continue
             y = _y_from_x(x, z, mu_y)
             if "y_residual" in state:
                 y = decode_residual(y, local_tensor(state.pop("y_residual")))
