@@ -53,9 +53,9 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 def _kernel_for(y: torch.Tensor) -> str | None:
     """The fused kernel ("triton" or "cpu") that takes this tensor's device and dtype, else None."""
     if _backend["force"] == "triton" or y.device.type == "cuda":
-        from . import _triton_kernels
+        from . import _triton
 
-        ok = _triton_kernels.triton_available() and _triton_kernels.supports([y])
+        ok = _triton.triton_available() and _triton.supports([y])
         return "triton" if ok else None
     if y.device.type == "cpu" and y.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return "cpu" if load_cpu_kernel() is not None else None
@@ -91,9 +91,9 @@ def _wrapper_pass(
         if kernel == "cpu":
             load_cpu_kernel().gpa_wrapper_pass(y_b, z_b, y32_b or [], alpha, scale, before)
         elif kernel == "triton":
-            from . import _triton_kernels
+            from . import _triton
 
-            _triton_kernels.wrapper_pass(y_b, z_b, y32_b, alpha, scale, before)
+            _triton.wrapper_pass(y_b, z_b, y32_b, alpha, scale, before)
         else:
             _foreach_pass(y_b, z_b, y32_b, alpha, scale, before)
 

@@ -12,7 +12,7 @@ written as small corrections added to y rather than as mu_x mu_y x + (1 - mu_x m
 that of the corrections, and where x = z a step with lr = 0 leaves y bitwise unchanged.
 
 Every path computes the same update: `_single_tensor_gpa_adamw` (the ground truth), `_foreach_gpa_adamw`, the C++
-kernel (``csrc/gpa_adamw.cpp``) and the Triton kernel (``_triton_kernels.py``). ``fused=None`` takes the fused kernel
+kernel (``csrc/gpa_adamw.cpp``) and the Triton kernel (``_triton.py``). ``fused=None`` takes the fused kernel
 of the device (CPU: C++; CUDA: Triton, when triton imports) and foreach for the tensors it cannot take.
 """
 
@@ -170,9 +170,9 @@ class GPAAdamW(GPAModes):
     def _fused_kernel(self, y: torch.Tensor) -> str | None:
         """The fused kernel ("triton" or "cpu") that can take a tensor of this device and dtype, else None."""
         if self._fused_backend == "triton" or y.device.type == "cuda":
-            from . import _triton_kernels
+            from . import _triton
 
-            if _triton_kernels.triton_available() and _triton_kernels.supports([y]):
+            if _triton.triton_available() and _triton.supports([y]):
                 return "triton"
             return None
         if y.device.type == "cpu" and y.dtype in _KERNEL_DTYPES and load_cpu_kernel() is not None:
@@ -258,10 +258,10 @@ class GPAAdamW(GPAModes):
                     hyper["eps"], hyper["weight_decay"], hyper["mu_x"], hyper["mu_y"], hyper["maximize"],
                 )  # fmt: skip
             else:
-                from . import _triton_kernels
+                from . import _triton
 
                 lr_arg = lr if torch.is_tensor(lr) and lr.device == device else float(lr)
-                _triton_kernels.gpa_adamw_step(
+                _triton.gpa_adamw_step(
                     y_b, g_b, z_b, m_b, v_b, y32_b, lr=lr_arg, bc1=1.0 - beta1**t, bc2_sqrt=math.sqrt(1.0 - beta2**t),
                     **hyper,
                 )  # fmt: skip

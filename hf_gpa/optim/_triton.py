@@ -1,0 +1,173 @@
+"""Launching the multi-tensor Triton kernels (``_triton_kernels``): GPA-AdamW's step and the GPA wrapper's passes.
+
+All tensors of a (device, dtype) bucket go through one launch: the host passes tables of the tensors' addresses
+(int64) and sizes, plus a block -> (tensor, offset) map; each program updates one block of one tensor. Each element
+of y, g, z, m, v is read once and y, z, m, v are written once (plus the float32 copy of y for bf16/fp16 parameters).
+The tables depend only on the tensors' addresses and sizes, which do not change from step to step, so they are built
+once and cached on the device: a step launches kernels and never synchronizes with the host. A 0-d learning rate
+tensor on the device is read by the kernel itself.
+
+Triton is optional: this module imports only torch, and the kernels module (which imports triton) is loaded on the
+first launch. Under ``TRITON_INTERPRET=1`` (set before that first launch) the same kernels run on CPU tensors through
+Triton's interpreter, which is how CI tests them; bf16 rounding is done by explicit round-to-nearest-even bit
+arithmetic, which matches torch on every backend.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import OrderedDict
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["triton_available", "interpreting", "supports", "gpa_adamw_step", "wrapper_pass"]
+
+BLOCK = 2048
+_TABLE_CACHE_SIZE = 64
+_tables: OrderedDict[tuple, tuple[torch.Tensor, ...]] = OrderedDict()
+
+
+@cache
+def triton_available() -> bool:
+    """Whether ``import triton`` works (cached; never raises)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken triton install means: no Triton path
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter is asked for (``TRITON_INTERPRET=1``): the kernels then run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run through the interpreter: fixed when they are first loaded, else as asked for now."""
+    kernels = sys.modules.get(f"{__package__}._triton_kernels")
+    return kernels.INTERPRETED if kernels is not None else interpreting()
+
+
+def _kernels() -> ModuleType:
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+def supports(tensors: list[torch.Tensor]) -> bool:
+    """Whether the Triton kernels can take these tensors: CUDA (or CPU under the interpreter), fp32/bf16/fp16."""
+    device_ok = ("cpu",) if _interpreted() else ("cuda",)
+    return all(t.device.type in device_ok for t in tensors) and all(
+        t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in tensors
+    )
+
+
+def _tables_for(lists: list[list[torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Address tables (one per list), sizes, and the block -> (tensor, start) map, cached by addresses and sizes.
+
+    Empty tensors are left out. The result is a pure function of the key, so a cached entry is always right.
+    """
+    keep = [i for i, t in enumerate(lists[0]) if t.numel() > 0]
+    numels = [lists[0][i].numel() for i in keep]
+    key = (device, tuple(numels), *(tuple(lst[i].data_ptr() for i in keep) if lst else () for lst in lists))
+    hit = _tables.get(key)
+    if hit is not None:
+        _tables.move_to_end(key)
+        return hit
+    block_tensor, block_start = [], []
+    for j, n in enumerate(numels):
+        starts = range(0, n, BLOCK)
+        block_tensor.extend([j] * len(starts))
+        block_start.extend(starts)
+    host = [torch.tensor([lst[i].data_ptr() for i in keep] if lst else [0], dtype=torch.int64) for lst in lists]
+    host += [
+        torch.tensor(numels or [0], dtype=torch.int64),
+        torch.tensor(block_tensor, dtype=torch.int32),
+        torch.tensor(block_start, dtype=torch.int64),
+    ]
+    if device.type == "cuda":  # pinned staging so the copy does not wait for the stream
+        host = [h.pin_memory().to(device, non_blocking=True) for h in host]
+    entry = tuple(host)
+    _tables[key] = entry
+    if len(_tables) > _TABLE_CACHE_SIZE:
+        _tables.popitem(last=False)
+    return entry
+
+
+def _dtype(tl: Any, dtype: torch.dtype) -> Any:
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def gpa_adamw_step(
+    ys: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    y32s: list[torch.Tensor] | None,
+    *,
+    lr: float | torch.Tensor,
+    bc1: float,
+    bc2_sqrt: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mu_x: float,
+    mu_y: float,
+    maximize: bool,
+) -> None:
+    """One GPA-AdamW step over tensors of one device, parameter dtype and step count (float32 state).
+
+    ``lr`` is a float, or a 0-d tensor on the tensors' device that the kernel reads itself (no host sync).
+    ``y32s``: the float32 copies of y (bf16/fp16 parameters), or None.
+    """
+    if not ys:
+        return
+    kernels = _kernels()
+    device = ys[0].device
+    y_t, g_t, z_t, m_t, v_t, y32_t, numels, block_tensor, block_start = _tables_for(
+        [ys, gs, zs, ms, vs, y32s or []], device
+    )
+    n_blocks = block_tensor.numel() if any(t.numel() for t in ys) else 0
+    if n_blocks == 0:
+        return
+    lr_on_device = torch.is_tensor(lr)
+    if lr_on_device:
+        step_scale, decay_scale, lr_ptr = 1.0 / bc1, weight_decay, lr
+    else:
+        step_scale, decay_scale, lr_ptr = lr / bc1, lr * weight_decay, numels  # lr_ptr unused
+    kernels.gpa_adamw_kernel[(n_blocks,)](
+        y_t, g_t, z_t, m_t, v_t, y32_t, numels, block_tensor, block_start,
+        lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, 1.0 - mu_x, 1.0 - mu_x * mu_y,
+        PARAM=_dtype(kernels.tl, ys[0].dtype), GRAD=_dtype(kernels.tl, gs[0].dtype), HAS_Y32=y32s is not None,
+        LR_ON_DEVICE=lr_on_device, MAXIMIZE=bool(maximize), BLOCK=BLOCK,
+    )  # fmt: skip
+
+
+def wrapper_pass(
+    ys: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    y32s: list[torch.Tensor] | None,
+    alpha: float,
+    scale: float,
+    before: bool,
+) -> None:
+    """before: y <- scale (y - alpha z); after: y <- y + alpha z (one parameter dtype, float32 z).
+
+    With ``y32s`` (bf16/fp16 parameters) the float32 copy carries y: before the base step only it moves (the
+    parameter is not read by the base), after it the parameter receives it rounded.
+    """
+    if not ys or not any(t.numel() for t in ys):
+        return
+    kernels = _kernels()
+    y_t, z_t, y32_t, numels, block_tensor, block_start = _tables_for([ys, zs, y32s or []], ys[0].device)
+    kernels.wrapper_pass_kernel[(block_tensor.numel(),)](
+        y_t, z_t, y32_t, numels, block_tensor, block_start, alpha, scale,
+        PARAM=_dtype(kernels.tl, ys[0].dtype), HAS_Y32=y32s is not None, BEFORE=before, BLOCK=BLOCK,
+    )  # fmt: skip

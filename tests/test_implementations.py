@@ -1,0 +1,99 @@
+"""Every implementation of GPA-AdamW's step (for-loop, foreach, C++ kernel, Triton kernel through Triton's
+interpreter) against the for-loop ground truth, in float32, float64, bfloat16 and float16, so the copies of the
+update cannot drift apart. The Triton kernel runs on CPU tensors under ``TRITON_INTERPRET=1`` (set here, before the
+kernels are first loaded)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hf_gpa import GPAAdamW  # noqa: E402
+from hf_gpa.optim import _kernels, _triton  # noqa: E402
+
+SIZES = [(0,), (1,), (7,), (1023,), (4097,), (33, 65)]  # 4097 and 33 x 65 span several Triton blocks
+IMPLS = ["forloop", "foreach", "cpu_kernel", "triton"]
+
+
+def _impl_kwargs(impl: str) -> dict:
+    return {"forloop": {"foreach": False}, "foreach": {"foreach": True}}.get(impl, {"fused": True})
+
+
+def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)) for s in SIZES]
+
+
+def _groups(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[dict]:
+    """Groups with their own lr (float, 0-d and one-element 1-D tensors), weight decay, mu_x, mu_y, maximize and
+    averaging."""
+    lr_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return [
+        {"params": params[:3], "weight_decay": 0.1},
+        {"params": params[3:4], "lr": torch.tensor(2e-2, dtype=lr_dtype), "mu_x": 0.8, "mu_y": 0.9, "maximize": True},
+        {"params": params[4:5], "averaging": "schedule_free", "mu_y": 0.5, "weight_decay": 0.0},
+        {"params": params[5:], "lr": torch.tensor([5e-3], dtype=lr_dtype), "mu_x": 0.0},
+    ]
+
+
+def _train(impl: str, dtype: torch.dtype, steps: int = 4) -> tuple[list[torch.Tensor], GPAAdamW]:
+    params = _params(dtype)
+    opt = GPAAdamW(_groups(params, dtype), lr=1e-2, mu_x=0.9, mu_y=0.7, **_impl_kwargs(impl))
+    if impl == "triton":
+        opt._fused_backend = "triton"
+    for t in range(steps):
+        for i, p in enumerate(params):
+            y = p.detach().double()
+            p.grad = (torch.sin(3 * y + t) + 0.3 * y - 0.1 * i).to(dtype)
+        for k, group in enumerate(opt.param_groups):
+            lr = 1e-2 * (1 + k) * (0.5 + 0.5 * math.cos(math.pi * t / steps))
+            if torch.is_tensor(group["lr"]):
+                group["lr"].fill_(lr)  # a tensor lr is changed in place, as torch's schedulers do
+            else:
+                group["lr"] = lr
+        opt.step()
+    return params, opt
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: relative error <= 1e-6; fp64: 1e-13; bf16/fp16 tensors: one unit in the last place of the dtype."""
+    scale = expected.double().abs().max().item() if expected.numel() else 0.0
+    if dtype in (torch.bfloat16, torch.float16):
+        tol = torch.finfo(dtype).eps
+        torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol * 1e-3)
+    else:
+        tol = 1e-13 if dtype == torch.float64 else 1e-6
+        torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=tol * max(scale, 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_every_implementation_matches_the_forloop(impl: str, dtype: torch.dtype) -> None:
+    """Each path equals the for-loop: y, the state (z, m, v, y's float32 copy) and x after eval()."""
+    if impl == "cpu_kernel" and _kernels.load_cpu_kernel() is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    if impl == "triton":
+        if not _triton.triton_available():
+            pytest.skip("triton is not installed")
+        if dtype == torch.float64:
+            pytest.skip("the Triton kernel takes fp32/bf16/fp16 parameters (fp64 goes to foreach)")
+    ref, ref_opt = _train("forloop", dtype)
+    params, opt = _train(impl, dtype)
+    if impl in ("cpu_kernel", "triton"):  # the kernel itself ran, not the foreach fallback
+        assert {opt._fused_kernel(p) for p in params} == {"cpu" if impl == "cpu_kernel" else "triton"}
+    for p, r in zip(params, ref):
+        _close(p.detach(), r.detach(), dtype)
+        for key, value in ref_opt.state[r].items():
+            if key != "step":
+                _close(opt.state[p][key], value, torch.float32 if dtype != torch.float64 else dtype)
+    if dtype in (torch.bfloat16, torch.float16):
+        assert all("y_fp32" in opt.state[p] for p in params)
+    ref_opt.eval()
+    opt.eval()
+    for p, r in zip(params, ref):
+        _close(p.detach(), r.detach(), dtype)
