@@ -14,10 +14,11 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hf_gpa import GPAAdamW  # noqa: E402
-from hf_gpa.optim import _kernels, _triton  # noqa: E402
+from hf_gpa.optim import _kernels, _passes, _triton  # noqa: E402
 
 SIZES = [(0,), (1,), (7,), (1023,), (4097,), (33, 65)]  # 4097 and 33 x 65 span several Triton blocks
 IMPLS = ["forloop", "foreach", "cpu_kernel", "triton"]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
 def _impl_kwargs(impl: str) -> dict:
@@ -71,7 +72,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
         torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=tol * max(scale, 1.0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_every_implementation_matches_the_forloop(impl: str, dtype: torch.dtype) -> None:
     """Each path equals the for-loop: y, the state (z, m, v, y's float32 copy) and x after eval()."""
@@ -97,3 +98,70 @@ def test_every_implementation_matches_the_forloop(impl: str, dtype: torch.dtype)
     opt.eval()
     for p, r in zip(params, ref):
         _close(p.detach(), r.detach(), dtype)
+
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """float64 (complex128 for complex tensors) copy, as pairs of reals for the comparison."""
+    return torch.view_as_real(t.to(torch.complex128)) if t.is_complex() else t.to(torch.float64)
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (float64 pairs of reals) rounded to ``dtype`` (complex64: float32 pairs), back in float64."""
+    return t.to(torch.float32 if dtype == torch.complex64 else dtype).to(torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "with_y32"),
+    [(dtype, False) for dtype in (*DTYPES, torch.complex64)] + [(torch.bfloat16, True), (torch.float16, True)],
+    ids=lambda v: str(v) if isinstance(v, torch.dtype) else ("y_fp32" if v else "y"),
+)
+@pytest.mark.parametrize("impl", ["foreach", "cpu_kernel", "triton"])
+def test_wrapper_passes_match_their_closed_form(
+    impl: str, dtype: torch.dtype, with_y32: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPA's two passes on every path equal y <- scale (y - alpha z), then y <- y + c z', computed in float64;
+    with y's float32 copy, the copy carries y, the first pass leaves the parameter alone, and a parameter written
+    by something else is taken instead of its stale copy."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    if impl == "cpu_kernel" and _kernels.load_cpu_kernel() is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    if impl == "triton" and (not _triton.triton_available() or dtype == torch.float64):
+        pytest.skip("triton is not installed, or fp64 (not taken by the Triton kernel)")
+    monkeypatch.setitem(_passes._backend, "force", {"foreach": "foreach", "triton": "triton"}.get(impl))
+    gen = torch.Generator().manual_seed(1)
+    state_dtype = torch.float32 if half else dtype
+
+    def rand(dt: torch.dtype) -> list[torch.Tensor]:
+        return [torch.randn(s, generator=gen, dtype=torch.float64).to(dt) for s in SIZES]
+
+    ys, zs, new_zs = rand(dtype), rand(state_dtype), rand(state_dtype)
+    y32s = None
+    if with_y32:  # each parameter holds its copy rounded, except the last one, which something else wrote
+        y32s = [y.float() + 1e-3 * torch.randn(y.shape, generator=gen) for y in ys]
+        for y, y32 in zip(ys[:-1], y32s[:-1]):
+            y.copy_(y32)
+        y32s[-1] = ys[-1].float() + 0.25 + 0.5 * ys[-1].float().abs()  # stale: never equal to the parameter
+    starts = [_wide(y32s[i] if with_y32 and i < len(ys) - 1 else y) for i, y in enumerate(ys)]
+    # The oracle rounds where the passes store: the intermediate y (or its copy) and the result.
+    mid_dtype = torch.float32 if with_y32 else dtype
+    mids = [_round(0.97 * (start - 0.3 * _wide(z)), mid_dtype) for start, z in zip(starts, zs)]
+    expected = [_round(mid + 0.4 * _wide(z_new), mid_dtype) for mid, z_new in zip(mids, new_zs)]
+    params_before, zs_before = [y.clone() for y in ys], [z.clone() for z in zs]
+    _passes.foreach_axpby_(ys, zs, 0.3, 0.97, y32s)
+    if with_y32:
+        assert all(torch.equal(y, before) for y, before in zip(ys, params_before))
+    for z, z_new in zip(zs, new_zs):
+        z.copy_(z_new)  # the base optimizer's step
+    _passes.foreach_add_scaled_(ys, zs, 0.4, y32s)
+    for i, y in enumerate(ys):
+        actual = _wide(y32s[i] if with_y32 else y)
+        # Each stored value is rounded once more than in float64 (and the ops round, or fuse into an FMA): allow
+        # a few units in the last place of the operands, elementwise.
+        finfo = torch.finfo(torch.float32 if mid_dtype == torch.complex64 else mid_dtype)
+        operands = starts[i].abs() + 0.3 * _wide(zs_before[i]).abs() + mids[i].abs() + 0.4 * _wide(zs[i]).abs()
+        bound = 4 * finfo.eps * operands + finfo.tiny
+        excess = ((actual - expected[i]).abs() / bound).max().item() if actual.numel() else 0.0
+        assert excess <= 1.0, (i, excess)
+        if with_y32:
+            assert torch.equal(y, y32s[i].to(dtype))

@@ -24,7 +24,7 @@ from ._kernels import load_cpu_kernel
 __all__ = ["foreach_axpby_", "foreach_add_scaled_"]
 
 # Private switch for tests: "triton" sends every bucket it can take to the Triton kernel on any device (CPU tensors
-# need TRITON_INTERPRET=1).
+# need TRITON_INTERPRET=1); "foreach" sends everything to the foreach ops.
 _backend: dict[str, str | None] = {"force": None}
 
 
@@ -52,6 +52,8 @@ def _real(t: torch.Tensor) -> torch.Tensor:
 
 def _kernel_for(y: torch.Tensor) -> str | None:
     """The fused kernel ("triton" or "cpu") that takes this tensor's device and dtype, else None."""
+    if _backend["force"] == "foreach":
+        return None
     if _backend["force"] == "triton" or y.device.type == "cuda":
         from . import _triton
 
