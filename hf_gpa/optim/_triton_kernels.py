@@ -68,7 +68,7 @@ def gpa_adamw_kernel(
         y32_ptr = tl.load(y32_ptrs + t).to(tl.pointer_type(tl.float32))
         y32 = tl.load(y32_ptr + offs, mask=mask, other=0.0)
         # The float32 copy is y unless something else wrote the parameter since the last step.
-        y = tl.where(round_to(y32, PARAM) == y_param, y32, y)
+        y = tl.where(round_to(y32, PARAM).to(tl.float32) == y, y32, y)
 
     m = m + (1.0 - beta1) * (g - m)
     v = beta2 * v + (1.0 - beta2) * g * g
@@ -98,7 +98,7 @@ def wrapper_pass_kernel(
         y = tl.load(y32_ptr + offs, mask=mask, other=0.0)
         if BEFORE:  # the float32 copy is y unless something else wrote the parameter since the last step
             y_param = tl.load(y_ptr + offs, mask=mask, other=0.0)
-            y = tl.where(round_to(y, PARAM) == y_param, y, y_param.to(tl.float32))
+            y = tl.where(round_to(y, PARAM).to(tl.float32) == y_param.to(tl.float32), y, y_param.to(tl.float32))
     else:
         y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if BEFORE:

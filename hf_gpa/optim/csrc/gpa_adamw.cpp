@@ -26,7 +26,7 @@ struct Hyper {
   bool maximize;
 };
 
-template <typename param_t, typename state_t>
+template <typename param_t, typename state_t, bool has_y32>
 void update_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::Tensor& m_t, at::Tensor& v_t,
                    at::Tensor* y32_t, const Hyper& h, double step_size, double bc2_sqrt) {
   param_t* __restrict__ y = y_t.data_ptr<param_t>();
@@ -34,11 +34,11 @@ void update_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::
   state_t* __restrict__ z = z_t.data_ptr<state_t>();
   state_t* __restrict__ m = m_t.data_ptr<state_t>();
   state_t* __restrict__ v = v_t.data_ptr<state_t>();
-  state_t* __restrict__ y32 = y32_t != nullptr ? y32_t->data_ptr<state_t>() : nullptr;
+  state_t* __restrict__ y32 = has_y32 ? y32_t->data_ptr<state_t>() : nullptr;
   const state_t one_minus_beta1 = static_cast<state_t>(1.0 - h.beta1);
   const state_t beta2 = static_cast<state_t>(h.beta2);
   const state_t one_minus_beta2 = static_cast<state_t>(1.0 - h.beta2);
-  const state_t bc2 = static_cast<state_t>(bc2_sqrt);
+  const state_t inv_bc2_sqrt = static_cast<state_t>(1.0 / bc2_sqrt);
   const state_t eps = static_cast<state_t>(h.eps);
   const state_t neg_decay = static_cast<state_t>(-h.lr * h.weight_decay);
   const state_t neg_step_size = static_cast<state_t>(-step_size);
@@ -52,14 +52,16 @@ void update_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::
       const state_t mi = m[i] + one_minus_beta1 * (gi - m[i]);
       const state_t vi = beta2 * v[i] + one_minus_beta2 * gi * gi;
       const state_t zi = z[i];
-      const state_t d = neg_decay * zi + neg_step_size * (mi / (std::sqrt(vi) / bc2 + eps));
+      const state_t d = neg_decay * zi + neg_step_size * (mi / (std::sqrt(vi) * inv_bc2_sqrt + eps));
       state_t yi = static_cast<state_t>(y[i]);
-      if (y32 != nullptr && static_cast<state_t>(static_cast<param_t>(y32[i])) == yi) {
-        yi = y32[i];
+      if constexpr (has_y32) {
+        // y's float32 copy, unless something else wrote the parameter since the last step.
+        const state_t y32i = y32[i];
+        yi = static_cast<state_t>(static_cast<param_t>(y32i)) == yi ? y32i : yi;
       }
       const state_t yn = yi + one_minus_mu_x * (zi - yi) + c * d;
       y[i] = static_cast<param_t>(yn);
-      if (y32 != nullptr) {
+      if constexpr (has_y32) {
         y32[i] = yn;
       }
       z[i] = zi + d;
@@ -67,6 +69,16 @@ void update_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::
       v[i] = vi;
     }
   });
+}
+
+template <typename param_t, typename state_t>
+void update(at::Tensor& y, const at::Tensor& g, at::Tensor& z, at::Tensor& m, at::Tensor& v, at::Tensor* y32,
+            const Hyper& h, double step_size, double bc2_sqrt) {
+  if (y32 != nullptr) {
+    update_tensor<param_t, state_t, true>(y, g, z, m, v, y32, h, step_size, bc2_sqrt);
+  } else {
+    update_tensor<param_t, state_t, false>(y, g, z, m, v, y32, h, step_size, bc2_sqrt);
+  }
 }
 
 // Same dense layout: the elementwise update may then run over the storage in memory order.
@@ -97,13 +109,13 @@ void gpa_adamw_step(std::vector<at::Tensor> ys, std::vector<at::Tensor> gs, std:
     TORCH_CHECK(ms[i].scalar_type() == s && vs[i].scalar_type() == s && (y32 == nullptr || y32->scalar_type() == s),
                 "gpa_adamw_step: state dtypes differ");
     if (p == at::kFloat && s == at::kFloat) {
-      update_tensor<float, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
+      update<float, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
     } else if (p == at::kDouble && s == at::kDouble) {
-      update_tensor<double, double>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
+      update<double, double>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
     } else if (p == at::kBFloat16 && s == at::kFloat) {
-      update_tensor<c10::BFloat16, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
+      update<c10::BFloat16, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
     } else if (p == at::kHalf && s == at::kFloat) {
-      update_tensor<c10::Half, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
+      update<c10::Half, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
     } else {
       TORCH_CHECK(false, "gpa_adamw_step: unsupported dtypes ", p, " / ", s);
     }
