@@ -1,20 +1,18 @@
 """Every implementation of GPA-AdamW's step (for-loop, foreach, C++ kernel, Triton kernel through Triton's
 interpreter) against the for-loop ground truth, in float32, float64, bfloat16 and float16, so the copies of the
-update cannot drift apart. The Triton kernel runs on CPU tensors under ``TRITON_INTERPRET=1`` (set here, before the
-kernels are first loaded)."""
+update cannot drift apart; and the GPA wrapper's two passes on each path against their closed form. The Triton
+kernels run on CPU tensors through Triton's interpreter (the optimizers' private switch sends CPU tensors there)."""
 
 from __future__ import annotations
 
 import math
-import os
+import sys
 
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from hf_gpa import GPAAdamW  # noqa: E402
-from hf_gpa.optim import _kernels, _passes, _triton  # noqa: E402
+from hf_gpa import GPAAdamW
+from hf_gpa.optim import _kernels, _passes, _triton
 
 SIZES = [(0,), (1,), (7,), (1023,), (4097,), (33, 65)]  # 4097 and 33 x 65 span several Triton blocks
 IMPLS = ["forloop", "foreach", "cpu_kernel", "triton"]
@@ -165,3 +163,21 @@ def test_wrapper_passes_match_their_closed_form(
         assert excess <= 1.0, (i, excess)
         if with_y32:
             assert torch.equal(y, y32s[i].to(dtype))
+
+
+def test_without_triton_the_triton_buckets_take_foreach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton is optional: where it cannot be imported, what would go to the Triton kernel takes the foreach path
+    (bitwise the foreach result), for GPAAdamW's step and for the wrapper's passes."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    _triton.triton_available.cache_clear()
+    try:
+        assert not _triton.triton_available()
+        params, opt = _train("triton", torch.float32)
+        ref, _ = _train("foreach", torch.float32)
+        assert all(torch.equal(p, r) for p, r in zip(params, ref))
+        monkeypatch.setitem(_passes._backend, "force", "triton")
+        ys, zs = [torch.ones(5)], [torch.full((5,), 2.0)]
+        _passes.foreach_axpby_(ys, zs, 0.5, 2.0)
+        assert torch.equal(ys[0], torch.zeros(5))
+    finally:
+        _triton.triton_available.cache_clear()

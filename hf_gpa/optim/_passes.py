@@ -23,8 +23,8 @@ from ._kernels import load_cpu_kernel
 
 __all__ = ["foreach_axpby_", "foreach_add_scaled_"]
 
-# Private switch for tests: "triton" sends every bucket it can take to the Triton kernel on any device (CPU tensors
-# need TRITON_INTERPRET=1); "foreach" sends everything to the foreach ops.
+# Private switch for tests: "triton" sends every bucket it can take to the Triton kernel on any device (on CPU
+# tensors it runs through Triton's interpreter); "foreach" sends everything to the foreach ops.
 _backend: dict[str, str | None] = {"force": None}
 
 

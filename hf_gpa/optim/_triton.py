@@ -8,23 +8,24 @@ once and cached on the device: a step launches kernels and never synchronizes wi
 tensor on the device is read by the kernel itself.
 
 Triton is optional: this module imports only torch, and the kernels module (which imports triton) is loaded on the
-first launch. Under ``TRITON_INTERPRET=1`` (set before that first launch) the same kernels run on CPU tensors through
-Triton's interpreter, which is how CI tests them; bf16 rounding is done by explicit round-to-nearest-even bit
-arithmetic, which matches torch on every backend.
+first launch. CUDA tensors run the compiled kernels. CPU tensors (reached only through the optimizers' private test
+switch) run the same kernel source through Triton's interpreter, as ``TRITON_INTERPRET=1`` would, loaded as a
+second copy with Triton's interpret knob set, so interpreted CPU tests and compiled CUDA kernels can share a process;
+that is how CI tests the kernels. bf16 rounding is done by explicit round-to-nearest-even bit arithmetic, which
+matches torch under the interpreter and on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections import OrderedDict
 from functools import cache
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-__all__ = ["triton_available", "interpreting", "supports", "gpa_adamw_step", "wrapper_pass"]
+__all__ = ["triton_available", "supports", "gpa_adamw_step", "wrapper_pass"]
 
 BLOCK = 2048
 _TABLE_CACHE_SIZE = 64
@@ -42,27 +43,29 @@ def triton_available() -> bool:
     return True
 
 
-def interpreting() -> bool:
-    """Whether Triton's interpreter is asked for (``TRITON_INTERPRET=1``): the kernels then run on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+@cache
+def _kernels(interpret: bool) -> ModuleType:
+    """The kernels module: compiled (CUDA tensors), or a second copy run by Triton's interpreter (CPU tensors)."""
+    if not interpret:
+        from . import _triton_kernels
 
+        return _triton_kernels
+    import importlib.util
 
-def _interpreted() -> bool:
-    """Whether the kernels run through the interpreter: fixed when they are first loaded, else as asked for now."""
-    kernels = sys.modules.get(f"{__package__}._triton_kernels")
-    return kernels.INTERPRETED if kernels is not None else interpreting()
+    import triton
 
-
-def _kernels() -> ModuleType:
-    from . import _triton_kernels
-
-    return _triton_kernels
+    name = f"{__package__}._triton_kernels_interpreted"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_triton_kernels.py"))
+    module = importlib.util.module_from_spec(spec)
+    with triton.knobs.runtime.scope():  # triton.jit reads the knob when the module's kernels are defined
+        triton.knobs.runtime.interpret = True
+        spec.loader.exec_module(module)
+    return module
 
 
 def supports(tensors: list[torch.Tensor]) -> bool:
-    """Whether the Triton kernels can take these tensors: CUDA (or CPU under the interpreter), fp32/bf16/fp16."""
-    device_ok = ("cpu",) if _interpreted() else ("cuda",)
-    return all(t.device.type in device_ok for t in tensors) and all(
+    """Whether the Triton kernels can take these tensors: CUDA (CPU through the interpreter), fp32/bf16/fp16."""
+    return all(t.device.type in ("cuda", "cpu") for t in tensors) and all(
         t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in tensors
     )
 
@@ -129,8 +132,8 @@ def gpa_adamw_step(
     """
     if not ys:
         return
-    kernels = _kernels()
     device = ys[0].device
+    kernels = _kernels(device.type == "cpu")
     y_t, g_t, z_t, m_t, v_t, y32_t, numels, block_tensor, block_start = _tables_for(
         [ys, gs, zs, ms, vs, y32s or []], device
     )
@@ -165,7 +168,7 @@ def wrapper_pass(
     """
     if not ys or not any(t.numel() for t in ys):
         return
-    kernels = _kernels()
+    kernels = _kernels(ys[0].device.type == "cpu")
     y_t, z_t, y32_t, numels, block_tensor, block_start = _tables_for([ys, zs, y32s or []], ys[0].device)
     kernels.wrapper_pass_kernel[(block_tensor.numel(),)](
         y_t, z_t, y32_t, numels, block_tensor, block_start, alpha, scale,

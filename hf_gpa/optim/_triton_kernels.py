@@ -3,16 +3,14 @@
 Imported only by ``_triton`` (the launcher), when the Triton path is taken: this module needs ``triton``. Each
 program updates one block of one tensor: it finds the tensor in the block map, turns the tensor's int64 address from
 the table into a typed pointer, and reads and writes each element once. Arithmetic is float32 (the state dtype);
-divisions and square roots are correctly rounded, as in torch. Whether the kernels run compiled or through Triton's
-interpreter (``TRITON_INTERPRET=1``, CPU tensors) is fixed when this module is first imported.
+divisions and square roots are correctly rounded, as in torch. ``_triton`` also loads a second copy of this source
+with Triton's interpreter on, for CPU tensors (tests).
 """
 
 import triton
 import triton.language as tl
 
-__all__ = ["gpa_adamw_kernel", "wrapper_pass_kernel", "INTERPRETED"]
-
-INTERPRETED = bool(triton.knobs.runtime.interpret)  # read by triton.jit below, when this module is imported
+__all__ = ["gpa_adamw_kernel", "wrapper_pass_kernel"]
 
 
 @triton.jit

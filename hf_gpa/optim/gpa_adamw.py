@@ -125,8 +125,8 @@ class GPAAdamW(GPAModes):
             check_adam(group["betas"], group["eps"], group["weight_decay"])
             check_mu(group["mu_x"], group["mu_y"])
             check_averaging(group["averaging"])
-        # Private switch for tests: "triton" sends the fused buckets to the Triton kernel on any device (CPU tensors
-        # need TRITON_INTERPRET=1, which runs it through Triton's interpreter).
+        # Private switch for tests: "triton" sends the fused buckets to the Triton kernel on any device (on CPU
+        # tensors it runs through Triton's interpreter).
         self._fused_backend: str | None = None
 
     def _init_group(self, group: dict[str, Any]) -> tuple[list[Any], ...]:
