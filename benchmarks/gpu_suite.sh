@@ -50,7 +50,7 @@ step() {
     fi
 }
 
-step environment 60 bash -c "nvidia-smi; \"$PY\" -c 'import sys, torch, transformers, accelerate; \
+step environment 30 bash -c "nvidia-smi; \"$PY\" -c 'import sys, torch, transformers, accelerate; \
 print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name()); \
 print(\"transformers\", transformers.__version__, \"accelerate\", accelerate.__version__)'; \
 \"$PY\" -c 'import triton; print(\"triton\", triton.__version__)'; \
@@ -58,10 +58,10 @@ print(\"transformers\", transformers.__version__, \"accelerate\", accelerate.__v
 
 # Every test file that carries the gpu marker (not the whole suite: other files may need packages this machine lacks).
 mapfile -t gpu_tests < <(grep -l "pytest.mark.gpu" tests/test_*.py)
-step gpu_tests 270 "$PY" -m pytest -m gpu -p no:cacheprovider -q -ra --junitxml "$OUT/gpu_tests.xml" \
+step gpu_tests 240 "$PY" -m pytest -m gpu -p no:cacheprovider -q -ra --junitxml "$OUT/gpu_tests.xml" \
     "${gpu_tests[@]}"
-step step_time_fp32 90 "$PY" benchmarks/step_time.py --device cuda --dtype float32 --rounds 20 --out-dir "$OUT"
-step step_time_bf16 75 "$PY" benchmarks/step_time.py --device cuda --dtype bfloat16 --rounds 20 --out-dir "$OUT"
+step step_time_fp32 80 "$PY" benchmarks/step_time.py --device cuda --dtype float32 --rounds 20 --out-dir "$OUT"
+step step_time_bf16 70 "$PY" benchmarks/step_time.py --device cuda --dtype bfloat16 --rounds 20 --out-dir "$OUT"
 step throughput 150 "$PY" benchmarks/throughput.py --device cuda --out-dir "$OUT"
 
 {

@@ -178,6 +178,9 @@ def test_cuda_default_step_is_a_few_launches_per_bucket() -> None:
 # ---------------------------------------------------------------- GPATrainer with --bf16 (autocast) on CUDA
 
 
+TRAINER_DEVICE = "cuda"  # the scenario below also runs on "cpu" (CPU autocast), which is how it was checked
+
+
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
     """A 6-step bf16 run on CUDA with evaluations every 2 steps and saves at 3 and 6, and one resumed at step 3.
@@ -193,7 +196,8 @@ def bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, 
 
     def run(name: str, resume: str | None = None) -> tuple[Any, Any]:
         snapshots = Snapshots()
-        overrides = dict(use_cpu=False, bf16=True, full_determinism=True, eval_strategy="steps", eval_steps=2)
+        overrides = dict(bf16=True, full_determinism=True, eval_strategy="steps", eval_steps=2)
+        overrides["use_cpu"] = TRAINER_DEVICE == "cpu"
         args = make_args(root / name, **{**RUN, **overrides})
         trainer = GPATrainer(
             model=tiny_llama(),
@@ -214,10 +218,11 @@ def bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, 
 
 
 def _loss(model: torch.nn.Module, ids: torch.Tensor) -> float:
-    """The causal-LM loss of ``model`` on ``ids`` under CUDA bf16 autocast, as the Trainer evaluates it."""
-    model = model.to("cuda").eval()
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        return model(input_ids=ids.cuda(), labels=ids.cuda()).loss.item()
+    """The causal-LM loss of ``model`` on ``ids`` under bf16 autocast, as the Trainer evaluates it."""
+    model = model.to(TRAINER_DEVICE).eval()
+    ids = ids.to(TRAINER_DEVICE)
+    with torch.no_grad(), torch.autocast(TRAINER_DEVICE, dtype=torch.bfloat16):
+        return model(input_ids=ids, labels=ids).loss.item()
 
 
 @gpu
@@ -227,15 +232,15 @@ def test_bf16_cuda_checkpoints_hold_x(bf16_runs: dict) -> None:
     from transformers import LlamaForCausalLM
 
     trainer, snapshots = bf16_runs["full"]
-    assert trainer.args.device.type == "cuda" and trainer.accelerator.mixed_precision == "bf16"
+    assert trainer.args.device.type == TRAINER_DEVICE and trainer.accelerator.mixed_precision == "bf16"
     for step in (3, 6):
         path = Path(trainer.args.output_dir) / f"checkpoint-{step}"
-        x_file = {k: v.cuda() for k, v in load_file(path / "model.safetensors").items()}
+        x_file = {k: v.to(TRAINER_DEVICE) for k, v in load_file(path / "model.safetensors").items()}
         assert {t.dtype for t in x_file.values()} == {torch.float32}
         assert_equal_dicts(x_file, snapshots.saved_x[step])
         assert max_abs_diff(x_file, snapshots.saved_y[step]) > 1e-4
         assert_equal_dicts(snapshots.saved_y[step], snapshots.y[step])  # the save left y in place
-        loaded = LlamaForCausalLM.from_pretrained(path).to("cuda")
+        loaded = LlamaForCausalLM.from_pretrained(path).to(TRAINER_DEVICE)
         assert_equal_dicts({n: p.detach() for n, p in loaded.named_parameters()}, snapshots.saved_x[step])
 
 
@@ -352,6 +357,8 @@ def clm_launches(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str
     def get(config: str, device: str) -> Path:
         if (config, device) in done:
             return done[(config, device)]
+        for module in ("datasets", "evaluate"):  # imported by run_clm_gpa.py; GPU images often lack them
+            pytest.importorskip(module, reason=f"run_clm_gpa.py needs {module}: pip install -e '.[examples]'")
         from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
 
         if not corpus.exists():  # about 60 KB of stdlib source: plenty of 32-token blocks for 6 steps of 4
