@@ -17,8 +17,11 @@ loaded.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
@@ -151,6 +154,38 @@ class GPATrainingArguments(TrainingArguments):
         finally:
             self.optim = GPAOptimizerNames(optim)
 
+    # ---- composing with other TrainingArguments subclasses (TRL's configs, Seq2SeqTrainingArguments) ----
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Let ``class C(GPATrainingArguments, SFTConfig)`` keep the defaults SFTConfig redeclares.
+
+        `dataclasses` collects fields base by base in reverse MRO order, and every dataclass carries all fields it
+        inherited: the stock `TrainingArguments` fields that GPATrainingArguments inherits would be collected after
+        SFTConfig's and reset, e.g., its learning rate to the stock default. Each field is therefore declared
+        again on the new class, taken from the class that comes first in the MRO, as Python's attribute lookup
+        would do; the class's own declarations still win, and the field order is unchanged.
+        """
+        super().__init_subclass__(**kwargs)
+        own = inspect.get_annotations(cls)
+        collected: dict[str, dataclasses.Field] = {}
+        for base in reversed(cls.__mro__[1:]):
+            collected.update(getattr(base, "__dataclass_fields__", {}))
+        redeclared: dict[str, dataclasses.Field] = {}
+        for name, collected_field in collected.items():
+            if name in own:
+                continue
+            declarer = next((b for b in cls.__mro__[1:] if name in inspect.get_annotations(b)), None)
+            first = getattr(declarer, "__dataclass_fields__", {}).get(name)
+            if first is not None and first is not collected_field:
+                redeclared[name] = first
+        if not redeclared:
+            return
+        annotations = dict(own)
+        for name, first in redeclared.items():
+            annotations[name] = first.type
+            setattr(cls, name, _copy_field(first))
+        cls.__annotations__ = annotations
+
     def _check_gpa_flags(self, optim: str) -> None:
         if self.gpa_base_optim is not None:
             if optim != GPAOptimizerNames.GPA.value:
@@ -248,3 +283,17 @@ class GPATrainingArguments(TrainingArguments):
         if not 0.0 < self.gpa_mu_x < 1.0:
             return None
         return inner_steps_from_mu_x(self.gpa_mu_x, DILOCO_MU)
+
+
+def _copy_field(original: dataclasses.Field) -> Any:
+    """A new `dataclasses.field` with the same default and settings (a Field may belong to one class only)."""
+    return field(
+        default=original.default,
+        default_factory=original.default_factory,
+        init=original.init,
+        repr=original.repr,
+        hash=original.hash,
+        compare=original.compare,
+        metadata=original.metadata,
+        kw_only=original.kw_only,
+    )
