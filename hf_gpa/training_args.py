@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
+from transformers.utils.generic import strtobool
 
 from hf_gpa.optim.schedules import inner_steps_from_mu_x, mu_x_from_inner_steps
 
@@ -36,6 +38,12 @@ DEFAULT_MU_Y = 0.7
 # DiLoCo's outer momentum the paper converts from: mu_x = DILOCO_MU ** (1 / H) (Table 4).
 DILOCO_MU = 0.9
 AVERAGING_CHOICES = ("gpa", "schedule_free")
+DEEPSPEED_REFUSAL = (
+    "DeepSpeed wraps the optimizer and steps its own float32 master copies of the parameters, so GPA's switch "
+    "between y (training) and x (evaluation) would not reach the weights the model runs with: evaluation and every "
+    "checkpoint would silently be y. Shard with FSDP2 instead (accelerate launch --config_file "
+    "configs/accelerate_fsdp2.yaml), or use DDP."
+)
 
 
 class GPAOptimizerNames(ExplicitEnum):
@@ -143,6 +151,7 @@ class GPATrainingArguments(TrainingArguments):
                 f"transformers name ({', '.join(STOCK_OPTIM_NAMES)})"
             )
         self._check_gpa_flags(optim)
+        self._refuse_deepspeed(optim)
         if optim not in GPA_OPTIM_NAMES:
             super().__post_init__()
             return
@@ -185,6 +194,20 @@ class GPATrainingArguments(TrainingArguments):
             annotations[name] = first.type
             setattr(cls, name, _copy_field(first))
         cls.__annotations__ = annotations
+
+    # ---- DeepSpeed: refused before any work starts ----
+
+    def _refuse_deepspeed(self, optim: str) -> None:
+        """DeepSpeed hides the parameters from a GPA optimizer: refuse the combination, without importing it."""
+        if optim not in GPA_OPTIM_NAMES:
+            return
+        if self.deepspeed:
+            route = f"--deepspeed {self.deepspeed!r}" if isinstance(self.deepspeed, str) else "--deepspeed (a dict)"
+        elif strtobool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
+            route = "ACCELERATE_USE_DEEPSPEED=true (accelerate's DeepSpeed plugin)"
+        else:
+            return
+        raise ValueError(f"--optim {optim} cannot run under {route}: {DEEPSPEED_REFUSAL}")
 
     def _check_gpa_flags(self, optim: str) -> None:
         if self.gpa_base_optim is not None:
