@@ -260,19 +260,15 @@ def test_trl_model_card_names_gpa(run: Run) -> None:
     assert "hf_gpa" in card and "gpa_adamw" in card and "## Optimizer: GPA (hf_gpa)" in card
 
 
-def test_dpo_reference_model_is_never_optimized(tokenizer, tmp_path) -> None:
+@pytest.mark.parametrize("run", ["dpo"], indirect=True)
+def test_dpo_reference_model_is_never_optimized(run: Run, tokenizer) -> None:
     """DPO's reference model is not among the optimizer's parameters and its weights are unchanged by training."""
-    ref = _model("dpo", tokenizer, seed=1)
-    before = _params(ref)
-    trainer = _trainer(
-        "dpo", tokenizer, tmp_path, _model("dpo", tokenizer), ref_model=ref, arg_overrides={"save_strategy": "no"}
-    )
-    trainer.train()
+    trainer = run.trainer
     optimized = {id(p) for group in unwrap_gpa_optimizer(trainer.optimizer).param_groups for p in group["params"]}
-    assert optimized and not optimized & {id(p) for p in ref.parameters()}
+    assert optimized and not optimized & {id(p) for p in trainer.ref_model.parameters()}
     assert optimized <= {id(p) for p in trainer.model.parameters()}
-    _assert_equal(_params(ref), before)
-    assert not torch.equal(trainer.model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+    _assert_equal(_params(trainer.ref_model), _params(_model("dpo", tokenizer, seed=1)))  # as built, bitwise
+    assert not torch.equal(trainer.model.model.embed_tokens.weight, trainer.ref_model.model.embed_tokens.weight)
 
 
 # ---- configs ----
