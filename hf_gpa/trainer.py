@@ -36,7 +36,8 @@ from transformers.training_args import OptimizerNames, TrainingArguments
 
 from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
-from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
+from hf_gpa.optim._modes import PrimalAveragingOptimizer
+from hf_gpa.training_args import DEEPSPEED_REFUSAL, GPAOptimizerNames, GPATrainingArguments
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -155,6 +156,52 @@ class GPATrainer(Trainer):
         if handler is None:
             return super().get_optimizer_cls_and_kwargs(args, model, *more, **kwargs)
         return handler(args, model)
+
+    # ---- wrappers that hide the real parameters from the optimizer: refused before any step ----
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The arguments refuse --deepspeed and ACCELERATE_USE_DEEPSPEED; this catches DeepSpeed enabled any other
+        # way (an accelerate plugin, stock TrainingArguments with a GPA optimizer passed in directly).
+        if getattr(self, "is_deepspeed_enabled", False) and self._uses_gpa_optimizer():
+            raise ValueError(f"A GPA optimizer cannot run under DeepSpeed: {DEEPSPEED_REFUSAL}")
+
+    def _uses_gpa_optimizer(self) -> bool:
+        given = getattr(self, "optimizer_cls_and_kwargs", None)
+        return (
+            isinstance(getattr(self.args, "optim", None), GPAOptimizerNames)
+            or unwrap_gpa_optimizer(self.optimizer) is not None
+            or (given is not None and isinstance(given[0], type) and issubclass(given[0], PrimalAveragingOptimizer))
+        )
+
+    def create_scheduler(self, *args: Any, **kwargs: Any) -> Any:
+        # The Trainer creates the scheduler once the optimizer is final (after accelerator.prepare and any
+        # wrapping) and before the first step: the place to check what the GPA optimizer actually steps.
+        self._refuse_hidden_parameters()
+        return super().create_scheduler(*args, **kwargs)
+
+    def _refuse_hidden_parameters(self) -> None:
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if inner is None:
+            return
+        wrapper = self.optimizer
+        while wrapper is not None and wrapper is not inner:
+            if type(wrapper).__module__.split(".")[0] == "deepspeed":
+                raise ValueError(
+                    f"The GPA optimizer is wrapped by DeepSpeed's {type(wrapper).__name__}: {DEEPSPEED_REFUSAL}"
+                )
+            wrapper = getattr(wrapper, "optimizer", None)
+        models = [self.model, getattr(self, "model_wrapped", None), *getattr(self.accelerator, "_models", [])]
+        model_params = {id(p) for m in models if isinstance(m, nn.Module) for p in m.parameters()}
+        hidden = sum(id(p) not in model_params for group in inner.param_groups for p in group["params"])
+        if hidden:
+            raise ValueError(
+                f"The GPA optimizer steps {hidden} tensor(s) that are not parameters of the model (a wrapper's "
+                "master copies, or an optimizer built on other tensors): its switch between y (training) and x "
+                "(evaluation and saving) would not reach the weights the model runs with, so evaluation and every "
+                "checkpoint would silently be y. Build the optimizer on model.parameters() (or let GPATrainer build "
+                "it from --optim); to shard, use FSDP2 (configs/accelerate_fsdp2.yaml)."
+            )
 
     # ---- the weights x: evaluation, prediction, saving ----
 
