@@ -6,7 +6,6 @@ the optimizer state holds z, and x is recovered only when ``eval()`` is called.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,10 +52,3 @@ class GPAModes(PrimalAveragingOptimizer):
                 y = decode_residual(y, local_tensor(state.pop("y_residual")))
             # else: a loader dropped the residual (see _modes); y is rebuilt by rounding, not bitwise.
             x.copy_(y)
-
-    def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
-        self._check_train_mode()
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
