@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ._checks import check_lr
+
 __all__ = ["PrimalAveragingOptimizer", "local_tensor", "saved_optimizer_name", "state_dtype_for"]
 
 # The param-group key naming the optimizer that wrote a state dict ("GPAAdamW", "GPA(AdamW)", "DiLoCo(SGD)"): it
@@ -51,6 +53,11 @@ def is_dtensor(t: torch.Tensor) -> bool:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The process-local shard of a DTensor (FSDP2), or the tensor itself: GPA's update is elementwise."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view (``torch.view_as_real``), as torch's optimizers treat it; else itself."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -189,6 +196,20 @@ class PrimalAveragingOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}.step() was called in eval mode (the parameters hold the averaged "
                 "weights). Call optimizer.train() before training steps, and optimizer.eval() before evaluation."
             )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, checked like the constructor's groups (a bad one raises and is not added)."""
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Per-group argument checks (subclasses add their own); run for every group, added later ones included."""
+        if "lr" in group:
+            check_lr(group["lr"])
 
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
         """The mode guard of every ``step()``, then the closure's loss (computed with gradients enabled)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._checks import base_defaults, check_lr
+from ._checks import base_defaults
 from ._modes import OPTIMIZER_KEY, PrimalAveragingOptimizer
 
 __all__ = ["BaseOptimizerWrapper", "unhooked_step"]
@@ -68,8 +68,9 @@ def _drop_new_keys(state: dict[str, Any], old: dict[str, set[str] | None]) -> No
 class BaseOptimizerWrapper(PrimalAveragingOptimizer):
     """A ``PrimalAveragingOptimizer`` around a base optimizer class (see the module docstring).
 
-    Subclasses give ``_base_tensor(p)`` (the tensor the base moves for parameter ``p``, created on first use) and
-    ``_check_group(group)`` (their own per-group argument checks), and call ``_base_step()`` inside ``step()``.
+    Subclasses give ``_base_tensor(p)`` (the tensor the base moves for parameter ``p``, or None while it needs
+    none) and ``_check_group(group)`` (their per-group checks), and call ``_prepare_base()`` then ``_base_step()``
+    inside ``step()``.
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class BaseOptimizerWrapper(PrimalAveragingOptimizer):
         self.base_class = base
         self._base_keys = tuple(base_hypers)
         self._base: torch.optim.Optimizer | None = None
+        self._base_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         super().__init__(params, {**base_hypers, **defaults})
 
     @property
@@ -88,37 +90,38 @@ class BaseOptimizerWrapper(PrimalAveragingOptimizer):
 
     # ---- the base optimizer ----
 
-    def _base_tensor(self, p: torch.Tensor) -> torch.Tensor:
+    def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
+        """The tensor the base moves for ``p`` (None while it needs none; ``create`` forces it into existence)."""
         raise NotImplementedError
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        if "lr" in group:
-            check_lr(group["lr"])
 
     @property
     def base_optimizer(self) -> torch.optim.Optimizer:
         """The base optimizer (built on first use on the current tensors; its state is nested in this one's)."""
         if self._base is None:
-            groups = [
-                {"params": [self._base_tensor(p) for p in g["params"]], **self._base_hypers(g)}
-                for g in self.param_groups
-            ]
+            groups, pairs = [], []
+            for group in self.param_groups:
+                tensors = []
+                for p in group["params"]:
+                    t = self._base_tensor(p)
+                    if t is not None:
+                        tensors.append(t)
+                        pairs.append((p, t))
+                groups.append({"params": tensors, **self._base_hypers(group)})
             base = self.base_class(groups)
-            self._link_base_state(base)
-            self._base = base
+            self._link_base_state(base, pairs)
+            self._base, self._base_pairs = base, pairs
         return self._base
 
     def _base_hypers(self, group: dict[str, Any]) -> dict[str, Any]:
         return {k: group[k] for k in self._base_keys if k in group}
 
-    def _link_base_state(self, base: torch.optim.Optimizer) -> None:
+    def _link_base_state(self, base: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         # The base's state of each tensor is the dict state[p]["base"] of this optimizer (one object, saved and
         # loaded with it); it starts empty so that the base initializes it lazily as usual.
-        for group, base_group in zip(self.param_groups, base.param_groups):
-            for p, t in zip(group["params"], base_group["params"]):
-                if t in base.state:
-                    self.state[p]["base"] = base.state[t]
-                base.state[t] = self.state[p].setdefault("base", {})
+        for p, t in pairs:
+            if t in base.state:
+                self.state[p]["base"] = base.state[t]
+            base.state[t] = self.state[p].setdefault("base", {})
 
     def _base_step(self) -> None:
         """Forward the hyper-parameters, then the base's step, without step hooks (they fire for the wrapper)."""
@@ -132,12 +135,14 @@ class BaseOptimizerWrapper(PrimalAveragingOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (checked like the constructor's); the base learns it at the next step."""
         super().add_param_group(param_group)
-        try:
-            self._check_group(self.param_groups[-1])
-        except ValueError:
-            self.param_groups.pop()
-            raise
         self._base = None
+
+    def _prepare_base(self) -> torch.optim.Optimizer:
+        """The base, rebuilt first if a parameter has its first gradient (it then needs the base's attention)."""
+        known = {id(p) for p, _ in self._base_pairs}
+        if any(p.grad is not None and id(p) not in known for g in self.param_groups for p in g["params"]):
+            self._base = None
+        return self.base_optimizer
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load this optimizer's state and the base's nested in it; the base is rebuilt on the loaded tensors."""
@@ -151,7 +156,7 @@ class BaseOptimizerWrapper(PrimalAveragingOptimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._base = None
+        self._base, self._base_pairs = None, []
 
     # ---- a step that raises ----
 
@@ -165,7 +170,6 @@ class BaseOptimizerWrapper(PrimalAveragingOptimizer):
         """
         keys = {p: _key_sets(s) for p, s in self.state.items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        built = self._base is not None
         undo = _Undo()
         try:
             yield undo
@@ -178,8 +182,7 @@ class BaseOptimizerWrapper(PrimalAveragingOptimizer):
                     del self.state[p]
             for group, old in zip(self.param_groups, groups):
                 group.update(old)
-            if not built:
-                self._base = None
+            self._base = None  # rebuilt on the restored state at the next step
             raise
 
     # ---- switching a run of the base optimizer to this wrapper ----
@@ -190,25 +193,29 @@ class BaseOptimizerWrapper(PrimalAveragingOptimizer):
         Refused (``ValueError``) unless every saved per-parameter state has the keys the base creates.
         """
         self._check_stock_state(state_dict, self._probe_base_state_keys(), self.base_class.__name__)
+        saved = dict(self._saved_param_states(state_dict))
         self._reset_state()
         self._base = None
         self._adopt_schedule(state_dict)
+        for p in saved:
+            self._base_tensor(p, create=True)
         base = self.base_optimizer
+        index = {id(t): i for i, t in enumerate(t for g in base.param_groups for t in g["params"])}
         base.load_state_dict(
             {
-                "state": state_dict["state"],
+                "state": {index[id(t)]: saved[p] for p, t in self._base_pairs if p in saved},
                 "param_groups": [
-                    {**self._base_hypers(g), "params": saved["params"]}
-                    for g, saved in zip(self.param_groups, state_dict["param_groups"])
+                    {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(t)] for t in g["params"]]}
+                    for g in base.param_groups
                 ],
             }
         )
-        self._link_base_state(base)
+        self._link_base_state(base, self._base_pairs)
 
     def _probe_base_state_keys(self) -> set[str]:
         """The per-parameter state keys the base creates, from one step on a 2x2 probe tensor."""
         probe = torch.zeros(2, 2, requires_grad=True)
-        optimizer = self.base_class([probe], **{k: self.defaults[k] for k in self._base_keys})
+        optimizer = self.base_class([{"params": [probe], **self._base_hypers(self.defaults)}])
         probe.grad = torch.ones_like(probe)
         unhooked_step(optimizer)
         return {str(k) for k in optimizer.state[probe]}

@@ -78,19 +78,20 @@ class DiLoCo(BaseOptimizerWrapper):
         super()._check_group(group)
         _check_diloco(group["inner_steps"], group["outer_lr"], group["outer_momentum"])
 
-    def _base_tensor(self, p: torch.Tensor) -> torch.Tensor:
-        return p  # the base moves the parameters themselves (the inner weights)
+    def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
+        # The base moves the parameters themselves (the inner weights), once they have a gradient.
+        return p if create or p.grad is not None or p in self.state else None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner step; every ``inner_steps``-th call also takes the outer Nesterov step."""
         loss = self._closure_loss(closure)
         with self._rollback_on_error():
-            self.base_optimizer  # noqa: B018 - built before the outer state is added to the state dicts
+            self._prepare_base()
             for group in self.param_groups:
                 for p in group["params"]:
-                    state = self.state[p]
-                    if p.grad is not None and "outer" not in state:
+                    if p.grad is not None and "outer" not in self.state[p]:
+                        state = self.state[p]
                         state["outer"] = p.detach().clone(memory_format=torch.preserve_format)
                         state["outer_momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             self._base_step()
@@ -103,8 +104,8 @@ class DiLoCo(BaseOptimizerWrapper):
     def _outer_step(self, group: dict[str, Any]) -> None:
         mu, outer_lr = group["outer_momentum"], group["outer_lr"]
         for p in group["params"]:
-            state = self.state[p]
-            if "outer" not in state:
+            state = self.state.get(p)
+            if not state or "outer" not in state:
                 continue
             inner, outer, buf = (local_tensor(t) for t in (p, state["outer"], state["outer_momentum_buffer"]))
             pseudo_grad = outer - inner

@@ -17,17 +17,12 @@ import torch
 
 from ._checks import check_averaging, check_mu
 from ._gpa_modes import GPAModes
-from ._modes import local_tensor, state_dtype_for
+from ._modes import local_tensor, real_view, state_dtype_for
 from ._passes import foreach_add_scaled_, foreach_axpby_
 from ._wrapper import BaseOptimizerWrapper
 from .schedules import averaging_mu_x
 
 __all__ = ["GPA"]
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as its real view (the passes are real-linear, so this is the complex update)."""
-    return torch.view_as_real(t) if t.is_complex() else t
 
 
 class GPA(BaseOptimizerWrapper, GPAModes):
@@ -93,11 +88,16 @@ class GPA(BaseOptimizerWrapper, GPAModes):
         check_mu(group["mu_x"], group["mu_y"])
         check_averaging(group["averaging"])
 
-    def _base_tensor(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state[p]
-        if "z" not in state:
-            state["z"] = p.detach().to(dtype=state_dtype_for(p), copy=True, memory_format=torch.preserve_format)
-        return state["z"]
+    def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
+        # z is created for a parameter once it has a gradient (a parameter that never has one gets no state).
+        state = self.state.get(p)
+        if state and "z" in state:
+            return state["z"]
+        if p.grad is None and not create:
+            return None
+        z = p.detach().to(dtype=state_dtype_for(p), copy=True, memory_format=torch.preserve_format)
+        self.state[p]["z"] = z
+        return z
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -106,7 +106,7 @@ class GPA(BaseOptimizerWrapper, GPAModes):
         stepped, with_grad = [], []
         try:
             with self._rollback_on_error() as undo:
-                self.base_optimizer  # noqa: B018 - built (z created) before the passes read z
+                self._prepare_base()  # z created (for a first gradient) before the passes read it
                 for group in self.param_groups:
                     ys, zs = [], []
                     for p in group["params"]:
@@ -115,8 +115,8 @@ class GPA(BaseOptimizerWrapper, GPAModes):
                         z = self.state[p]["z"]
                         z.grad = p.grad if p.grad.dtype == z.dtype else p.grad.to(z.dtype)
                         with_grad.append(z)
-                        ys.append(_real(local_tensor(p)))
-                        zs.append(_real(local_tensor(z)))
+                        ys.append(real_view(local_tensor(p)))
+                        zs.append(real_view(local_tensor(z)))
                     if not ys:
                         continue
                     lr = float(group.get("lr", 0.0))
