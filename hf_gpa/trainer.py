@@ -36,7 +36,7 @@ from transformers.training_args import OptimizerNames, TrainingArguments
 
 from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
-from hf_gpa.optim._modes import PrimalAveragingOptimizer
+from hf_gpa.optim._modes import PrimalAveragingOptimizer, saved_optimizer_name
 from hf_gpa.training_args import DEEPSPEED_REFUSAL, GPAOptimizerNames, GPATrainingArguments
 
 if TYPE_CHECKING:
@@ -136,6 +136,30 @@ def _with_gpa_tags(
     return bound.args, bound.kwargs
 
 
+def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArguments) -> None:
+    """Raise when a stock ``--optim`` is about to resume a checkpoint whose optimizer state an hf_gpa optimizer wrote.
+
+    torch's optimizers would load it without a word, keeping GPA's z (and residual) as stale entries and its group
+    hyper-parameters over the new ones; the weights in the checkpoint are GPA's x, not the y it trained at.
+    """
+    optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
+    if not os.path.isfile(optimizer_file):
+        return
+    # mmap: only the param groups are read, not the (possibly large) state tensors.
+    saved = saved_optimizer_name(torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True))
+    if saved is not None:
+        optim = getattr(args.optim, "value", args.optim)
+        raise ValueError(
+            f"{optimizer_file} was written by hf_gpa's {saved}, which --optim {optim} cannot resume (its state holds "
+            "GPA's z and the weights beside it are the averaged x). Resume with the hf_gpa optimizer that wrote it "
+            f"(e.g. --optim {_GPA_OPTIM_OF.get(saved.split('(')[0], 'gpa_adamw')}), or start a new run from the "
+            "checkpoint's weights (--model_name_or_path / from_pretrained) without resume_from_checkpoint."
+        )
+
+
+_GPA_OPTIM_OF = {"GPAAdamW": "gpa_adamw", "GPA": "gpa", "DiLoCo": "diloco_adamw"}
+
+
 class GPATrainer(Trainer):
     """`Trainer` that builds the hf_gpa optimizers from `GPATrainingArguments` and evaluates and saves at x.
 
@@ -230,6 +254,8 @@ class GPATrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         inner = unwrap_gpa_optimizer(self.optimizer)
+        if checkpoint is not None and inner is None:
+            _refuse_gpa_state_for_stock_optimizer(checkpoint, self.args)
         if checkpoint is not None and inner is not None and self.is_fsdp_enabled:
             # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
             # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.

@@ -221,3 +221,23 @@ def test_trainer_resumes_an_adamw_checkpoint_with_gpa_adamw(tmp_path) -> None:
             assert torch.equal(state[key], saved[key]), (name, key)
     final = os.path.join(trainer.args.output_dir, "checkpoint-6", "optimizer.pt")
     assert saved_optimizer_name(torch.load(final, weights_only=True)) == "GPAAdamW"
+
+
+def test_a_gpa_checkpoint_resumed_with_a_stock_optim_is_refused_by_name(tmp_path) -> None:
+    """--optim gpa_adamw saved at step 4, resumed with --optim adamw_torch: a ValueError naming both optimizers before
+    any step (torch's AdamW alone would load GPA's state silently, keeping z as a stale entry)."""
+
+    def args(optim: str) -> GPATrainingArguments:
+        return GPATrainingArguments(
+            output_dir=str(tmp_path / optim), report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+            max_steps=6, save_strategy="steps", save_steps=4, learning_rate=1e-2, per_device_train_batch_size=8,
+            optim=optim, gpa_mu_x=0.9, gpa_mu_y=0.7,
+        )  # fmt: skip
+
+    GPATrainer(model=_Regressor(), args=args("gpa_adamw"), train_dataset=_Data()).train()
+    checkpoint = tmp_path / "gpa_adamw" / "checkpoint-4"
+    probe = _FirstStep()
+    trainer = GPATrainer(model=_Regressor(), args=args("adamw_torch"), train_dataset=_Data(), callbacks=[probe])
+    with pytest.raises(ValueError, match=r"GPAAdamW.*--optim adamw_torch.*--optim gpa_adamw"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert probe.seen is None  # no optimizer step was taken
