@@ -21,6 +21,7 @@ Only overrides; transformers and accelerate are not patched. With a stock `--opt
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -35,10 +36,10 @@ from transformers.training_args import OptimizerNames, TrainingArguments
 
 from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
-from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
+from hf_gpa.optim._modes import PrimalAveragingOptimizer, saved_optimizer_name
+from hf_gpa.training_args import DEEPSPEED_REFUSAL, GPAOptimizerNames, GPATrainingArguments
 
 if TYPE_CHECKING:
-    from torch.utils.data import Dataset
     from transformers import PreTrainedModel
     from transformers.trainer_utils import PredictionOutput, TrainOutput
 
@@ -116,62 +117,150 @@ def gpa_model_card_section(args: TrainingArguments) -> str:
     )
 
 
+def _with_gpa_tags(
+    create_model_card: Any, args: tuple[Any, ...], kwargs: dict[str, Any], gpa_tags: tuple[str, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` for ``create_model_card`` with ``gpa_tags`` added to its ``tags`` argument, wherever the
+    method's signature puts it; unchanged when it takes no ``tags`` or the arguments do not bind (it then raises its
+    own error)."""
+    try:
+        signature = inspect.signature(create_model_card)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if "tags" not in signature.parameters:
+        return args, kwargs
+    tags = bound.arguments.get("tags")
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    bound.arguments["tags"] = tags + [t for t in gpa_tags if t not in tags]
+    return bound.args, bound.kwargs
+
+
+def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArguments) -> None:
+    """Raise when a stock ``--optim`` is about to resume a checkpoint whose optimizer state an hf_gpa optimizer wrote.
+
+    torch's optimizers would load it without a word, keeping GPA's z (and residual) as stale entries and its group
+    hyper-parameters over the new ones; the weights in the checkpoint are GPA's x, not the y it trained at.
+    """
+    optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
+    if not os.path.isfile(optimizer_file):
+        return
+    # mmap: only the param groups are read, not the (possibly large) state tensors.
+    saved = saved_optimizer_name(torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True))
+    if saved is not None:
+        optim = getattr(args.optim, "value", args.optim)
+        raise ValueError(
+            f"{optimizer_file} was written by hf_gpa's {saved}, which --optim {optim} cannot resume (its state holds "
+            "GPA's z and the weights beside it are the averaged x). Resume with the hf_gpa optimizer that wrote it "
+            f"(e.g. --optim {_GPA_OPTIM_OF.get(saved.split('(')[0], 'gpa_adamw')}), or start a new run from the "
+            "checkpoint's weights (--model_name_or_path / from_pretrained) without resume_from_checkpoint."
+        )
+
+
+_GPA_OPTIM_OF = {"GPAAdamW": "gpa_adamw", "GPA": "gpa", "DiLoCo": "diloco_adamw"}
+
+
 class GPATrainer(Trainer):
     """`Trainer` that builds the hf_gpa optimizers from `GPATrainingArguments` and evaluates and saves at x.
 
     Use it in place of `Trainer` together with `GPATrainingArguments`; with a stock `--optim` (or plain
     `TrainingArguments`) it is the stock Trainer.
+
+    It is also a cooperative mixin for any `Trainer` subclass: every override takes ``*args, **kwargs`` and passes
+    them on to the next class in the MRO unchanged, so ``class MyTrainer(GPATrainer, SFTTrainer)`` (TRL's trainers,
+    `Seq2SeqTrainer`, your own) keeps that class's signatures and behaviour and adds GPA's evaluation at x.
     """
 
-    @staticmethod
+    @classmethod
     def get_optimizer_cls_and_kwargs(
-        args: TrainingArguments, model: PreTrainedModel | nn.Module | None = None
+        cls, args: TrainingArguments, model: PreTrainedModel | nn.Module | None = None, *more: Any, **kwargs: Any
     ) -> tuple[Any, dict[str, Any]]:
-        """The optimizer class and keyword arguments for ``args.optim`` (hf_gpa names first, then the stock ones)."""
+        """The optimizer class and keyword arguments for ``args.optim`` (hf_gpa names first, then the next class's)."""
         handler = _GPA_OPTIMIZER_HANDLERS.get(getattr(args, "optim", None))
         if handler is None:
-            return Trainer.get_optimizer_cls_and_kwargs(args, model)
+            return super().get_optimizer_cls_and_kwargs(args, model, *more, **kwargs)
         return handler(args, model)
+
+    # ---- wrappers that hide the real parameters from the optimizer: refused before any step ----
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The arguments refuse --deepspeed and ACCELERATE_USE_DEEPSPEED; this catches DeepSpeed enabled any other
+        # way (an accelerate plugin, stock TrainingArguments with a GPA optimizer passed in directly).
+        if getattr(self, "is_deepspeed_enabled", False) and self._uses_gpa_optimizer():
+            raise ValueError(f"A GPA optimizer cannot run under DeepSpeed: {DEEPSPEED_REFUSAL}")
+
+    def _uses_gpa_optimizer(self) -> bool:
+        given = getattr(self, "optimizer_cls_and_kwargs", None)
+        return (
+            isinstance(getattr(self.args, "optim", None), GPAOptimizerNames)
+            or unwrap_gpa_optimizer(self.optimizer) is not None
+            or (given is not None and isinstance(given[0], type) and issubclass(given[0], PrimalAveragingOptimizer))
+        )
+
+    def create_scheduler(self, *args: Any, **kwargs: Any) -> Any:
+        # The Trainer creates the scheduler once the optimizer is final (after accelerator.prepare and any
+        # wrapping) and before the first step: the place to check what the GPA optimizer actually steps.
+        self._refuse_hidden_parameters()
+        return super().create_scheduler(*args, **kwargs)
+
+    def _refuse_hidden_parameters(self) -> None:
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if inner is None:
+            return
+        wrapper = self.optimizer
+        while wrapper is not None and wrapper is not inner:
+            if type(wrapper).__module__.split(".")[0] == "deepspeed":
+                raise ValueError(
+                    f"The GPA optimizer is wrapped by DeepSpeed's {type(wrapper).__name__}: {DEEPSPEED_REFUSAL}"
+                )
+            wrapper = getattr(wrapper, "optimizer", None)
+        models = [self.model, getattr(self, "model_wrapped", None), *getattr(self.accelerator, "_models", [])]
+        model_params = {id(p) for m in models if isinstance(m, nn.Module) for p in m.parameters()}
+        hidden = sum(id(p) not in model_params for group in inner.param_groups for p in group["params"])
+        if hidden:
+            raise ValueError(
+                f"The GPA optimizer steps {hidden} tensor(s) that are not parameters of the model (a wrapper's "
+                "master copies, or an optimizer built on other tensors): its switch between y (training) and x "
+                "(evaluation and saving) would not reach the weights the model runs with, so evaluation and every "
+                "checkpoint would silently be y. Build the optimizer on model.parameters() (or let GPATrainer build "
+                "it from --optim); to shard, use FSDP2 (configs/accelerate_fsdp2.yaml)."
+            )
 
     # ---- the weights x: evaluation, prediction, saving ----
 
-    def evaluate(
-        self,
-        eval_dataset: Dataset | dict[str, Dataset] | None = None,
-        ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "eval",
-    ) -> dict[str, float]:
-        """`Trainer.evaluate` at x; the optimizer's mode (and so y) is restored afterwards."""
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The next class's `evaluate` at x; the optimizer's mode (and so y) is restored afterwards."""
         with evaluation_weights(self.optimizer):
-            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            return super().evaluate(*args, **kwargs)
 
-    def predict(
-        self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
-    ) -> PredictionOutput:
-        """`Trainer.predict` at x; the optimizer's mode (and so y) is restored afterwards."""
+    def predict(self, *args: Any, **kwargs: Any) -> PredictionOutput:
+        """The next class's `predict` at x; the optimizer's mode (and so y) is restored afterwards."""
         with evaluation_weights(self.optimizer):
-            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            return super().predict(*args, **kwargs)
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model` writing x; the live weights are y again afterwards, also if saving raises."""
+    def save_model(self, *args: Any, **kwargs: Any) -> None:
+        """The next class's `save_model` writing x; the live weights are y again afterwards, also if saving raises."""
         with evaluation_weights(self.optimizer):
-            super().save_model(output_dir, _internal_call=_internal_call)
+            super().save_model(*args, **kwargs)
 
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         # Model (x) and optimizer state (eval mode, with the residual that restores y) are written together, so a
         # checkpoint is the same whether or not an evaluation ran just before it.
         with evaluation_weights(self.optimizer):
-            super()._save_checkpoint(model, trial)
+            super()._save_checkpoint(*args, **kwargs)
 
     # ---- resuming and best-model loading: weights on disk are x ----
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         inner = unwrap_gpa_optimizer(self.optimizer)
+        if checkpoint is not None and inner is None:
+            _refuse_gpa_state_for_stock_optimizer(checkpoint, self.args)
         if checkpoint is not None and inner is not None and self.is_fsdp_enabled:
             # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
             # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.
             inner.init_state(eval_mode=True)
-        super()._load_optimizer_and_scheduler(checkpoint)
+        super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
         if checkpoint is None or inner is None:
             return
         if inner.train_mode:
@@ -184,14 +273,14 @@ class GPATrainer(Trainer):
         # The model holds the checkpoint's x and the optimizer its eval-mode state: train() restores y bitwise.
         inner.train()
 
-    def _load_best_model(self) -> None:
+    def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         inner = unwrap_gpa_optimizer(self.optimizer)
         if inner is None:
-            super()._load_best_model()
+            super()._load_best_model(*args, **kwargs)
             return
         # Parameters at x before they are overwritten with the best checkpoint's x, so that no stale y remains.
         inner.eval()
-        super()._load_best_model()
+        super()._load_best_model(*args, **kwargs)
         optimizer_file = os.path.join(self.state.best_model_checkpoint, OPTIMIZER_NAME)
         if os.path.isfile(optimizer_file):
             # The best checkpoint's eval-mode state matches the x just loaded: optimizer.train() would give its y.
@@ -205,14 +294,9 @@ class GPATrainer(Trainer):
                 OPTIMIZER_NAME,
             )
 
-    def train(
-        self,
-        resume_from_checkpoint: str | bool | None = None,
-        trial: Any = None,
-        ignore_keys_for_eval: list[str] | None = None,
-    ) -> TrainOutput:
-        """`Trainer.train`; afterwards the model holds x (the next training step switches back to y)."""
-        output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
+        """The next class's `train`; afterwards the model holds x (the next training step switches back to y)."""
+        output = super().train(*args, **kwargs)
         inner = unwrap_gpa_optimizer(self.optimizer)
         if inner is not None:
             inner.eval()
@@ -220,39 +304,21 @@ class GPATrainer(Trainer):
 
     # ---- the Hub: the model card names the optimizer ----
 
-    def create_model_card(
-        self,
-        language: str | None = None,
-        license: str | None = None,
-        tags: str | list[str] | None = None,
-        model_name: str | None = None,
-        finetuned_from: str | None = None,
-        tasks: str | list[str] | None = None,
-        dataset_tags: str | list[str] | None = None,
-        dataset: str | list[str] | None = None,
-        dataset_args: str | list[str] | None = None,
-    ) -> None:
-        """`Trainer.create_model_card` plus a section naming the GPA optimizer, mu_x, mu_y and H."""
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """The next class's `create_model_card` plus a section naming the GPA optimizer, mu_x, mu_y and H.
+
+        The next class decides the signature (`Trainer` takes ``language, license, tags, ...``, TRL's trainers
+        ``model_name, dataset_name, tags``); the hf_gpa tags are added to ``tags`` wherever it takes them.
+        """
         section = gpa_model_card_section(self.args)
         if section:
-            tags = [tags] if isinstance(tags, str) else list(tags or [])
-            tags += [t for t in ("hf_gpa", self.args.optim.value) if t not in tags]
-        super().create_model_card(
-            language=language,
-            license=license,
-            tags=tags,
-            model_name=model_name,
-            finetuned_from=finetuned_from,
-            tasks=tasks,
-            dataset_tags=dataset_tags,
-            dataset=dataset,
-            dataset_args=dataset_args,
-        )
+            args, kwargs = _with_gpa_tags(super().create_model_card, args, kwargs, ("hf_gpa", self.args.optim.value))
+        super().create_model_card(*args, **kwargs)
         if section and self.is_world_process_zero():
             with open(os.path.join(self.args.output_dir, "README.md"), "a", encoding="utf-8") as f:
                 f.write("\n" + section)
 
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+    def _push_from_checkpoint(self, checkpoint_folder: str, *args: Any, **kwargs: Any) -> None:
         # The stock checkpoint push uploads output_dir without a model card: write one, so that a repo pushed only
         # during training (--push_to_hub --hub_strategy checkpoint) still says how its weights were made.
         if (
@@ -261,7 +327,7 @@ class GPATrainer(Trainer):
             and self.args.hub_strategy != HubStrategy.END
         ):
             self.create_model_card(model_name=self._hub_model_name())
-        super()._push_from_checkpoint(checkpoint_folder)
+        super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)
 
     def _hub_model_name(self) -> str:
         if self.args.hub_model_id is None:

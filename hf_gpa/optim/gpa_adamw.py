@@ -85,6 +85,10 @@ class GPAAdamW(GPAModes):
     LLMs" (Generalized Primal Averaging).
     """
 
+    # Private switch for tests: "triton" sends the fused buckets to the Triton kernel on any device (on CPU tensors
+    # it runs through Triton's interpreter). A class attribute, so copies and unpickled optimizers have it too.
+    _fused_backend: str | None = None
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -125,9 +129,6 @@ class GPAAdamW(GPAModes):
             check_adam(group["betas"], group["eps"], group["weight_decay"])
             check_mu(group["mu_x"], group["mu_y"])
             check_averaging(group["averaging"])
-        # Private switch for tests: "triton" sends the fused buckets to the Triton kernel on any device (on CPU
-        # tensors it runs through Triton's interpreter).
-        self._fused_backend: str | None = None
 
     def _init_group(self, group: dict[str, Any]) -> tuple[list[Any], ...]:
         """The local (real-valued) tensors of every parameter with a gradient; state is created on first use."""
@@ -156,6 +157,23 @@ class GPAAdamW(GPAModes):
             y32s.append(local_tensor(state["y_fp32"]) if "y_fp32" in state else None)
             steps.append(state["step"])
         return ys, gs, zs, ms, vs, y32s, steps
+
+    def _load_stock_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Switch an Adam/AdamW run to GPA-AdamW: z = y = the current weights, m, v and step carried over.
+
+        ``lr`` and ``initial_lr`` come from the saved groups (the schedule's position); every other hyper-parameter
+        stays this optimizer's own. Any other optimizer's state raises a ``ValueError`` naming both.
+        """
+        self._check_stock_state(state_dict, {"step", "exp_avg", "exp_avg_sq"}, "Adam/AdamW")
+        adopted = {}
+        for p, saved in self._saved_param_states(state_dict):
+            z = p.detach().to(dtype=state_dtype_for(p), copy=True, memory_format=torch.preserve_format)
+            step = torch.tensor(float(saved["step"]), dtype=torch.float32)
+            m, v = (saved[k].to(device=z.device, dtype=z.dtype, copy=True) for k in ("exp_avg", "exp_avg_sq"))
+            adopted[p] = {"step": step, "z": z, "exp_avg": m, "exp_avg_sq": v}
+        self._reset_state()
+        self.state.update(adopted)
+        self._adopt_schedule(state_dict)
 
     def _implementation(self, group: dict[str, Any], ys: list[torch.Tensor]) -> str:
         """The group's path: "forloop", "foreach", or "fused" (the device's kernel, where it takes the tensors)."""
