@@ -1,7 +1,8 @@
 """Launching the multi-tensor Triton kernels (``_triton_kernels``): GPA-AdamW's step and the GPA wrapper's passes.
 
-All tensors of a (device, dtype) bucket go through one launch: the host passes tables of the tensors' addresses
-(int64) and sizes, plus a block -> (tensor, offset) map; each program updates one block of one tensor. Each element
+All tensors of a (device, dtype) bucket go through two launches, full blocks (unmasked: vector loads) and the
+partial last blocks (masked): the host passes tables of the tensors' addresses (int64) and sizes, plus a block ->
+(tensor, offset) map; each program updates one block of one tensor. Each element
 of y, g, z, m, v is read once and y, z, m, v are written once (plus the float32 copy of y for bf16/fp16 parameters).
 The tables depend only on the tensors' addresses and sizes, which do not change from step to step, so they are built
 once and cached on the device: a step launches kernels and never synchronizes with the host. A 0-d learning rate
@@ -70,32 +71,37 @@ def supports(tensors: list[torch.Tensor]) -> bool:
     )
 
 
-def _tables_for(lists: list[list[torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Address tables (one per list), sizes, and the block -> (tensor, start) map, cached by addresses and sizes.
+def _tables_for(lists: list[list[torch.Tensor]], device: torch.device) -> tuple[Any, ...]:
+    """Address tables (one per list), sizes, the block -> (tensor, start) maps of full and of partial blocks, and
+    whether every address is 16-byte aligned; cached by addresses and sizes.
 
-    Empty tensors are left out. The result is a pure function of the key, so a cached entry is always right.
+    Full blocks run unmasked (vector loads where aligned), the partial last blocks in a second, masked launch. Empty
+    tensors are left out. The result is a pure function of the key, so a cached entry is always right.
     """
     keep = [i for i, t in enumerate(lists[0]) if t.numel() > 0]
     numels = [lists[0][i].numel() for i in keep]
-    key = (device, tuple(numels), *(tuple(lst[i].data_ptr() for i in keep) if lst else () for lst in lists))
+    addresses = [[lst[i].data_ptr() for i in keep] if lst else [] for lst in lists]
+    key = (device, tuple(numels), *(tuple(a) for a in addresses))
     hit = _tables.get(key)
     if hit is not None:
         _tables.move_to_end(key)
         return hit
-    block_tensor, block_start = [], []
+    full_tensor, full_start, tail_tensor, tail_start = [], [], [], []
     for j, n in enumerate(numels):
-        starts = range(0, n, BLOCK)
-        block_tensor.extend([j] * len(starts))
-        block_start.extend(starts)
-    host = [torch.tensor([lst[i].data_ptr() for i in keep] if lst else [0], dtype=torch.int64) for lst in lists]
-    host += [
-        torch.tensor(numels or [0], dtype=torch.int64),
-        torch.tensor(block_tensor, dtype=torch.int32),
-        torch.tensor(block_start, dtype=torch.int64),
-    ]
+        n_full = n // BLOCK
+        full_tensor.extend([j] * n_full)
+        full_start.extend(range(0, n_full * BLOCK, BLOCK))
+        if n % BLOCK:
+            tail_tensor.append(j)
+            tail_start.append(n_full * BLOCK)
+    host = [torch.tensor(a or [0], dtype=torch.int64) for a in addresses]
+    host.append(torch.tensor(numels or [0], dtype=torch.int64))
+    for tensors, starts in ((full_tensor, full_start), (tail_tensor, tail_start)):
+        host += [torch.tensor(tensors, dtype=torch.int32), torch.tensor(starts, dtype=torch.int64)]
     if device.type == "cuda":  # pinned staging so the copy does not wait for the stream
         host = [h.pin_memory().to(device, non_blocking=True) for h in host]
-    entry = tuple(host)
+    aligned = all(address % 16 == 0 for a in addresses for address in a)
+    entry = (*host, aligned)
     _tables[key] = entry
     if len(_tables) > _TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
@@ -134,23 +140,23 @@ def gpa_adamw_step(
         return
     device = ys[0].device
     kernels = _kernels(device.type == "cpu")
-    y_t, g_t, z_t, m_t, v_t, y32_t, numels, block_tensor, block_start = _tables_for(
+    *tables, numels, full_tensor, full_start, tail_tensor, tail_start, aligned = _tables_for(
         [ys, gs, zs, ms, vs, y32s or []], device
     )
-    n_blocks = block_tensor.numel() if any(t.numel() for t in ys) else 0
-    if n_blocks == 0:
-        return
     lr_on_device = torch.is_tensor(lr)
     if lr_on_device:
         step_scale, decay_scale, lr_ptr = 1.0 / bc1, weight_decay, lr
     else:
         step_scale, decay_scale, lr_ptr = lr / bc1, lr * weight_decay, numels  # lr_ptr unused
-    kernels.gpa_adamw_kernel[(n_blocks,)](
-        y_t, g_t, z_t, m_t, v_t, y32_t, numels, block_tensor, block_start,
-        lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, 1.0 - mu_x, 1.0 - mu_x * mu_y,
-        PARAM=_dtype(kernels.tl, ys[0].dtype), GRAD=_dtype(kernels.tl, gs[0].dtype), HAS_Y32=y32s is not None,
-        LR_ON_DEVICE=lr_on_device, MAXIMIZE=bool(maximize), BLOCK=BLOCK,
-    )  # fmt: skip
+    for block_tensor, block_start, masked in ((full_tensor, full_start, False), (tail_tensor, tail_start, True)):
+        if block_tensor.numel() == 0:
+            continue
+        kernels.gpa_adamw_kernel[(block_tensor.numel(),)](
+            *tables, numels, block_tensor, block_start,
+            lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, 1.0 - mu_x, 1.0 - mu_x * mu_y,
+            PARAM=_dtype(kernels.tl, ys[0].dtype), GRAD=_dtype(kernels.tl, gs[0].dtype), HAS_Y32=y32s is not None,
+            LR_ON_DEVICE=lr_on_device, MAXIMIZE=bool(maximize), MASKED=masked, ALIGNED=aligned, BLOCK=BLOCK,
+        )  # fmt: skip
 
 
 def wrapper_pass(
@@ -166,11 +172,17 @@ def wrapper_pass(
     With ``y32s`` (bf16/fp16 parameters) the float32 copy carries y: before the base step only it moves (the
     parameter is not read by the base), after it the parameter receives it rounded.
     """
-    if not ys or not any(t.numel() for t in ys):
+    if not ys:
         return
     kernels = _kernels(ys[0].device.type == "cpu")
-    y_t, z_t, y32_t, numels, block_tensor, block_start = _tables_for([ys, zs, y32s or []], ys[0].device)
-    kernels.wrapper_pass_kernel[(block_tensor.numel(),)](
-        y_t, z_t, y32_t, numels, block_tensor, block_start, alpha, scale,
-        PARAM=_dtype(kernels.tl, ys[0].dtype), HAS_Y32=y32s is not None, BEFORE=before, BLOCK=BLOCK,
-    )  # fmt: skip
+    *tables, numels, full_tensor, full_start, tail_tensor, tail_start, aligned = _tables_for(
+        [ys, zs, y32s or []], ys[0].device
+    )
+    for block_tensor, block_start, masked in ((full_tensor, full_start, False), (tail_tensor, tail_start, True)):
+        if block_tensor.numel() == 0:
+            continue
+        kernels.wrapper_pass_kernel[(block_tensor.numel(),)](
+            *tables, numels, block_tensor, block_start, alpha, scale,
+            PARAM=_dtype(kernels.tl, ys[0].dtype), HAS_Y32=y32s is not None, BEFORE=before, MASKED=masked,
+            ALIGNED=aligned, BLOCK=BLOCK,
+        )  # fmt: skip

@@ -26,13 +26,38 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def block_of(  # the tensor, offsets and mask of this program's block
-    block_tensor, block_start, numels, BLOCK: tl.constexpr
-):
+def block_of(block_tensor, block_start, numels, BLOCK: tl.constexpr):
+    """The tensor, offsets and mask of this program's block (blocks start at multiples of BLOCK)."""
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)
-    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)
+    offs = tl.multiple_of(tl.load(block_start + pid), BLOCK) + tl.arange(0, BLOCK)
     return t, offs, offs < tl.load(numels + t)
+
+
+@triton.jit
+def pointer(table, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tensor t's address from the table as a typed pointer; ALIGNED (checked by the host): 16-byte aligned, which
+    lets full blocks use vector loads."""
+    ptr = tl.load(table + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def load(ptr, offs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptr + offs)
+
+
+@triton.jit
+def store(ptr, offs, value, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, value, mask=mask)
+    else:
+        tl.store(ptr + offs, value)
 
 
 @triton.jit
@@ -40,31 +65,31 @@ def gpa_adamw_kernel(
     y_ptrs, g_ptrs, z_ptrs, m_ptrs, v_ptrs, y32_ptrs, numels, block_tensor, block_start,
     lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, one_minus_mu_x, c,
     PARAM: tl.constexpr, GRAD: tl.constexpr, HAS_Y32: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
-    MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
+    MAXIMIZE: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t, offs, mask = block_of(block_tensor, block_start, numels, BLOCK)
-    y_ptr = tl.load(y_ptrs + t).to(tl.pointer_type(PARAM))
-    g_ptr = tl.load(g_ptrs + t).to(tl.pointer_type(GRAD))
-    z_ptr = tl.load(z_ptrs + t).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(m_ptrs + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(v_ptrs + t).to(tl.pointer_type(tl.float32))
+    y_ptr = pointer(y_ptrs, t, PARAM, ALIGNED)
+    g_ptr = pointer(g_ptrs, t, GRAD, ALIGNED)
+    z_ptr = pointer(z_ptrs, t, tl.float32, ALIGNED)
+    m_ptr = pointer(m_ptrs, t, tl.float32, ALIGNED)
+    v_ptr = pointer(v_ptrs, t, tl.float32, ALIGNED)
     lr = 1.0
     if LR_ON_DEVICE:
         lr = tl.load(lr_ptr).to(tl.float32)
     step_size = lr * step_scale  # lr / bc1
     decay = lr * decay_scale  # lr * weight_decay
 
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = load(g_ptr, offs, mask, MASKED).to(tl.float32)
     if MAXIMIZE:
         g = -g
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0)
-    y_param = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    m = load(m_ptr, offs, mask, MASKED)
+    v = load(v_ptr, offs, mask, MASKED)
+    z = load(z_ptr, offs, mask, MASKED)
+    y_param = load(y_ptr, offs, mask, MASKED)
     y = y_param.to(tl.float32)
     if HAS_Y32:
-        y32_ptr = tl.load(y32_ptrs + t).to(tl.pointer_type(tl.float32))
-        y32 = tl.load(y32_ptr + offs, mask=mask, other=0.0)
+        y32_ptr = pointer(y32_ptrs, t, tl.float32, ALIGNED)
+        y32 = load(y32_ptr, offs, mask, MASKED)
         # The float32 copy is y unless something else wrote the parameter since the last step.
         y = tl.where(round_to(y32, PARAM).to(tl.float32) == y, y32, y)
 
@@ -74,38 +99,39 @@ def gpa_adamw_kernel(
     delta = -decay * z - step_size * tl.div_rn(m, denom)  # z' - z
     y = y + one_minus_mu_x * (z - y) + c * delta  # = mu_x mu_y x + (1 - mu_x mu_y) z'
 
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    tl.store(z_ptr + offs, z + delta, mask=mask)
-    tl.store(y_ptr + offs, round_to(y, PARAM), mask=mask)
+    store(m_ptr, offs, m, mask, MASKED)
+    store(v_ptr, offs, v, mask, MASKED)
+    store(z_ptr, offs, z + delta, mask, MASKED)
+    store(y_ptr, offs, round_to(y, PARAM), mask, MASKED)
     if HAS_Y32:
-        tl.store(y32_ptr + offs, y, mask=mask)
+        store(y32_ptr, offs, y, mask, MASKED)
 
 
 @triton.jit
 def wrapper_pass_kernel(
     y_ptrs, z_ptrs, y32_ptrs, numels, block_tensor, block_start, alpha, scale,
-    PARAM: tl.constexpr, HAS_Y32: tl.constexpr, BEFORE: tl.constexpr, BLOCK: tl.constexpr,
+    PARAM: tl.constexpr, HAS_Y32: tl.constexpr, BEFORE: tl.constexpr, MASKED: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t, offs, mask = block_of(block_tensor, block_start, numels, BLOCK)
-    y_ptr = tl.load(y_ptrs + t).to(tl.pointer_type(PARAM))
-    z_ptr = tl.load(z_ptrs + t).to(tl.pointer_type(tl.float32))
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0)
+    y_ptr = pointer(y_ptrs, t, PARAM, ALIGNED)
+    z_ptr = pointer(z_ptrs, t, tl.float32, ALIGNED)
+    z = load(z_ptr, offs, mask, MASKED)
     if HAS_Y32:
-        y32_ptr = tl.load(y32_ptrs + t).to(tl.pointer_type(tl.float32))
-        y = tl.load(y32_ptr + offs, mask=mask, other=0.0)
+        y32_ptr = pointer(y32_ptrs, t, tl.float32, ALIGNED)
+        y = load(y32_ptr, offs, mask, MASKED)
         if BEFORE:  # the float32 copy is y unless something else wrote the parameter since the last step
-            y_param = tl.load(y_ptr + offs, mask=mask, other=0.0)
+            y_param = load(y_ptr, offs, mask, MASKED)
             y = tl.where(round_to(y, PARAM).to(tl.float32) == y_param.to(tl.float32), y, y_param.to(tl.float32))
     else:
-        y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = load(y_ptr, offs, mask, MASKED).to(tl.float32)
     if BEFORE:
         y = scale * (y - alpha * z)
     else:
         y = y + alpha * z
     if HAS_Y32:
-        tl.store(y32_ptr + offs, y, mask=mask)
+        store(y32_ptr, offs, y, mask, MASKED)
         if not BEFORE:  # before the base step only the float32 copy moves
-            tl.store(y_ptr + offs, round_to(y, PARAM), mask=mask)
+            store(y_ptr, offs, round_to(y, PARAM), mask, MASKED)
     else:
-        tl.store(y_ptr + offs, round_to(y, PARAM), mask=mask)
+        store(y_ptr, offs, round_to(y, PARAM), mask, MASKED)
