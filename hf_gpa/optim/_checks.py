@@ -36,6 +36,8 @@ def _number(value: Any, name: str, allowed: str) -> float:
 
 
 def check_lr(lr: Any) -> None:
+    if torch.is_tensor(lr) and lr.numel() != 1:
+        raise ValueError(f"Invalid learning rate: a tensor lr must have one element, got shape {tuple(lr.shape)}")
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr} (lr must be >= 0)")
 

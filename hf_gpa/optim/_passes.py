@@ -3,12 +3,19 @@
     before the base step:  y <- mu_x (y - (1 - mu_y) z)     (= mu_x mu_y x)
     after it:              y <- y + (1 - mu_x mu_y) z'
 
-Each is one pass over memory: the fused CPU kernel on contiguous CPU tensors, foreach ops elsewhere.
+Each is one pass over memory: the C++ kernel on CPU, the Triton kernel on CUDA (when triton imports), foreach ops
+for what neither takes (other dtypes, tensors of different layouts). Complex tensors are passed as pairs of reals.
+
+bf16/fp16 parameters may come with a float32 copy of y (``y32s``, one entry per parameter, None where there is
+none), which then carries y: before the base step only the copy moves (``y`` is left as it was; the base does not
+read it), after it the copy moves and the parameter receives it rounded. y's rounding errors then no longer
+accumulate into x. The copy is used only while the parameter still equals it rounded, so a parameter written by
+something else in between wins.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import defaultdict
 
 import torch
 
@@ -16,34 +23,108 @@ from ._kernels import load_cpu_kernel
 
 __all__ = ["foreach_axpby_", "foreach_add_scaled_"]
 
+# Private switch for tests: "triton" sends every bucket it can take to the Triton kernel on any device (on CPU
+# tensors it runs through Triton's interpreter); "foreach" sends everything to the foreach ops.
+_backend: dict[str, str | None] = {"force": None}
 
-def _cpu_pass_kernel(ys: list[torch.Tensor], zs: list[torch.Tensor]) -> Any:
-    """The fused CPU kernel module when every tensor is a contiguous CPU tensor and it can be had, else None."""
-    if all(t.device.type == "cpu" and t.is_contiguous() for t in (*ys, *zs)):
-        return load_cpu_kernel()
+
+def foreach_axpby_(
+    ys: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    alpha: float,
+    scale: float,
+    y32s: list[torch.Tensor | None] | None = None,
+) -> None:
+    """y <- scale * (y - alpha * z), with z possibly of a wider dtype than y (with a y32: y32 <- ..., y kept)."""
+    _wrapper_pass(ys, zs, y32s, alpha, scale, before=True)
+
+
+def foreach_add_scaled_(
+    ys: list[torch.Tensor], zs: list[torch.Tensor], c: float, y32s: list[torch.Tensor | None] | None = None
+) -> None:
+    """y <- y + c * z, with z possibly of a wider dtype than y (with a y32: y32 <- y32 + c z, y <- y32 rounded)."""
+    _wrapper_pass(ys, zs, y32s, c, 1.0, before=False)
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if torch.is_complex(t) else t
+
+
+def _kernel_for(y: torch.Tensor) -> str | None:
+    """The fused kernel ("triton" or "cpu") that takes this tensor's device and dtype, else None."""
+    if _backend["force"] == "foreach":
+        return None
+    if _backend["force"] == "triton" or y.device.type == "cuda":
+        from . import _triton
+
+        ok = _triton.triton_available() and _triton.supports([y])
+        return "triton" if ok else None
+    if y.device.type == "cpu" and y.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return "cpu" if load_cpu_kernel() is not None else None
     return None
 
 
-def foreach_axpby_(ys: list[torch.Tensor], zs: list[torch.Tensor], alpha: float, scale: float) -> None:
-    """y <- scale * (y - alpha * z), with z possibly of a wider dtype than y."""
-    kernel = _cpu_pass_kernel(ys, zs)
-    if kernel is not None:
-        kernel.gpa_wrapper_pass(ys, zs, alpha, scale, True)
-    elif all(y.dtype == z.dtype for y, z in zip(ys, zs)):
-        torch._foreach_sub_(ys, zs, alpha=alpha)
-        torch._foreach_mul_(ys, scale)
-    else:
-        for y, z in zip(ys, zs):
-            y.copy_(torch.sub(y.to(z.dtype), z, alpha=alpha).mul_(scale))
+def _same_layout(ref: torch.Tensor, t: torch.Tensor | None) -> bool:
+    return t is None or (t.shape == ref.shape and t.stride() == ref.stride())
 
 
-def foreach_add_scaled_(ys: list[torch.Tensor], zs: list[torch.Tensor], c: float) -> None:
-    """y <- y + c * z, with z possibly of a wider dtype than y."""
-    kernel = _cpu_pass_kernel(ys, zs)
-    if kernel is not None:
-        kernel.gpa_wrapper_pass(ys, zs, c, 1.0, False)
-    elif all(y.dtype == z.dtype for y, z in zip(ys, zs)):
-        torch._foreach_add_(ys, zs, alpha=c)
+def _wrapper_pass(
+    ys: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    y32s: list[torch.Tensor | None] | None,
+    alpha: float,
+    scale: float,
+    before: bool,
+) -> None:
+    ys, zs = [_real(y) for y in ys], [_real(z) for z in zs]
+    y32s = list(y32s) if y32s is not None else [None] * len(ys)
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for i, (y, z) in enumerate(zip(ys, zs)):
+        kernel = _kernel_for(y)
+        dense = y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)
+        expected_z = torch.float32 if y.dtype in (torch.bfloat16, torch.float16) else y.dtype
+        layout_ok = dense and _same_layout(y, z) and _same_layout(y, y32s[i])
+        if kernel is None or not layout_ok or z.dtype != expected_z:
+            kernel = "foreach"
+        buckets[(kernel, y.device, y.dtype, y32s[i] is not None)].append(i)
+    for (kernel, _, _, has_y32), idx in buckets.items():
+        y_b, z_b = [ys[i] for i in idx], [zs[i] for i in idx]
+        y32_b = [y32s[i] for i in idx] if has_y32 else None
+        if kernel == "cpu":
+            load_cpu_kernel().gpa_wrapper_pass(y_b, z_b, y32_b or [], alpha, scale, before)
+        elif kernel == "triton":
+            from . import _triton
+
+            _triton.wrapper_pass(y_b, z_b, y32_b, alpha, scale, before)
+        else:
+            _foreach_pass(y_b, z_b, y32_b, alpha, scale, before)
+
+
+def _foreach_pass(
+    ys: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    y32s: list[torch.Tensor] | None,
+    alpha: float,
+    scale: float,
+    before: bool,
+) -> None:
+    """The same passes with foreach ops (one parameter dtype; z in the state dtype)."""
+    if y32s is not None:
+        if before:
+            exact = [torch.where(y32.to(y.dtype) == y, y32, y.to(y32.dtype)) for y, y32 in zip(ys, y32s)]
+            torch._foreach_copy_(y32s, exact)
+            torch._foreach_sub_(y32s, zs, alpha=alpha)
+            torch._foreach_mul_(y32s, scale)
+        else:
+            torch._foreach_add_(y32s, zs, alpha=alpha)
+            torch._foreach_copy_(ys, y32s)
+        return
+    same_dtype = all(y.dtype == z.dtype for y, z in zip(ys, zs))
+    acc = ys if same_dtype else [y.to(z.dtype) for y, z in zip(ys, zs)]
+    if before:
+        torch._foreach_sub_(acc, zs, alpha=alpha)
+        torch._foreach_mul_(acc, scale)
     else:
-        for y, z in zip(ys, zs):
-            y.copy_(torch.add(y.to(z.dtype), z, alpha=c))
+        torch._foreach_add_(acc, zs, alpha=alpha)
+    if not same_dtype:
+        torch._foreach_copy_(ys, acc)

@@ -1,0 +1,188 @@
+"""Launching the multi-tensor Triton kernels (``_triton_kernels``): GPA-AdamW's step and the GPA wrapper's passes.
+
+All tensors of a (device, dtype) bucket go through two launches, full blocks (unmasked: vector loads) and the
+partial last blocks (masked): the host passes tables of the tensors' addresses (int64) and sizes, plus a block ->
+(tensor, offset) map; each program updates one block of one tensor. Each element
+of y, g, z, m, v is read once and y, z, m, v are written once (plus the float32 copy of y for bf16/fp16 parameters).
+The tables depend only on the tensors' addresses and sizes, which do not change from step to step, so they are built
+once and cached on the device: a step launches kernels and never synchronizes with the host. A 0-d learning rate
+tensor on the device is read by the kernel itself.
+
+Triton is optional: this module imports only torch, and the kernels module (which imports triton) is loaded on the
+first launch. CUDA tensors run the compiled kernels. CPU tensors (reached only through the optimizers' private test
+switch) run the same kernel source through Triton's interpreter, as ``TRITON_INTERPRET=1`` would, loaded as a
+second copy with Triton's interpret knob set, so interpreted CPU tests and compiled CUDA kernels can share a process;
+that is how CI tests the kernels. bf16 rounding is done by explicit round-to-nearest-even bit arithmetic, which
+matches torch under the interpreter and on the GPU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["triton_available", "supports", "gpa_adamw_step", "wrapper_pass"]
+
+BLOCK = 2048
+_TABLE_CACHE_SIZE = 64
+_tables: OrderedDict[tuple, tuple[torch.Tensor, ...]] = OrderedDict()
+
+
+@cache
+def triton_available() -> bool:
+    """Whether ``import triton`` works (cached; never raises)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken triton install means: no Triton path
+        return False
+    return True
+
+
+@cache
+def _kernels(interpret: bool) -> ModuleType:
+    """The kernels module: compiled (CUDA tensors), or a second copy run by Triton's interpreter (CPU tensors)."""
+    if not interpret:
+        from . import _triton_kernels
+
+        return _triton_kernels
+    import importlib.util
+
+    import triton
+
+    name = f"{__package__}._triton_kernels_interpreted"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_triton_kernels.py"))
+    module = importlib.util.module_from_spec(spec)
+    with triton.knobs.runtime.scope():  # triton.jit reads the knob when the module's kernels are defined
+        triton.knobs.runtime.interpret = True
+        spec.loader.exec_module(module)
+    return module
+
+
+def supports(tensors: list[torch.Tensor]) -> bool:
+    """Whether the Triton kernels can take these tensors: CUDA (CPU through the interpreter), fp32/bf16/fp16."""
+    return all(t.device.type in ("cuda", "cpu") for t in tensors) and all(
+        t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in tensors
+    )
+
+
+def _tables_for(lists: list[list[torch.Tensor]], device: torch.device) -> tuple[Any, ...]:
+    """Address tables (one per list), sizes, the block -> (tensor, start) maps of full and of partial blocks, and
+    whether every address is 16-byte aligned; cached by addresses and sizes.
+
+    Full blocks run unmasked (vector loads where aligned), the partial last blocks in a second, masked launch. Empty
+    tensors are left out. The result is a pure function of the key, so a cached entry is always right.
+    """
+    keep = [i for i, t in enumerate(lists[0]) if t.numel() > 0]
+    numels = [lists[0][i].numel() for i in keep]
+    addresses = [[lst[i].data_ptr() for i in keep] if lst else [] for lst in lists]
+    key = (device, tuple(numels), *(tuple(a) for a in addresses))
+    hit = _tables.get(key)
+    if hit is not None:
+        _tables.move_to_end(key)
+        return hit
+    full_tensor, full_start, tail_tensor, tail_start = [], [], [], []
+    for j, n in enumerate(numels):
+        n_full = n // BLOCK
+        full_tensor.extend([j] * n_full)
+        full_start.extend(range(0, n_full * BLOCK, BLOCK))
+        if n % BLOCK:
+            tail_tensor.append(j)
+            tail_start.append(n_full * BLOCK)
+    host = [torch.tensor(a or [0], dtype=torch.int64) for a in addresses]
+    host.append(torch.tensor(numels or [0], dtype=torch.int64))
+    for tensors, starts in ((full_tensor, full_start), (tail_tensor, tail_start)):
+        host += [torch.tensor(tensors, dtype=torch.int32), torch.tensor(starts, dtype=torch.int64)]
+    if device.type == "cuda":  # pinned staging so the copy does not wait for the stream
+        host = [h.pin_memory().to(device, non_blocking=True) for h in host]
+    aligned = all(address % 16 == 0 for a in addresses for address in a)
+    entry = (*host, aligned)
+    _tables[key] = entry
+    if len(_tables) > _TABLE_CACHE_SIZE:
+        _tables.popitem(last=False)
+    return entry
+
+
+def _dtype(tl: Any, dtype: torch.dtype) -> Any:
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def gpa_adamw_step(
+    ys: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    y32s: list[torch.Tensor] | None,
+    *,
+    lr: float | torch.Tensor,
+    bc1: float,
+    bc2_sqrt: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mu_x: float,
+    mu_y: float,
+    maximize: bool,
+) -> None:
+    """One GPA-AdamW step over tensors of one device, parameter dtype and step count (float32 state).
+
+    ``lr`` is a float, or a 0-d tensor on the tensors' device that the kernel reads itself (no host sync).
+    ``y32s``: the float32 copies of y (bf16/fp16 parameters), or None.
+    """
+    if not ys:
+        return
+    device = ys[0].device
+    kernels = _kernels(device.type == "cpu")
+    *tables, numels, full_tensor, full_start, tail_tensor, tail_start, aligned = _tables_for(
+        [ys, gs, zs, ms, vs, y32s or []], device
+    )
+    lr_on_device = torch.is_tensor(lr)
+    if lr_on_device:
+        step_scale, decay_scale, lr_ptr = 1.0 / bc1, weight_decay, lr
+    else:
+        step_scale, decay_scale, lr_ptr = lr / bc1, lr * weight_decay, numels  # lr_ptr unused
+    for block_tensor, block_start, masked in ((full_tensor, full_start, False), (tail_tensor, tail_start, True)):
+        if block_tensor.numel() == 0:
+            continue
+        kernels.gpa_adamw_kernel[(block_tensor.numel(),)](
+            *tables, numels, block_tensor, block_start,
+            lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, 1.0 - mu_x, 1.0 - mu_x * mu_y,
+            PARAM=_dtype(kernels.tl, ys[0].dtype), GRAD=_dtype(kernels.tl, gs[0].dtype), HAS_Y32=y32s is not None,
+            LR_ON_DEVICE=lr_on_device, MAXIMIZE=bool(maximize), MASKED=masked, ALIGNED=aligned, BLOCK=BLOCK,
+        )  # fmt: skip
+
+
+def wrapper_pass(
+    ys: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    y32s: list[torch.Tensor] | None,
+    alpha: float,
+    scale: float,
+    before: bool,
+) -> None:
+    """before: y <- scale (y - alpha z); after: y <- y + alpha z (one parameter dtype, float32 z).
+
+    With ``y32s`` (bf16/fp16 parameters) the float32 copy carries y: before the base step only it moves (the
+    parameter is not read by the base), after it the parameter receives it rounded.
+    """
+    if not ys:
+        return
+    kernels = _kernels(ys[0].device.type == "cpu")
+    *tables, numels, full_tensor, full_start, tail_tensor, tail_start, aligned = _tables_for(
+        [ys, zs, y32s or []], ys[0].device
+    )
+    for block_tensor, block_start, masked in ((full_tensor, full_start, False), (tail_tensor, tail_start, True)):
+        if block_tensor.numel() == 0:
+            continue
+        kernels.wrapper_pass_kernel[(block_tensor.numel(),)](
+            *tables, numels, block_tensor, block_start, alpha, scale,
+            PARAM=_dtype(kernels.tl, ys[0].dtype), HAS_Y32=y32s is not None, BEFORE=before, MASKED=masked,
+            ALIGNED=aligned, BLOCK=BLOCK,
+        )  # fmt: skip

@@ -1,0 +1,137 @@
+"""The Triton kernels of GPA-AdamW's step and of the GPA wrapper's two passes (multi-tensor, one launch per bucket).
+
+Imported only by ``_triton`` (the launcher), when the Triton path is taken: this module needs ``triton``. Each
+program updates one block of one tensor: it finds the tensor in the block map, turns the tensor's int64 address from
+the table into a typed pointer, and reads and writes each element once. Arithmetic is float32 (the state dtype);
+divisions and square roots are correctly rounded, as in torch. ``_triton`` also loads a second copy of this source
+with Triton's interpreter on, for CPU tensors (tests).
+"""
+
+import triton
+import triton.language as tl
+
+__all__ = ["gpa_adamw_kernel", "wrapper_pass_kernel"]
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    # float32 -> DTYPE, rounding to nearest even. bf16 by bit arithmetic: the interpreter's cast truncates.
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def block_of(block_tensor, block_start, numels, BLOCK: tl.constexpr):
+    """The tensor, offsets and mask of this program's block (blocks start at multiples of BLOCK)."""
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    offs = tl.multiple_of(tl.load(block_start + pid), BLOCK) + tl.arange(0, BLOCK)
+    return t, offs, offs < tl.load(numels + t)
+
+
+@triton.jit
+def pointer(table, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tensor t's address from the table as a typed pointer; ALIGNED (checked by the host): 16-byte aligned, which
+    lets full blocks use vector loads."""
+    ptr = tl.load(table + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def load(ptr, offs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptr + offs)
+
+
+@triton.jit
+def store(ptr, offs, value, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, value, mask=mask)
+    else:
+        tl.store(ptr + offs, value)
+
+
+@triton.jit
+def gpa_adamw_kernel(
+    y_ptrs, g_ptrs, z_ptrs, m_ptrs, v_ptrs, y32_ptrs, numels, block_tensor, block_start,
+    lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, one_minus_mu_x, c,
+    PARAM: tl.constexpr, GRAD: tl.constexpr, HAS_Y32: tl.constexpr, LR_ON_DEVICE: tl.constexpr,
+    MAXIMIZE: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, offs, mask = block_of(block_tensor, block_start, numels, BLOCK)
+    y_ptr = pointer(y_ptrs, t, PARAM, ALIGNED)
+    g_ptr = pointer(g_ptrs, t, GRAD, ALIGNED)
+    z_ptr = pointer(z_ptrs, t, tl.float32, ALIGNED)
+    m_ptr = pointer(m_ptrs, t, tl.float32, ALIGNED)
+    v_ptr = pointer(v_ptrs, t, tl.float32, ALIGNED)
+    lr = 1.0
+    if LR_ON_DEVICE:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    step_size = lr * step_scale  # lr / bc1
+    decay = lr * decay_scale  # lr * weight_decay
+
+    g = load(g_ptr, offs, mask, MASKED).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    m = load(m_ptr, offs, mask, MASKED)
+    v = load(v_ptr, offs, mask, MASKED)
+    z = load(z_ptr, offs, mask, MASKED)
+    y_param = load(y_ptr, offs, mask, MASKED)
+    y = y_param.to(tl.float32)
+    if HAS_Y32:
+        y32_ptr = pointer(y32_ptrs, t, tl.float32, ALIGNED)
+        y32 = load(y32_ptr, offs, mask, MASKED)
+        # The float32 copy is y unless something else wrote the parameter since the last step.
+        y = tl.where(round_to(y32, PARAM).to(tl.float32) == y, y32, y)
+
+    m = m + (1.0 - beta1) * (g - m)
+    v = beta2 * v + (1.0 - beta2) * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    delta = -decay * z - step_size * tl.div_rn(m, denom)  # z' - z
+    y = y + one_minus_mu_x * (z - y) + c * delta  # = mu_x mu_y x + (1 - mu_x mu_y) z'
+
+    store(m_ptr, offs, m, mask, MASKED)
+    store(v_ptr, offs, v, mask, MASKED)
+    store(z_ptr, offs, z + delta, mask, MASKED)
+    store(y_ptr, offs, round_to(y, PARAM), mask, MASKED)
+    if HAS_Y32:
+        store(y32_ptr, offs, y, mask, MASKED)
+
+
+@triton.jit
+def wrapper_pass_kernel(
+    y_ptrs, z_ptrs, y32_ptrs, numels, block_tensor, block_start, alpha, scale,
+    PARAM: tl.constexpr, HAS_Y32: tl.constexpr, BEFORE: tl.constexpr, MASKED: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, offs, mask = block_of(block_tensor, block_start, numels, BLOCK)
+    y_ptr = pointer(y_ptrs, t, PARAM, ALIGNED)
+    z_ptr = pointer(z_ptrs, t, tl.float32, ALIGNED)
+    z = load(z_ptr, offs, mask, MASKED)
+    if HAS_Y32:
+        y32_ptr = pointer(y32_ptrs, t, tl.float32, ALIGNED)
+        y = load(y32_ptr, offs, mask, MASKED)
+        if BEFORE:  # the float32 copy is y unless something else wrote the parameter since the last step
+            y_param = load(y_ptr, offs, mask, MASKED)
+            y = tl.where(round_to(y, PARAM).to(tl.float32) == y_param.to(tl.float32), y, y_param.to(tl.float32))
+    else:
+        y = load(y_ptr, offs, mask, MASKED).to(tl.float32)
+    if BEFORE:
+        y = scale * (y - alpha * z)
+    else:
+        y = y + alpha * z
+    if HAS_Y32:
+        store(y32_ptr, offs, y, mask, MASKED)
+        if not BEFORE:  # before the base step only the float32 copy moves
+            store(y_ptr, offs, round_to(y, PARAM), mask, MASKED)
+    else:
+        store(y_ptr, offs, round_to(y, PARAM), mask, MASKED)
