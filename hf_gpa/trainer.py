@@ -210,7 +210,9 @@ class GPATrainer(Trainer):
             raise ValueError(f"A GPA optimizer cannot run under DeepSpeed: {DEEPSPEED_REFUSAL}")
         # First in the list, so every other callback's on_train_end (callbacks added later with add_callback are
         # appended after it) sees x; the callback handler calls them in list order.
-        self.callback_handler.callbacks.insert(0, EvaluationWeightsAtTrainEnd())
+        handler = getattr(self, "callback_handler", None)
+        if handler is not None:
+            handler.callbacks.insert(0, EvaluationWeightsAtTrainEnd())
 
     def _uses_gpa_optimizer(self) -> bool:
         given = getattr(self, "optimizer_cls_and_kwargs", None)
