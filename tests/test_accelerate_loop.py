@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_gpa.checkpoint import x_state_dict
-from hf_gpa.optim import GPAAdamW
+from hf_gpa.optim import GPAAdamW, _kernels
 
 LAUNCH_TIMEOUT_S = 180  # ~15 s on 2 shared cores; past this it is a hang, not slowness
 F64 = dict(rtol=1e-10, atol=1e-12)  # the order of the gradient all-reduce only
@@ -29,6 +29,7 @@ F64 = dict(rtol=1e-10, atol=1e-12)  # the order of the gradient all-reduce only
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """One 2-process launch of the accelerate loop: its output folder and rank 0's facts."""
+    _kernels.load_cpu_kernel()  # build (or find) the fused kernel here, once, not by both ranks inside the launch
     out = tmp_path_factory.mktemp("accelerate_loop")
     script = Path(worker.__file__)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(out)]
