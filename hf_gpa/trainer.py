@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import os
 from collections.abc import Iterator
@@ -53,7 +54,6 @@ from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
 from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
 
 if TYPE_CHECKING:
-    from torch.utils.data import Dataset
     from transformers import PreTrainedModel
     from transformers.trainer_utils import PredictionOutput, TrainOutput
 
@@ -134,21 +134,44 @@ def gpa_model_card_section(args: TrainingArguments) -> str:
     )
 
 
+def _with_gpa_tags(
+    create_model_card: Any, args: tuple[Any, ...], kwargs: dict[str, Any], gpa_tags: tuple[str, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` for ``create_model_card`` with ``gpa_tags`` added to its ``tags`` argument, wherever the
+    method's signature puts it; unchanged when it takes no ``tags`` or the arguments do not bind (it then raises its
+    own error)."""
+    try:
+        signature = inspect.signature(create_model_card)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if "tags" not in signature.parameters:
+        return args, kwargs
+    tags = bound.arguments.get("tags")
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    bound.arguments["tags"] = tags + [t for t in gpa_tags if t not in tags]
+    return bound.args, bound.kwargs
+
+
 class GPATrainer(Trainer):
     """`Trainer` that builds the hf_gpa optimizers from `GPATrainingArguments` and evaluates and saves at x.
 
     Use it in place of `Trainer` together with `GPATrainingArguments`; with a stock `--optim` (or plain
     `TrainingArguments`) it is the stock Trainer.
+
+    It is also a cooperative mixin for any `Trainer` subclass: every override takes ``*args, **kwargs`` and passes
+    them on to the next class in the MRO unchanged, so ``class MyTrainer(GPATrainer, SFTTrainer)`` (TRL's trainers,
+    `Seq2SeqTrainer`, your own) keeps that class's signatures and behaviour and adds GPA's evaluation at x.
     """
 
-    @staticmethod
+    @classmethod
     def get_optimizer_cls_and_kwargs(
-        args: TrainingArguments, model: PreTrainedModel | nn.Module | None = None
+        cls, args: TrainingArguments, model: PreTrainedModel | nn.Module | None = None, *more: Any, **kwargs: Any
     ) -> tuple[Any, dict[str, Any]]:
-        """The optimizer class and keyword arguments for ``args.optim`` (hf_gpa names first, then the stock ones)."""
+        """The optimizer class and keyword arguments for ``args.optim`` (hf_gpa names first, then the next class's)."""
         handler = _GPA_OPTIMIZER_HANDLERS.get(getattr(args, "optim", None))
         if handler is None:
-            return Trainer.get_optimizer_cls_and_kwargs(args, model)
+            return super().get_optimizer_cls_and_kwargs(args, model, *more, **kwargs)
         return handler(args, model)
 
     # ---- the weights x and their norm statistics ----
@@ -248,33 +271,26 @@ class GPATrainer(Trainer):
 
     # ---- the weights x: evaluation, prediction, saving ----
 
-    def evaluate(
-        self,
-        eval_dataset: Dataset | dict[str, Dataset] | None = None,
-        ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "eval",
-    ) -> dict[str, float]:
-        """`Trainer.evaluate` at x; the optimizer's mode (and so y) is restored afterwards."""
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """The next class's `evaluate` at x; the optimizer's mode (and so y) is restored afterwards."""
         with self._at_x():
-            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            return super().evaluate(*args, **kwargs)
 
-    def predict(
-        self, test_dataset: Dataset, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test"
-    ) -> PredictionOutput:
-        """`Trainer.predict` at x; the optimizer's mode (and so y) is restored afterwards."""
+    def predict(self, *args: Any, **kwargs: Any) -> PredictionOutput:
+        """The next class's `predict` at x; the optimizer's mode (and so y) is restored afterwards."""
         with self._at_x():
-            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            return super().predict(*args, **kwargs)
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model` writing x; the live weights are y again afterwards, also if saving raises."""
+    def save_model(self, *args: Any, **kwargs: Any) -> None:
+        """The next class's `save_model` writing x; the live weights are y again afterwards, also if saving raises."""
         with self._at_x():
-            super().save_model(output_dir, _internal_call=_internal_call)
+            super().save_model(*args, **kwargs)
 
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         # Model (x) and optimizer state (eval mode, with the residual that restores y) are written together, so a
         # checkpoint is the same whether or not an evaluation ran just before it.
         with self._at_x():
-            super()._save_checkpoint(model, trial)
+            super()._save_checkpoint(*args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
         super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)
@@ -294,13 +310,13 @@ class GPATrainer(Trainer):
 
     # ---- resuming and best-model loading: weights on disk are x ----
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         inner = unwrap_gpa_optimizer(self.optimizer)
         if checkpoint is not None and inner is not None and self.is_fsdp_enabled:
             # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
             # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.
             inner.init_state(eval_mode=True)
-        super()._load_optimizer_and_scheduler(checkpoint)
+        super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
         if checkpoint is None or inner is None:
             return
         # The model holds the checkpoint's weights and norm statistics (x's, when recomputed): any statistics held
@@ -319,14 +335,14 @@ class GPATrainer(Trainer):
         # The model holds the checkpoint's x and the optimizer its eval-mode state: train() restores y bitwise.
         inner.train()
 
-    def _load_best_model(self) -> None:
+    def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         inner = unwrap_gpa_optimizer(self.optimizer)
         if inner is None:
-            super()._load_best_model()
+            super()._load_best_model(*args, **kwargs)
             return
         # Parameters at x before they are overwritten with the best checkpoint's x, so that no stale y remains.
         inner.eval()
-        super()._load_best_model()
+        super()._load_best_model(*args, **kwargs)
         # The model holds the best checkpoint's x and its norm statistics; y's (if kept) come back with y.
         self._norm_statistics_y = self._load_norm_statistics_y(self.state.best_model_checkpoint)
         optimizer_file = os.path.join(self.state.best_model_checkpoint, OPTIMIZER_NAME)
@@ -342,52 +358,29 @@ class GPATrainer(Trainer):
                 OPTIMIZER_NAME,
             )
 
-    def train(
-        self,
-        resume_from_checkpoint: str | bool | None = None,
-        trial: Any = None,
-        ignore_keys_for_eval: list[str] | None = None,
-    ) -> TrainOutput:
-        """`Trainer.train`; afterwards the model holds x (the next training step switches back to y)."""
-        output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
+        """The next class's `train`; afterwards the model holds x (the next training step switches back to y)."""
+        output = super().train(*args, **kwargs)
         self._hold_x()
         return output
 
     # ---- the Hub: the model card names the optimizer ----
 
-    def create_model_card(
-        self,
-        language: str | None = None,
-        license: str | None = None,
-        tags: str | list[str] | None = None,
-        model_name: str | None = None,
-        finetuned_from: str | None = None,
-        tasks: str | list[str] | None = None,
-        dataset_tags: str | list[str] | None = None,
-        dataset: str | list[str] | None = None,
-        dataset_args: str | list[str] | None = None,
-    ) -> None:
-        """`Trainer.create_model_card` plus a section naming the GPA optimizer, mu_x, mu_y and H."""
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """The next class's `create_model_card` plus a section naming the GPA optimizer, mu_x, mu_y and H.
+
+        The next class decides the signature (`Trainer` takes ``language, license, tags, ...``, TRL's trainers
+        ``model_name, dataset_name, tags``); the hf_gpa tags are added to ``tags`` wherever it takes them.
+        """
         section = gpa_model_card_section(self.args)
         if section:
-            tags = [tags] if isinstance(tags, str) else list(tags or [])
-            tags += [t for t in ("hf_gpa", self.args.optim.value) if t not in tags]
-        super().create_model_card(
-            language=language,
-            license=license,
-            tags=tags,
-            model_name=model_name,
-            finetuned_from=finetuned_from,
-            tasks=tasks,
-            dataset_tags=dataset_tags,
-            dataset=dataset,
-            dataset_args=dataset_args,
-        )
+            args, kwargs = _with_gpa_tags(super().create_model_card, args, kwargs, ("hf_gpa", self.args.optim.value))
+        super().create_model_card(*args, **kwargs)
         if section and self.is_world_process_zero():
             with open(os.path.join(self.args.output_dir, "README.md"), "a", encoding="utf-8") as f:
                 f.write("\n" + section)
 
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+    def _push_from_checkpoint(self, checkpoint_folder: str, *args: Any, **kwargs: Any) -> None:
         # The stock checkpoint push uploads output_dir without a model card: write one, so that a repo pushed only
         # during training (--push_to_hub --hub_strategy checkpoint) still says how its weights were made.
         if (
@@ -396,7 +389,7 @@ class GPATrainer(Trainer):
             and self.args.hub_strategy != HubStrategy.END
         ):
             self.create_model_card(model_name=self._hub_model_name())
-        super()._push_from_checkpoint(checkpoint_folder)
+        super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)
 
     def _hub_model_name(self) -> str:
         if self.args.hub_model_id is None:
