@@ -489,3 +489,31 @@ def test_ddp_ranks_hold_the_same_statistics(tmp_path):
         trained[0]["x_stats"]["resnet.embedder.embedder.normalization.running_mean"],
         trained[0]["y_stats"]["resnet.embedder.embedder.normalization.running_mean"],
     )
+
+
+# ---- run_vit_gpa.py --model_type resnet ----
+
+
+def test_run_vit_resnet_saves_x_with_its_statistics(tmp_path):
+    """run_vit_gpa.py --model_type resnet trains the small ResNet on the embedded digits, and the saved model (x)
+    carries BatchNorm statistics different from those of y, kept beside the optimizer state of its checkpoint."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_vit_gpa", Path(__file__).parent.parent / "run_vit_gpa.py")
+    run_vit = importlib.util.module_from_spec(spec)
+    sys.modules["run_vit_gpa"] = run_vit  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(run_vit)
+    flags = dict(max_steps=4, per_device_train_batch_size=8, max_train_samples=64, max_eval_samples=32)
+    flags |= dict(save_strategy="steps", save_steps=4, eval_strategy="no", report_to="none", disable_tqdm="true")
+    flags |= dict(dataloader_pin_memory="false")
+    argv = ["--output_dir", str(tmp_path), "--model_type", "resnet"]
+    metrics = run_vit.main(argv + [f"--{k}={v}" for k, v in flags.items()])
+
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0
+    model = ResNetForImageClassification.from_pretrained(tmp_path)
+    assert model.config.hidden_sizes == run_vit.DEFAULT_RESNET_CONFIG["hidden_sizes"]
+    saved = norm_statistics_of(load_file(tmp_path / "model.safetensors"))
+    y_stats = load_file(tmp_path / "checkpoint-4" / NORM_STATISTICS_Y_NAME)
+    assert saved.keys() == y_stats.keys() and len(saved) == 3 * 9  # 9 BatchNorm layers
+    assert int(saved["resnet.embedder.embedder.normalization.num_batches_tracked"]) == 64 // 8  # one pass: 8 batches
+    assert int(y_stats["resnet.embedder.embedder.normalization.num_batches_tracked"]) == 4  # the 4 training steps
