@@ -6,11 +6,17 @@ Why this file exists: the optimizer step of GPA costs a little more than AdamW's
 of the whole training step (data, forward, backward, clipping, optimizer, scheduler, callbacks). The two trainers
 take turns (rounds alternate the order, ABBA), each round trains a fresh copy of the same initial model for
 ``--steps`` steps, and the tokens/s of a round is timed from the end of step ``--warmup`` to the last step, so
-one-time costs (kernel load, allocator warm-up, dataloader start) are left out. The table reports the median over
+one-time costs (kernel load or compile, allocator warm-up, dataloader start) are left out; on CUDA the device is
+synchronized at the two steps that bound the window, so queued work is counted. The table reports the median over
 rounds and the ratio of medians; a benchmark, never a test (run it on a quiet machine).
 
-    python benchmarks/throughput.py --threads 1              # Llama 2.9M, seq 128, batch 8
+On CUDA the default setup is a ~110M-parameter Llama (width 768, 12 layers, tied embeddings, vocabulary 32000) on
+sequences of 1024 x batch 16 (16K tokens per step) in bf16 autocast (``--bf16``, fp32 weights): a realistic GPU
+step, so that the optimizer's share of it is what a user sees.
+
+    python benchmarks/throughput.py --threads 1              # CPU: Llama 2.9M, seq 128, batch 8
     python benchmarks/throughput.py --quick                  # a quick look (tiny model, few steps)
+    python benchmarks/throughput.py --device cuda            # GPU: Llama 110M, seq 1024, batch 16, bf16 autocast
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from devices import device_arg  # benchmarks/devices.py, beside this file
 
 logger = logging.getLogger("throughput")
 
@@ -48,10 +55,17 @@ class Setup:
     rounds: int = 6
     #: torch threads (None: torch's default); 1 gives steadier numbers on a shared machine.
     threads: int | None = None
+    tie_embeddings: bool = False
+    #: bf16 autocast (the Trainer's --bf16); the weights and the optimizer stay in fp32.
+    bf16: bool = False
 
 
 QUICK = Setup(vocab_size=512, hidden_size=32, num_layers=2, intermediate_size=64, seq_len=64, batch_size=4, steps=8,
               warmup=2, rounds=2)  # fmt: skip
+#: The GPU default: 110M parameters, 16K tokens per step, bf16 autocast.
+CUDA_SETUP = Setup(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048,
+                   seq_len=1024, batch_size=16, steps=30, warmup=10, rounds=4, tie_embeddings=True,
+                   bf16=True)  # fmt: skip
 
 
 class _Windows(torch.utils.data.Dataset):
@@ -93,28 +107,37 @@ def _model(setup: Setup) -> torch.nn.Module:
         num_attention_heads=setup.num_heads,
         num_key_value_heads=setup.num_heads,
         max_position_embeddings=setup.seq_len,
+        tie_word_embeddings=setup.tie_embeddings,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
 
 class _StepClock:
-    """A TrainerCallback that stamps the end of every optimizer step."""
+    """A TrainerCallback that stamps the end of every optimizer step.
 
-    def __init__(self) -> None:
+    On CUDA it first waits for the device at the two steps that bound the timed window (``sync_steps``), so the
+    window holds all the work queued in it, and nowhere else (a wait at every step would stall the host's run-ahead).
+    """
+
+    def __init__(self, sync_steps: tuple[int, ...] = ()) -> None:
         from transformers import TrainerCallback
 
         clock = self
 
         class _Callback(TrainerCallback):
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if state.global_step in sync_steps:
+                    torch.cuda.synchronize()
                 clock.stamps.append(time.perf_counter())
 
         self.stamps: list[float] = []
         self.callback = _Callback()
 
 
-def _train_once(name: str, setup: Setup, model: torch.nn.Module, dataset: _Windows, out_dir: str) -> float:
+def _train_once(
+    name: str, setup: Setup, model: torch.nn.Module, dataset: _Windows, out_dir: str, device: str = "cpu"
+) -> float:
     """Train a fresh copy of ``model`` with trainer ``name``; tokens/s after the warm-up steps."""
     from transformers import Trainer, TrainingArguments
 
@@ -136,7 +159,8 @@ def _train_once(name: str, setup: Setup, model: torch.nn.Module, dataset: _Windo
         eval_strategy="no",
         report_to=[],
         disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=device == "cpu",
+        bf16=setup.bf16,
         dataloader_num_workers=0,
         seed=0,
     )
@@ -146,33 +170,35 @@ def _train_once(name: str, setup: Setup, model: torch.nn.Module, dataset: _Windo
     else:
         args = TrainingArguments(optim="adamw_torch_fused", **common)
         trainer_cls = Trainer
-    clock = _StepClock()
+    clock = _StepClock(sync_steps=(setup.warmup, setup.steps) if device != "cpu" else ())
     trainer = trainer_cls(model=copy.deepcopy(model), args=args, train_dataset=dataset, callbacks=[clock.callback])
     trainer.train()
     timed = clock.stamps[setup.warmup - 1 :]
     return (len(timed) - 1) * setup.batch_size * setup.seq_len / (timed[-1] - timed[0])
 
 
-def measure(setup: Setup) -> dict[str, Any]:
+def measure(setup: Setup, device: str = "cpu") -> dict[str, Any]:
     """Per-round tokens/s of both trainers, their medians, the ratio of medians and the median per-round ratio."""
     if setup.threads:
         torch.set_num_threads(setup.threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # the Trainer trains on the current CUDA device
     dataset = _dataset(setup)
     model = _model(setup)
     names = ("adamw_torch_fused", "gpa_adamw")
     rates: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        _train_once("gpa_adamw", setup, model, dataset, tmp)  # untimed: loads the fused kernel, warms caches
+        _train_once("gpa_adamw", setup, model, dataset, tmp, device)  # untimed: kernel load or compile, caches
         for r in range(setup.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
-                rates[name].append(_train_once(name, setup, model, dataset, tmp))
+                rates[name].append(_train_once(name, setup, model, dataset, tmp, device))
                 logger.info("round %d %-18s %.0f tokens/s", r, name, rates[name][-1])
     medians = {name: statistics.median(values) for name, values in rates.items()}
     ratios = [g / a for g, a in zip(rates["gpa_adamw"], rates["adamw_torch_fused"])]
     return {
         "setup": asdict(setup),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "device": "cuda" if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
+        "device": _device_name(device),
         "torch_threads": torch.get_num_threads(),
         "tokens_per_s": rates,
         "median_tokens_per_s": medians,
@@ -181,13 +207,19 @@ def measure(setup: Setup) -> dict[str, Any]:
     }
 
 
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
 def table(result: dict[str, Any]) -> str:
     """A markdown table of the medians and the ratio."""
     med = result["median_tokens_per_s"]
     lines = [
         f"{result['parameters'] / 1e6:.1f}M-parameter Llama, seq {result['setup']['seq_len']} x batch "
-        f"{result['setup']['batch_size']}, {result['setup']['rounds']} rounds on {result['device']}, "
-        f"{result['torch_threads']} threads",
+        f"{result['setup']['batch_size']}{', bf16 autocast' if result['setup'].get('bf16') else ''}, "
+        f"{result['setup']['rounds']} rounds on {result['device']}, {result['torch_threads']} threads",
         "",
         "| trainer | optim | median tokens/s |",
         "|---|---|---|",
@@ -203,6 +235,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line, measure, print the table and write it with the raw numbers as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
@@ -210,15 +243,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/throughput"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    setup = QUICK if args.quick else Setup()
+    cuda = args.device.startswith("cuda")
+    setup = QUICK if args.quick else CUDA_SETUP if cuda else Setup()
+    if cuda:
+        setup = Setup(**{**asdict(setup), "bf16": True})
     overrides = {k: v for k, v in (("rounds", args.rounds), ("steps", args.steps), ("threads", args.threads)) if v}
     setup = Setup(**{**asdict(setup), **overrides})
-    result = measure(setup)
+    result = measure(setup, args.device)
     text = table(result)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "throughput.json").write_text(json.dumps(result, indent=1))
-    (args.out_dir / "throughput.md").write_text(text)
+    stem = "throughput" if args.device == "cpu" else "throughput_cuda"
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (args.out_dir / f"{stem}.md").write_text(text)
 
 
 if __name__ == "__main__":

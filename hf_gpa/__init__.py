@@ -1,7 +1,8 @@
 """hf_gpa: Generalized Primal Averaging for PyTorch, the transformers Trainer and accelerate.
 
 The optimizers (``GPAAdamW``, ``GPA``, ``DiLoCo``) need only torch. The transformers-side names
-(``GPATrainingArguments``, ``GPATrainer``) are imported on first access, so ``import hf_gpa`` stays light.
+(``GPATrainingArguments``, ``GPATrainer``) and the TRL classes (``GPASFTTrainer``, ``GPADPOTrainer``, ... from
+``hf_gpa.trl``) are imported on first access, so ``import hf_gpa`` stays light.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ __version__ = "0.1.0"
 _LAZY = {
     "GPATrainingArguments": "hf_gpa.training_args",
     "GPATrainer": "hf_gpa.trainer",
+    # TRL (the `trl` extra): importing one of these imports trl.
+    "GPASFTConfig": "hf_gpa.trl",
+    "GPASFTTrainer": "hf_gpa.trl",
+    "GPADPOConfig": "hf_gpa.trl",
+    "GPADPOTrainer": "hf_gpa.trl",
+    "GPARewardConfig": "hf_gpa.trl",
+    "GPARewardTrainer": "hf_gpa.trl",
 }
 
 __all__ = [

@@ -20,7 +20,14 @@ import transformers
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-__all__ = ["given_flag_names", "defaults_for", "parse_with_defaults", "setup_logging", "detect_last_checkpoint"]
+__all__ = [
+    "given_flag_names",
+    "defaults_for",
+    "device_defaults",
+    "parse_with_defaults",
+    "setup_logging",
+    "detect_last_checkpoint",
+]
 
 
 def given_flag_names(argv: Sequence[str]) -> set[str]:
@@ -31,6 +38,17 @@ def given_flag_names(argv: Sequence[str]) -> set[str]:
             name = arg[2:].split("=", 1)[0].replace("-", "_")
             names.add(name[3:] if name.startswith("no_") else name)
     return names
+
+
+def device_defaults() -> dict[str, Any]:
+    """Defaults that depend on the machine: no pinned dataloader memory where there is no accelerator.
+
+    transformers turns ``--dataloader_pin_memory`` off only with ``--use_cpu``; on a machine without a GPU (or other
+    accelerator) torch's DataLoader then warns that pinning was asked for but no accelerator is found.
+    """
+    import torch
+
+    return {} if torch.accelerator.is_available() else {"dataloader_pin_memory": False}
 
 
 def defaults_for(
@@ -65,9 +83,11 @@ def parse_with_defaults(
 ) -> tuple[Any, ...]:
     """Parse the command line (or one JSON file) into ``dataclass_types``, filling in defaults for flags not given.
 
-    The embedded data sizing applies only when none of ``data_source_flags`` (fields of ``data_args_type``) is set.
+    The embedded data sizing applies only when none of ``data_source_flags`` (fields of ``data_args_type``) is set;
+    the `device_defaults` apply always, unless the flag is given.
     """
     parser = HfArgumentParser(dataclass_types)
+    recipe = {**device_defaults(), **recipe}
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and argv[0].endswith(".json"):
         given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())

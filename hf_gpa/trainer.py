@@ -51,7 +51,8 @@ from hf_gpa.batchnorm import (
 )
 from hf_gpa.checkpoint import unwrap_gpa_optimizer
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
-from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
+from hf_gpa.optim._modes import PrimalAveragingOptimizer, saved_optimizer_name
+from hf_gpa.training_args import DEEPSPEED_REFUSAL, GPAOptimizerNames, GPATrainingArguments
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -151,6 +152,30 @@ def _with_gpa_tags(
     tags = [tags] if isinstance(tags, str) else list(tags or [])
     bound.arguments["tags"] = tags + [t for t in gpa_tags if t not in tags]
     return bound.args, bound.kwargs
+
+
+def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArguments) -> None:
+    """Raise when a stock ``--optim`` is about to resume a checkpoint whose optimizer state an hf_gpa optimizer wrote.
+
+    torch's optimizers would load it without a word, keeping GPA's z (and residual) as stale entries and its group
+    hyper-parameters over the new ones; the weights in the checkpoint are GPA's x, not the y it trained at.
+    """
+    optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
+    if not os.path.isfile(optimizer_file):
+        return
+    # mmap: only the param groups are read, not the (possibly large) state tensors.
+    saved = saved_optimizer_name(torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True))
+    if saved is not None:
+        optim = getattr(args.optim, "value", args.optim)
+        raise ValueError(
+            f"{optimizer_file} was written by hf_gpa's {saved}, which --optim {optim} cannot resume (its state holds "
+            "GPA's z and the weights beside it are the averaged x). Resume with the hf_gpa optimizer that wrote it "
+            f"(e.g. --optim {_GPA_OPTIM_OF.get(saved.split('(')[0], 'gpa_adamw')}), or start a new run from the "
+            "checkpoint's weights (--model_name_or_path / from_pretrained) without resume_from_checkpoint."
+        )
+
+
+_GPA_OPTIM_OF = {"GPAAdamW": "gpa_adamw", "GPA": "gpa", "DiLoCo": "diloco_adamw"}
 
 
 class GPATrainer(Trainer):
@@ -269,6 +294,52 @@ class GPATrainer(Trainer):
         self._norm_statistics_to_y()
         return super().training_step(*args, **kwargs)
 
+    # ---- wrappers that hide the real parameters from the optimizer: refused before any step ----
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The arguments refuse --deepspeed and ACCELERATE_USE_DEEPSPEED; this catches DeepSpeed enabled any other
+        # way (an accelerate plugin, stock TrainingArguments with a GPA optimizer passed in directly).
+        if getattr(self, "is_deepspeed_enabled", False) and self._uses_gpa_optimizer():
+            raise ValueError(f"A GPA optimizer cannot run under DeepSpeed: {DEEPSPEED_REFUSAL}")
+
+    def _uses_gpa_optimizer(self) -> bool:
+        given = getattr(self, "optimizer_cls_and_kwargs", None)
+        return (
+            isinstance(getattr(self.args, "optim", None), GPAOptimizerNames)
+            or unwrap_gpa_optimizer(self.optimizer) is not None
+            or (given is not None and isinstance(given[0], type) and issubclass(given[0], PrimalAveragingOptimizer))
+        )
+
+    def create_scheduler(self, *args: Any, **kwargs: Any) -> Any:
+        # The Trainer creates the scheduler once the optimizer is final (after accelerator.prepare and any
+        # wrapping) and before the first step: the place to check what the GPA optimizer actually steps.
+        self._refuse_hidden_parameters()
+        return super().create_scheduler(*args, **kwargs)
+
+    def _refuse_hidden_parameters(self) -> None:
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if inner is None:
+            return
+        wrapper = self.optimizer
+        while wrapper is not None and wrapper is not inner:
+            if type(wrapper).__module__.split(".")[0] == "deepspeed":
+                raise ValueError(
+                    f"The GPA optimizer is wrapped by DeepSpeed's {type(wrapper).__name__}: {DEEPSPEED_REFUSAL}"
+                )
+            wrapper = getattr(wrapper, "optimizer", None)
+        models = [self.model, getattr(self, "model_wrapped", None), *getattr(self.accelerator, "_models", [])]
+        model_params = {id(p) for m in models if isinstance(m, nn.Module) for p in m.parameters()}
+        hidden = sum(id(p) not in model_params for group in inner.param_groups for p in group["params"])
+        if hidden:
+            raise ValueError(
+                f"The GPA optimizer steps {hidden} tensor(s) that are not parameters of the model (a wrapper's "
+                "master copies, or an optimizer built on other tensors): its switch between y (training) and x "
+                "(evaluation and saving) would not reach the weights the model runs with, so evaluation and every "
+                "checkpoint would silently be y. Build the optimizer on model.parameters() (or let GPATrainer build "
+                "it from --optim); to shard, use FSDP2 (configs/accelerate_fsdp2.yaml)."
+            )
+
     # ---- the weights x: evaluation, prediction, saving ----
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -312,6 +383,8 @@ class GPATrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
         inner = unwrap_gpa_optimizer(self.optimizer)
+        if checkpoint is not None and inner is None:
+            _refuse_gpa_state_for_stock_optimizer(checkpoint, self.args)
         if checkpoint is not None and inner is not None and self.is_fsdp_enabled:
             # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
             # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.

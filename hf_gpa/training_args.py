@@ -17,12 +17,17 @@ loaded.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
+from transformers.utils.generic import strtobool
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches
 from hf_gpa.optim.schedules import inner_steps_from_mu_x, mu_x_from_inner_steps
@@ -34,6 +39,12 @@ DEFAULT_MU_Y = 0.7
 # DiLoCo's outer momentum the paper converts from: mu_x = DILOCO_MU ** (1 / H) (Table 4).
 DILOCO_MU = 0.9
 AVERAGING_CHOICES = ("gpa", "schedule_free")
+DEEPSPEED_REFUSAL = (
+    "DeepSpeed wraps the optimizer and steps its own float32 master copies of the parameters, so GPA's switch "
+    "between y (training) and x (evaluation) would not reach the weights the model runs with: evaluation and every "
+    "checkpoint would silently be y. Shard with FSDP2 instead (accelerate launch --config_file "
+    "configs/accelerate_fsdp2.yaml), or use DDP."
+)
 
 
 class GPAOptimizerNames(ExplicitEnum):
@@ -153,6 +164,7 @@ class GPATrainingArguments(TrainingArguments):
                 f"transformers name ({', '.join(STOCK_OPTIM_NAMES)})"
             )
         self._check_gpa_flags(optim)
+        self._refuse_deepspeed(optim)
         if optim not in GPA_OPTIM_NAMES:
             super().__post_init__()
             return
@@ -163,6 +175,52 @@ class GPATrainingArguments(TrainingArguments):
             super().__post_init__()
         finally:
             self.optim = GPAOptimizerNames(optim)
+
+    # ---- composing with other TrainingArguments subclasses (TRL's configs, Seq2SeqTrainingArguments) ----
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Let ``class C(GPATrainingArguments, SFTConfig)`` keep the defaults SFTConfig redeclares.
+
+        `dataclasses` collects fields base by base in reverse MRO order, and every dataclass carries all fields it
+        inherited: the stock `TrainingArguments` fields that GPATrainingArguments inherits would be collected after
+        SFTConfig's and reset, e.g., its learning rate to the stock default. Each field is therefore declared
+        again on the new class, taken from the class that comes first in the MRO, as Python's attribute lookup
+        would do; the class's own declarations still win, and the field order is unchanged.
+        """
+        super().__init_subclass__(**kwargs)
+        own = inspect.get_annotations(cls)
+        collected: dict[str, dataclasses.Field] = {}
+        for base in reversed(cls.__mro__[1:]):
+            collected.update(getattr(base, "__dataclass_fields__", {}))
+        redeclared: dict[str, dataclasses.Field] = {}
+        for name, collected_field in collected.items():
+            if name in own:
+                continue
+            declarer = next((b for b in cls.__mro__[1:] if name in inspect.get_annotations(b)), None)
+            first = getattr(declarer, "__dataclass_fields__", {}).get(name)
+            if first is not None and first is not collected_field:
+                redeclared[name] = first
+        if not redeclared:
+            return
+        annotations = dict(own)
+        for name, first in redeclared.items():
+            annotations[name] = first.type
+            setattr(cls, name, _copy_field(first))
+        cls.__annotations__ = annotations
+
+    # ---- DeepSpeed: refused before any work starts ----
+
+    def _refuse_deepspeed(self, optim: str) -> None:
+        """DeepSpeed hides the parameters from a GPA optimizer: refuse the combination, without importing it."""
+        if optim not in GPA_OPTIM_NAMES:
+            return
+        if self.deepspeed:
+            route = f"--deepspeed {self.deepspeed!r}" if isinstance(self.deepspeed, str) else "--deepspeed (a dict)"
+        elif strtobool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
+            route = "ACCELERATE_USE_DEEPSPEED=true (accelerate's DeepSpeed plugin)"
+        else:
+            return
+        raise ValueError(f"--optim {optim} cannot run under {route}: {DEEPSPEED_REFUSAL}")
 
     def _check_gpa_flags(self, optim: str) -> None:
         if self.gpa_base_optim is not None:
@@ -261,3 +319,17 @@ class GPATrainingArguments(TrainingArguments):
         if not 0.0 < self.gpa_mu_x < 1.0:
             return None
         return inner_steps_from_mu_x(self.gpa_mu_x, DILOCO_MU)
+
+
+def _copy_field(original: dataclasses.Field) -> Any:
+    """A new `dataclasses.field` with the same default and settings (a Field may belong to one class only)."""
+    return field(
+        default=original.default,
+        default_factory=original.default_factory,
+        init=original.init,
+        repr=original.repr,
+        hash=original.hash,
+        compare=original.compare,
+        metadata=original.metadata,
+        kw_only=original.kw_only,
+    )

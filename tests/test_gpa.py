@@ -3,13 +3,14 @@ Proposition 1 (Nesterov), plus argument checks, per-group settings, dtypes and c
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 
 import pytest
 import torch
 
-from hf_gpa import GPA, GPAAdamW, ReferenceGPA
+from hf_gpa import GPA, DiLoCo, GPAAdamW, ReferenceGPA
 from hf_gpa.optim import _kernels
 
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -350,3 +351,83 @@ def test_kernel_fallback_warns_once_and_matches_foreach(monkeypatch: pytest.Monk
         _run(opt_b, b, 5)
     assert len([w for w in caught if "fused CPU kernel" in str(w.message)]) == 1
     assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+class _FailingAdamW(torch.optim.AdamW):
+    """AdamW whose step raises an out-of-memory error while ``fail`` is set (before it changes anything)."""
+
+    fail = False
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        if _FailingAdamW.fail:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("failing_step", [0, 3])
+@pytest.mark.parametrize("wrapper", ["gpa", "diloco"])
+def test_wrapper_step_whose_base_raises_changes_nothing(wrapper: str, failing_step: int) -> None:
+    """GPA / DiLoCo: a step whose base raises (first step or later) leaves parameters and state torch.equal to
+    before, and the run then equals one in which that step was never tried."""
+    make = {
+        "gpa": lambda ps: GPA(ps, base=_FailingAdamW, lr=1e-2, mu_x=0.9, averaging="schedule_free"),
+        "diloco": lambda ps: DiLoCo(ps, base=_FailingAdamW, inner_steps=2, lr=1e-2),
+    }[wrapper]
+    params, twin_params = _params(), _params()
+    opt, twin = make(params), make(twin_params)
+    _run(opt, params, failing_step)
+    _run(twin, twin_params, failing_step)
+    before = [p.detach().clone() for p in params]
+    before_state = copy.deepcopy(opt.state_dict())
+    _fake_grads(params, 99)
+    _FailingAdamW.fail = True
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            opt.step()
+    finally:
+        _FailingAdamW.fail = False
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    after_state = opt.state_dict()
+    assert after_state["param_groups"] == before_state["param_groups"]
+    assert after_state["state"].keys() == before_state["state"].keys()
+    for i, s in before_state["state"].items():
+        assert s.keys() == after_state["state"][i].keys()
+        for key, value in s.items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, after_state["state"][i][key]), key
+            elif isinstance(value, dict):
+                assert value.keys() == after_state["state"][i][key].keys()
+                assert all(torch.equal(v, after_state["state"][i][key][k]) for k, v in value.items())
+    _run(opt, params, 4)
+    _run(twin, twin_params, 4)
+    assert all(torch.equal(p, q) for p, q in zip(params, twin_params))
+
+
+def test_wrapper_at_zero_lr_moves_y_towards_z_and_rests_where_x_equals_z() -> None:
+    """lr = 0 (z fixed): from a fresh start (x = y = z) y stays within one rounding per step of where it was (100
+    steps, fp32); after training, y moves with x towards z exactly as Algorithm 1 says."""
+    params = _params(torch.float32)
+    start = [p.detach().clone() for p in params]
+    opt = GPA(params, lr=0.0, mu_x=0.9967, mu_y=0.7)
+    for t in range(100):
+        _fake_grads(params, t)
+        opt.step()
+    for p, s in zip(params, start):
+        bound = 100 * torch.finfo(torch.float32).eps
+        torch.testing.assert_close(p.detach(), s, rtol=bound, atol=bound)
+    ref_params, params = _params(), _params()
+    ref = ReferenceGPA(ref_params, lr=1e-2, mu_x=0.9, mu_y=0.7)
+    opt = GPA(params, lr=1e-2, mu_x=0.9, mu_y=0.7, weight_decay=0.0)
+    _run(ref, ref_params, 5)
+    _run(opt, params, 5)
+    for o in (ref, opt):
+        for group in o.param_groups:
+            group["lr"] = 0.0
+    moved = [p.detach().clone() for p in params]
+    for t in range(5):
+        for ps, o in ((ref_params, ref), (params, opt)):
+            _fake_grads(ps, t)
+            o.step()
+    for p, r, m in zip(params, ref_params, moved):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
+        assert not torch.equal(p.detach(), m)

@@ -6,12 +6,19 @@ the optimizer state holds z, and x is recovered only when ``eval()`` is called.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ._modes import PrimalAveragingOptimizer, decode_residual, encode_residual, is_dtensor, local_tensor, shard_like
+from ._modes import (
+    PrimalAveragingOptimizer,
+    decode_residual,
+    encode_residual,
+    is_dtensor,
+    local_tensor,
+    real_view,
+    shard_like,
+)
 
 __all__ = ["GPAModes"]
 
@@ -35,7 +42,7 @@ class GPAModes(PrimalAveragingOptimizer):
             state = self.state.get(p)
             if not state or "z" not in state or mu_y == 1.0:
                 continue  # never stepped (x = y = z), or mu_y = 1 (x = y)
-            y, z = local_tensor(p), local_tensor(state["z"])
+            y, z = real_view(local_tensor(p)), real_view(local_tensor(state["z"]))
             x = _x_from_y(y, z, mu_y)
             residual = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
             state["y_residual"] = shard_like(residual, p)
@@ -47,16 +54,9 @@ class GPAModes(PrimalAveragingOptimizer):
             state = self.state.get(p)
             if not state or "z" not in state or mu_y == 1.0:
                 continue
-            x, z = local_tensor(p), local_tensor(state["z"])
+            x, z = real_view(local_tensor(p)), real_view(local_tensor(state["z"]))
             y = _y_from_x(x, z, mu_y)
             if "y_residual" in state:
                 y = decode_residual(y, local_tensor(state.pop("y_residual")))
             # else: a loader dropped the residual (see _modes); y is rebuilt by rounding, not bitwise.
             x.copy_(y)
-
-    def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
-        self._check_train_mode()
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()

@@ -15,12 +15,19 @@ fresh optimizer) drops it; ``train()`` then rebuilds y from x and z by rounding 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["PrimalAveragingOptimizer", "local_tensor", "state_dtype_for"]
+from ._checks import check_lr
+
+__all__ = ["PrimalAveragingOptimizer", "local_tensor", "saved_optimizer_name", "state_dtype_for"]
+
+# The param-group key naming the optimizer that wrote a state dict ("GPAAdamW", "GPA(AdamW)", "DiLoCo(SGD)"): it
+# travels with ``state_dict()`` through torch.save, accelerate and torch.distributed.checkpoint alike.
+OPTIMIZER_KEY = "optimizer"
 
 _INT_VIEW = {
     torch.float64: torch.int64,
@@ -46,6 +53,11 @@ def is_dtensor(t: torch.Tensor) -> bool:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The process-local shard of a DTensor (FSDP2), or the tensor itself: GPA's update is elementwise."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view (``torch.view_as_real``), as torch's optimizers treat it; else itself."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -83,16 +95,42 @@ def decode_residual(approx: torch.Tensor, residual: torch.Tensor) -> torch.Tenso
     return (approx.view(int_dtype) + residual.to(int_dtype)).view(approx.dtype)
 
 
+def saved_optimizer_name(state_dict: dict[str, Any]) -> str | None:
+    """The hf_gpa optimizer that saved ``state_dict`` ("GPAAdamW", "GPA(AdamW)", "DiLoCo(AdamW)"), else None.
+
+    State dicts written before the name was recorded are recognized by their keys ("GPA" or "DiLoCo", base unknown).
+    """
+    groups = state_dict.get("param_groups") or [{}]
+    group = groups[0]
+    if OPTIMIZER_KEY in group and "train_mode" in group:
+        return str(group[OPTIMIZER_KEY])
+    if "train_mode" not in group:
+        return None
+    return "DiLoCo" if "inner_steps" in group else "GPA"
+
+
+def _describe_stock(state_dict: dict[str, Any]) -> str:
+    keys = sorted({str(k) for s in state_dict.get("state", {}).values() for k in s})
+    return f"a torch.optim optimizer with per-parameter state {keys}" if keys else "a torch.optim optimizer"
+
+
 class PrimalAveragingOptimizer(torch.optim.Optimizer):
-    """Shared mode handling: ``train()``/``eval()``, the eval-mode guard on ``step()``, dtype-safe loading.
+    """Shared mode handling: ``train()``/``eval()``, the eval-mode guard on ``step()``, checked and dtype-safe loading.
 
     Subclasses implement ``_params_to_eval(group)`` and ``_params_to_train(group)``. The mode lives in each param
-    group (``group["train_mode"]``) so that it travels with ``state_dict()``.
+    group (``group["train_mode"]``) so that it travels with ``state_dict()``, and so does the optimizer's name
+    (``group["optimizer"]``), which ``load_state_dict`` checks: a state saved by another optimizer raises a
+    ``ValueError`` naming both, unless the subclass knows how to adopt it (``_load_stock_state_dict``).
     """
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
-        defaults = {**defaults, "train_mode": True}
+        defaults = {**defaults, "train_mode": True, OPTIMIZER_KEY: self.optimizer_name}
         super().__init__(params, defaults)
+
+    @property
+    def optimizer_name(self) -> str:
+        """The name recorded in the state dict: the hf_gpa class (a user's subclass is named by its hf_gpa parent)."""
+        return next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("hf_gpa.optim"))
 
     @property
     def train_mode(self) -> bool:
@@ -159,11 +197,42 @@ class PrimalAveragingOptimizer(torch.optim.Optimizer):
                 "weights). Call optimizer.train() before training steps, and optimizer.eval() before evaluation."
             )
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, checked like the constructor's groups (a bad one raises and is not added)."""
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Per-group argument checks (subclasses add their own); run for every group, added later ones included."""
+        if "lr" in group:
+            check_lr(group["lr"])
+
+    def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
+        """The mode guard of every ``step()``, then the closure's loss (computed with gradients enabled)."""
+        self._check_train_mode()
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, keeping the saved dtypes of the state (torch would cast it to the param dtype).
 
-        The parameters must hold what they held when the state was saved: x if it was saved in eval mode.
+        The parameters must hold what they held when the state was saved: x if it was saved in eval mode. A state
+        saved by another optimizer raises a ``ValueError`` before anything changes, except where this optimizer
+        can continue that run (``_load_stock_state_dict``: an AdamW run switched to GPA).
         """
+        self._check_layout(state_dict)
+        saved = saved_optimizer_name(state_dict)
+        if saved is None:
+            self._load_stock_state_dict(state_dict)
+            return
+        if not _same_optimizer(saved, self.optimizer_name):
+            raise ValueError(self._mismatch(f"{saved} (an hf_gpa optimizer of another kind)"))
         super().load_state_dict(state_dict)
         saved_ids: Iterable[int] = (i for g in state_dict["param_groups"] for i in g["params"])
         params = (p for g in self.param_groups for p in g["params"])
@@ -171,6 +240,72 @@ class PrimalAveragingOptimizer(torch.optim.Optimizer):
             saved = state_dict["state"].get(index)
             if saved:
                 _restore_dtypes(self.state[param], saved)
+
+    def _load_stock_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A stock torch optimizer's state: refused here; subclasses that can continue such a run adopt it."""
+        raise ValueError(self._mismatch(_describe_stock(state_dict)))
+
+    def _mismatch(self, saved: str) -> str:
+        return (
+            f"{self.optimizer_name}.load_state_dict(): the state dict was saved by {saved}, not by "
+            f"{self.optimizer_name}. Resume with the optimizer that saved it (the same --optim and base), or start a "
+            "new run from the checkpoint's weights without its optimizer state (hf_gpa checkpoints hold x)."
+        )
+
+    def _check_layout(self, state_dict: dict[str, Any]) -> None:
+        """The saved param groups must match ours in number and sizes (checked before anything is changed)."""
+        saved = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(
+                f"{self.optimizer_name}.load_state_dict(): the state dict has parameter groups of sizes "
+                f"{[len(g['params']) for g in saved]}, this optimizer "
+                f"{[len(g['params']) for g in self.param_groups]}: it belongs to another model or grouping"
+            )
+
+    def _saved_param_states(self, state_dict: dict[str, Any]) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+        """(parameter, its saved state) in the order torch's ``load_state_dict`` pairs them, skipping empty states."""
+        saved_ids = (i for g in state_dict["param_groups"] for i in g["params"])
+        params = (p for g in self.param_groups for p in g["params"])
+        for index, param in zip(saved_ids, params):
+            saved = state_dict["state"].get(index)
+            if saved:
+                yield param, saved
+
+    def _check_stock_state(self, state_dict: dict[str, Any], keys: set[str], what: str) -> None:
+        """A stock state can be adopted only when every saved per-parameter state has exactly ``keys``."""
+        amsgrad = any(g.get("amsgrad") for g in state_dict["param_groups"])
+        if amsgrad or any(set(s) != keys for s in state_dict["state"].values() if s):
+            raise ValueError(
+                self._mismatch(_describe_stock(state_dict) + (" with amsgrad" if amsgrad else ""))
+                + f" {self.optimizer_name} continues only a run of {what} (per-parameter state {sorted(keys)})."
+            )
+
+    def _adopt_schedule(self, state_dict: dict[str, Any]) -> None:
+        """After adopting a stock state: the saved lr schedule position (``lr``, ``initial_lr``), train mode.
+
+        Every other hyper-parameter stays this optimizer's own; LR schedulers restore their own state separately
+        and write ``lr`` only at their next step, so the saved ``lr`` is the one the next step must use.
+        """
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for key in ("lr", "initial_lr"):
+                if key not in saved:
+                    continue
+                if torch.is_tensor(group.get(key)):
+                    group[key].fill_(saved[key])
+                else:
+                    group[key] = saved[key]
+            group["train_mode"] = True
+
+    def _reset_state(self) -> None:
+        self.state = defaultdict(dict)
+
+
+def _same_optimizer(saved: str, mine: str) -> bool:
+    """Same name, or a state dict from before names were recorded ("GPA" / "DiLoCo") of the same family."""
+    if saved in ("GPA", "DiLoCo"):
+        family = "DiLoCo" if mine.startswith("DiLoCo") else "GPA"
+        return saved == family
+    return saved == mine
 
 
 def _restore_dtypes(state: dict[str, Any], saved: dict[str, Any]) -> None:

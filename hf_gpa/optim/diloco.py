@@ -18,12 +18,10 @@ from typing import Any
 
 import torch
 
-from ._checks import base_defaults, check_lr
-from ._modes import PrimalAveragingOptimizer, local_tensor
+from ._modes import local_tensor
+from ._wrapper import BaseOptimizerWrapper
 
 __all__ = ["DiLoCo"]
-
-_DILOCO_KEYS = ("inner_steps", "outer_lr", "outer_momentum", "inner_step", "train_mode")
 
 
 def _check_diloco(inner_steps: int, outer_lr: float, outer_momentum: float) -> None:
@@ -35,7 +33,7 @@ def _check_diloco(inner_steps: int, outer_lr: float, outer_momentum: float) -> N
         raise ValueError(f"Invalid outer_momentum: {outer_momentum} (must lie in [0, 1))")
 
 
-class DiLoCo(PrimalAveragingOptimizer):
+class DiLoCo(BaseOptimizerWrapper):
     r"""Single-worker DiLoCo / Step-K Nesterov around a base optimizer (paper, Algorithm 2).
 
     .. math::
@@ -47,6 +45,12 @@ class DiLoCo(PrimalAveragingOptimizer):
 
     ``eval()`` puts the outer weights :math:`\tilde x` into the parameters (they are exchanged with the inner
     weights, which ``state["outer"]`` holds while in eval mode, so ``train()`` restores them bitwise).
+
+    As a wrapper of its base it behaves like `GPA` (see ``_wrapper``): ``add_param_group`` at any time,
+    ``copy.deepcopy``/``pickle`` round trips, step hooks that fire once per ``DiLoCo.step()``, a step whose base
+    raises before changing its state leaves parameters and state as they were (no copy needed: DiLoCo changes nothing
+    before its base steps), and a state dict saved by the base class itself is adopted (the run continues as DiLoCo's
+    inner optimizer, with the current weights as the first outer weights). Complex parameters follow the base.
 
     Args:
         params: iterable of parameters or dicts defining parameter groups.
@@ -67,53 +71,30 @@ class DiLoCo(PrimalAveragingOptimizer):
         **base_kwargs: Any,
     ) -> None:
         _check_diloco(inner_steps, outer_lr, outer_momentum)
-        base_hypers = base_defaults(base, base_kwargs, _DILOCO_KEYS, "DiLoCo")
-        defaults = dict(
-            base_hypers, inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0
-        )
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            _check_diloco(group["inner_steps"], group["outer_lr"], group["outer_momentum"])
-            if "lr" in group:
-                check_lr(group["lr"])
-        self.base_class = base
-        self._base_keys = tuple(base_hypers)
-        self._base: torch.optim.Optimizer | None = None
+        defaults = dict(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0)
+        super().__init__(params, base, base_kwargs, defaults)
 
-    @property
-    def base_optimizer(self) -> torch.optim.Optimizer:
-        """The inner optimizer, acting on the parameters (built on first use, after any wrapping)."""
-        if self._base is None:
-            groups = [
-                {"params": list(g["params"]), **{k: g[k] for k in self._base_keys if k in g}}
-                for g in self.param_groups
-            ]
-            self._base = self.base_class(groups)
-            for group in self.param_groups:
-                for p in group["params"]:
-                    # The base's state lives inside this optimizer's state (saved with it), empty until its first step.
-                    self._base.state[p] = self.state[p].setdefault("base", {})
-        return self._base
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        _check_diloco(group["inner_steps"], group["outer_lr"], group["outer_momentum"])
+
+    def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
+        # The base moves the parameters themselves (the inner weights), once they have a gradient.
+        return p if create or p.grad is not None or p in self.state else None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner step; every ``inner_steps``-th call also takes the outer Nesterov step."""
-        self._check_train_mode()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        base = self.base_optimizer
-        for group, base_group in zip(self.param_groups, base.param_groups):
-            for key in self._base_keys:
-                if key in group:
-                    base_group[key] = group[key]
-            for p in group["params"]:
-                state = self.state[p]
-                if p.grad is not None and "outer" not in state:
-                    state["outer"] = p.detach().clone(memory_format=torch.preserve_format)
-                    state["outer_momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        base.step()
+        loss = self._closure_loss(closure)
+        with self._rollback_on_error():
+            self._prepare_base()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and "outer" not in self.state[p]:
+                        state = self.state[p]
+                        state["outer"] = p.detach().clone(memory_format=torch.preserve_format)
+                        state["outer_momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._base_step()
         for group in self.param_groups:
             group["inner_step"] += 1
             if group["inner_step"] % group["inner_steps"] == 0:
@@ -123,8 +104,8 @@ class DiLoCo(PrimalAveragingOptimizer):
     def _outer_step(self, group: dict[str, Any]) -> None:
         mu, outer_lr = group["outer_momentum"], group["outer_lr"]
         for p in group["params"]:
-            state = self.state[p]
-            if "outer" not in state:
+            state = self.state.get(p)
+            if not state or "outer" not in state:
                 continue
             inner, outer, buf = (local_tensor(t) for t in (p, state["outer"], state["outer_momentum_buffer"]))
             pseudo_grad = outer - inner
@@ -145,11 +126,6 @@ class DiLoCo(PrimalAveragingOptimizer):
             state = self.state.get(p)
             if state and "outer" in state:
                 _swap_(local_tensor(p), local_tensor(state["outer"]))
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the outer weights, momentum and the base's state; the base is rebuilt around them."""
-        super().load_state_dict(state_dict)
-        self._base = None
 
 
 def _swap_(a: torch.Tensor, b: torch.Tensor) -> None:

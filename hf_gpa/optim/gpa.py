@@ -15,18 +15,17 @@ from typing import Any
 
 import torch
 
-from ._checks import base_defaults, check_averaging, check_lr, check_mu
+from ._checks import check_averaging, check_mu
 from ._gpa_modes import GPAModes
-from ._modes import local_tensor, state_dtype_for
+from ._modes import local_tensor, real_view, state_dtype_for
 from ._passes import foreach_add_scaled_, foreach_axpby_
+from ._wrapper import BaseOptimizerWrapper
 from .schedules import averaging_mu_x
 
 __all__ = ["GPA"]
 
-_GPA_KEYS = ("mu_x", "mu_y", "averaging", "weight_sum", "train_mode")
 
-
-class GPA(GPAModes):
+class GPA(BaseOptimizerWrapper, GPAModes):
     r"""GPA around any ``torch.optim.Optimizer``: the base moves z with the gradient taken at y.
 
     The base optimizer is built lazily (at the first step, after any FSDP wrapping) on the z tensors, which hold the
@@ -39,7 +38,26 @@ class GPA(GPAModes):
 
     The state of each parameter holds ``z`` and, under ``"base"``, the base's own state of z, so ``state_dict()``
     carries both. Per-group hyper-parameters (``lr``, ``weight_decay``, ``mu_x``, ``mu_y`` and the base's own) are
-    forwarded to the base before every step, so LR schedulers act on this optimizer as usual.
+    forwarded to the base before every step, so LR schedulers act on this optimizer as usual. What it shares with
+    `DiLoCo` as a wrapper (see ``_wrapper``):
+
+    * ``add_param_group`` works at any time: the base learns the new group at the next step.
+    * ``copy.deepcopy`` and ``pickle`` round trips work as for torch's optimizers; the copy's base acts on the copy's
+      tensors.
+    * Step hooks: torch's global and per-instance hooks fire once per ``GPA.step()``; the base's step runs without
+      hooks (hooks registered on ``base_optimizer`` itself do not fire).
+    * A step whose base raises (a sparse gradient into AdamW, an out-of-memory error before the base changes its
+      state) leaves the parameters, z and the base's state as they were, and the next step works. The cost: the
+      first pass changes y in place, so y is copied before it; that copy (one copy of the stepped parameters) is
+      held during the step only.
+    * ``load_state_dict`` of a state saved by the base class itself (``GPA(base=torch.optim.AdamW)`` loading a
+      ``torch.optim.AdamW`` state) switches that run to GPA: z = y = the current weights, the base's state (m, v,
+      step) carried over, ``lr`` and ``initial_lr`` from the saved groups (the schedule's position), every other
+      hyper-parameter this optimizer's own. A state of any other optimizer raises a ``ValueError`` naming both.
+    * Complex parameters: the passes act on their real views and the base sees complex z (torch's AdamW, SGD, ...
+      handle them through ``view_as_real``), so ``mu_x = 0`` equals the base on complex parameters.
+    * ``lr = 0``: z stays put but y still moves, since x <- mu_x x + (1 - mu_x) z averages towards z; where x = z
+      already (before the first step, or mu_y = 1 with x = z), y stays put within rounding.
 
     Args:
         params: iterable of parameters or dicts defining parameter groups.
@@ -62,77 +80,57 @@ class GPA(GPAModes):
     ) -> None:
         check_mu(mu_x, mu_y)
         check_averaging(averaging)
-        base_hypers = base_defaults(base, base_kwargs, _GPA_KEYS, "GPA")
-        defaults = dict(base_hypers, mu_x=mu_x, mu_y=mu_y, averaging=averaging, weight_sum=0.0)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            check_mu(group["mu_x"], group["mu_y"])
-            check_averaging(group["averaging"])
-            if "lr" in group:
-                check_lr(group["lr"])
-        self.base_class = base
-        self._base_keys = tuple(base_hypers)
-        self._base: torch.optim.Optimizer | None = None
+        defaults = dict(mu_x=mu_x, mu_y=mu_y, averaging=averaging, weight_sum=0.0)
+        super().__init__(params, base, base_kwargs, defaults)
 
-    def _build_base(self) -> torch.optim.Optimizer:
-        base_groups = []
-        for group in self.param_groups:
-            zs = []
-            for p in group["params"]:
-                state = self.state[p]
-                if "z" not in state:
-                    dtype = state_dtype_for(p)
-                    state["z"] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
-                zs.append(state["z"])
-            base_groups.append({"params": zs, **{k: group[k] for k in self._base_keys if k in group}})
-        base = self.base_class(base_groups)
-        # The base's state of z lives inside this optimizer's state of p (one dict object), so it is saved and
-        # loaded with it; it starts empty so that the base initializes it lazily as usual.
-        for group in self.param_groups:
-            for p in group["params"]:
-                base.state[self.state[p]["z"]] = self.state[p].setdefault("base", {})
-        return base
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        check_mu(group["mu_x"], group["mu_y"])
+        check_averaging(group["averaging"])
 
-    @property
-    def base_optimizer(self) -> torch.optim.Optimizer:
-        """The base optimizer acting on z (built on first use)."""
-        if self._base is None:
-            self._base = self._build_base()
-        return self._base
+    def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
+        # z is created for a parameter once it has a gradient (a parameter that never has one gets no state).
+        state = self.state.get(p)
+        if state and "z" in state:
+            return state["z"]
+        if p.grad is None and not create:
+            return None
+        z = p.detach().to(dtype=state_dtype_for(p), copy=True, memory_format=torch.preserve_format)
+        self.state[p]["z"] = z
+        return z
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the loss at y (optional)."""
         loss = self._closure_loss(closure)
-        base = self.base_optimizer
-        stepped = []
-        for group, base_group in zip(self.param_groups, base.param_groups):
-            for key in self._base_keys:
-                if key in group:
-                    base_group[key] = group[key]
-            ys, zs = [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                z = self.state[p]["z"]
-                z.grad = p.grad if p.grad.dtype == z.dtype else p.grad.to(z.dtype)
-                ys.append(local_tensor(p))
-                zs.append(local_tensor(z))
-            if not ys:
-                continue
-            lr = float(group.get("lr", 0.0))
-            mu_x, group["weight_sum"] = averaging_mu_x(group["averaging"], group["mu_x"], lr, group["weight_sum"])
-            mu_y = group["mu_y"]
-            foreach_axpby_(ys, zs, 1.0 - mu_y, mu_x)  # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x
-            stepped.append((ys, zs, 1.0 - mu_x * mu_y))
-        base.step()
+        stepped, with_grad = [], []
+        try:
+            with self._rollback_on_error() as undo:
+                self._prepare_base()  # z created (for a first gradient) before the passes read it
+                for group in self.param_groups:
+                    ys, zs = [], []
+                    for p in group["params"]:
+                        if p.grad is None:
+                            continue
+                        z = self.state[p]["z"]
+                        z.grad = p.grad if p.grad.dtype == z.dtype else p.grad.to(z.dtype)
+                        with_grad.append(z)
+                        ys.append(real_view(local_tensor(p)))
+                        zs.append(real_view(local_tensor(z)))
+                    if not ys:
+                        continue
+                    lr = float(group.get("lr", 0.0))
+                    mu_x, group["weight_sum"] = averaging_mu_x(
+                        group["averaging"], group["mu_x"], lr, group["weight_sum"]
+                    )
+                    mu_y = group["mu_y"]
+                    undo.save(ys)
+                    foreach_axpby_(ys, zs, 1.0 - mu_y, mu_x)  # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x
+                    stepped.append((ys, zs, 1.0 - mu_x * mu_y))
+                self._base_step()
+        finally:
+            for z in with_grad:
+                z.grad = None
         for ys, zs, c in stepped:
             foreach_add_scaled_(ys, zs, c)  # y <- mu_x mu_y x + (1 - mu_x mu_y) z'
-            for z in zs:
-                z.grad = None
         return loss
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load z and the base's state; the base is rebuilt on the loaded z tensors."""
-        super().load_state_dict(state_dict)
-        self._base = None

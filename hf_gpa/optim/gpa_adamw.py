@@ -128,6 +128,23 @@ class GPAAdamW(GPAModes):
             steps.append(state["step"])
         return ys, gs, zs, ms, vs, steps
 
+    def _load_stock_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Switch an Adam/AdamW run to GPA-AdamW: z = y = the current weights, m, v and step carried over.
+
+        ``lr`` and ``initial_lr`` come from the saved groups (the schedule's position); every other hyper-parameter
+        stays this optimizer's own. Any other optimizer's state raises a ``ValueError`` naming both.
+        """
+        self._check_stock_state(state_dict, {"step", "exp_avg", "exp_avg_sq"}, "Adam/AdamW")
+        adopted = {}
+        for p, saved in self._saved_param_states(state_dict):
+            z = p.detach().to(dtype=state_dtype_for(p), copy=True, memory_format=torch.preserve_format)
+            step = torch.tensor(float(saved["step"]), dtype=torch.float32)
+            m, v = (saved[k].to(device=z.device, dtype=z.dtype, copy=True) for k in ("exp_avg", "exp_avg_sq"))
+            adopted[p] = {"step": step, "z": z, "exp_avg": m, "exp_avg_sq": v}
+        self._reset_state()
+        self.state.update(adopted)
+        self._adopt_schedule(state_dict)
+
     def _implementation(self, group: dict[str, Any], ys: list[torch.Tensor]) -> str:
         if group["foreach"] is False and not group["fused"]:
             return "forloop"

@@ -8,19 +8,22 @@ Slow by design; not for training.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from ._checks import check_averaging, check_mu
+from ._checks import check_adam, check_averaging, check_lr, check_mu
 from .schedules import averaging_mu_x
 
 __all__ = ["ReferenceGPA"]
 
 
 class ReferenceGPA(torch.optim.Optimizer):
-    """Algorithm 1 with x, y, z stored explicitly. ``base`` is ``"adamw"`` or ``"sgd"``."""
+    """Algorithm 1 with x, y, z stored explicitly. ``base`` is ``"adamw"`` or ``"sgd"``.
+
+    Complex parameters are treated as their real views (``torch.view_as_real``), as torch's optimizers do.
+    """
 
     def __init__(
         self,
@@ -38,6 +41,8 @@ class ReferenceGPA(torch.optim.Optimizer):
     ) -> None:
         if base not in ("adamw", "sgd"):
             raise ValueError(f"Invalid base: {base!r} (must be 'adamw' or 'sgd')")
+        check_lr(lr)
+        check_adam(betas, eps, weight_decay)
         check_mu(mu_x, mu_y)
         check_averaging(averaging)
         defaults = dict(
@@ -58,10 +63,18 @@ class ReferenceGPA(torch.optim.Optimizer):
     def x(self, p: torch.Tensor) -> torch.Tensor:
         """The evaluation weights x of a parameter (its initial value before the first step)."""
         state = self.state.get(p)
-        return state["x"] if state else p.detach()
+        if not state:
+            return p.detach()
+        return torch.view_as_complex(state["x"]) if p.is_complex() else state["x"]
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if any(p.grad is not None and p.grad.is_sparse for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("ReferenceGPA does not support sparse gradients")
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             mu_x, group["weight_sum"] = averaging_mu_x(group["averaging"], group["mu_x"], lr, group["weight_sum"])
@@ -71,11 +84,11 @@ class ReferenceGPA(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["x"] = p.detach().clone()  # x^(1) = y^(1) = z^(1)
-                    state["z"] = p.detach().clone()
+                    state["x"] = _real(p.detach()).clone()  # x^(1) = y^(1) = z^(1)
+                    state["z"] = _real(p.detach()).clone()
                     state["t"] = 0
                 x, z = state["x"], state["z"]
-                g = p.grad  # g^(t) at y^(t), which the parameter holds
+                g = _real(p.grad)  # g^(t) at y^(t), which the parameter holds
                 state["t"] += 1
                 t = state["t"]
                 if group["base"] == "adamw":
@@ -94,4 +107,9 @@ class ReferenceGPA(torch.optim.Optimizer):
                 x_new = mu_x * x + (1 - mu_x) * z_new  # line 7
                 y_new = mu_y * x_new + (1 - mu_y) * z_new  # line 3 of the next iteration
                 state["x"], state["z"] = x_new, z_new
-                p.copy_(y_new)
+                _real(p).copy_(y_new)
+        return loss
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t

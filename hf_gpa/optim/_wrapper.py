@@ -1,0 +1,221 @@
+"""What GPA and DiLoCo share as wrappers of a base optimizer (``torch.optim.AdamW``, ``SGD``, ...).
+
+Both keep a base optimizer that moves some tensors (GPA: z; DiLoCo: the parameters) and add their own passes around
+its step. Everything about holding that base lives here, once:
+
+* it is built lazily, at the first step (after any FSDP wrapping has replaced the parameters), and its state of each
+  tensor is the very dict ``state[p]["base"]`` of this optimizer, so ``state_dict()`` carries it;
+* the per-group hyper-parameters (``lr``, ``weight_decay``, the base's own) are forwarded to it before every step,
+  so LR schedulers attached to the wrapper drive it;
+* ``add_param_group``, ``load_state_dict``, ``copy.deepcopy`` and ``pickle`` drop it, and it is rebuilt on the
+  current (added, loaded, copied) tensors at the next step;
+* its step runs without torch's step hooks, so global optimizer hooks fire once per wrapper step, around it;
+* a step whose base raises leaves the parameters and this optimizer's state as they were (``_rollback_on_error``);
+* a state dict saved by the base class itself is adopted: switching a base-optimizer run to the wrapper mid-training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ._checks import base_defaults
+from ._modes import OPTIMIZER_KEY, PrimalAveragingOptimizer
+
+__all__ = ["BaseOptimizerWrapper", "unhooked_step"]
+
+
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer.step()`` without torch's global and per-instance step hooks (a wrapper's hooks stand for it)."""
+    step = type(optimizer).step
+    raw = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if raw is None:
+        return optimizer.step()
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        return raw(optimizer)
+
+
+class _Undo:
+    """Copies of tensors a step is about to change in place, to put back if the step raises."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def save(self, tensors: list[torch.Tensor]) -> None:
+        self.copies.extend((t, t.clone()) for t in tensors)
+
+    def restore(self) -> None:
+        for t, copy in self.copies:
+            t.copy_(copy)
+
+
+def _key_sets(state: dict[str, Any]) -> dict[str, set[str] | None]:
+    return {k: set(v) if isinstance(v, dict) else None for k, v in state.items()}
+
+
+def _drop_new_keys(state: dict[str, Any], old: dict[str, set[str] | None]) -> None:
+    for key in list(state):
+        if key not in old:
+            del state[key]
+        elif old[key] is not None and isinstance(state[key], dict):
+            for inner in [k for k in state[key] if k not in old[key]]:  # type: ignore[operator]
+                del state[key][inner]
+
+
+class BaseOptimizerWrapper(PrimalAveragingOptimizer):
+    """A ``PrimalAveragingOptimizer`` around a base optimizer class (see the module docstring).
+
+    Subclasses give ``_base_tensor(p)`` (the tensor the base moves for parameter ``p``, or None while it needs
+    none) and ``_check_group(group)`` (their per-group checks), and call ``_prepare_base()`` then ``_base_step()``
+    inside ``step()``.
+    """
+
+    def __init__(
+        self, params: Any, base: type[torch.optim.Optimizer], base_kwargs: dict[str, Any], defaults: dict[str, Any]
+    ) -> None:
+        owner = type(self).__name__
+        base_hypers = base_defaults(base, base_kwargs, (*defaults, "train_mode", OPTIMIZER_KEY), owner)
+        self.base_class = base
+        self._base_keys = tuple(base_hypers)
+        self._base: torch.optim.Optimizer | None = None
+        self._base_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        super().__init__(params, {**base_hypers, **defaults})
+
+    @property
+    def optimizer_name(self) -> str:
+        return f"{super().optimizer_name}({self.base_class.__name__})"
+
+    # ---- the base optimizer ----
+
+    def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
+        """The tensor the base moves for ``p`` (None while it needs none; ``create`` forces it into existence)."""
+        raise NotImplementedError
+
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The base optimizer (built on first use on the current tensors; its state is nested in this one's)."""
+        if self._base is None:
+            groups, pairs = [], []
+            for group in self.param_groups:
+                tensors = []
+                for p in group["params"]:
+                    t = self._base_tensor(p)
+                    if t is not None:
+                        tensors.append(t)
+                        pairs.append((p, t))
+                groups.append({"params": tensors, **self._base_hypers(group)})
+            base = self.base_class(groups)
+            self._link_base_state(base, pairs)
+            self._base, self._base_pairs = base, pairs
+        return self._base
+
+    def _base_hypers(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {k: group[k] for k in self._base_keys if k in group}
+
+    def _link_base_state(self, base: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        # The base's state of each tensor is the dict state[p]["base"] of this optimizer (one object, saved and
+        # loaded with it); it starts empty so that the base initializes it lazily as usual.
+        for p, t in pairs:
+            if t in base.state:
+                self.state[p]["base"] = base.state[t]
+            base.state[t] = self.state[p].setdefault("base", {})
+
+    def _base_step(self) -> None:
+        """Forward the hyper-parameters, then the base's step, without step hooks (they fire for the wrapper)."""
+        base = self.base_optimizer
+        for group, base_group in zip(self.param_groups, base.param_groups):
+            base_group.update(self._base_hypers(group))
+        unhooked_step(base)
+
+    # ---- what drops the base: a new group, a load, a copy ----
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (checked like the constructor's); the base learns it at the next step."""
+        super().add_param_group(param_group)
+        self._base = None
+
+    def _prepare_base(self) -> torch.optim.Optimizer:
+        """The base, rebuilt first if a parameter has its first gradient (it then needs the base's attention)."""
+        known = {id(p) for p, _ in self._base_pairs}
+        if any(p.grad is not None and id(p) not in known for g in self.param_groups for p in g["params"]):
+            self._base = None
+        return self.base_optimizer
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load this optimizer's state and the base's nested in it; the base is rebuilt on the loaded tensors."""
+        super().load_state_dict(state_dict)
+        self._base = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch keeps only defaults, state and param_groups; the base class travels too, the base object does not
+        # (it is rebuilt on the copy's own tensors).
+        return {**super().__getstate__(), "base_class": self.base_class, "_base_keys": self._base_keys}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._base, self._base_pairs = None, []
+
+    # ---- a step that raises ----
+
+    @contextlib.contextmanager
+    def _rollback_on_error(self) -> Iterator[_Undo]:
+        """Undo this optimizer's own changes if the block raises: state keys created, group values, saved tensors.
+
+        The tensors a step changes in place before its base steps are saved with ``undo.save(tensors)`` (a copy of
+        each, held only during the step). What the base itself changed before raising is the base's own affair: torch's
+        optimizers check their inputs (a sparse gradient into AdamW) before they change anything.
+        """
+        keys = {p: _key_sets(s) for p, s in self.state.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        undo = _Undo()
+        try:
+            yield undo
+        except BaseException:
+            undo.restore()
+            for p in list(self.state):
+                if p in keys:
+                    _drop_new_keys(self.state[p], keys[p])
+                else:
+                    del self.state[p]
+            for group, old in zip(self.param_groups, groups):
+                group.update(old)
+            self._base = None  # rebuilt on the restored state at the next step
+            raise
+
+    # ---- switching a run of the base optimizer to this wrapper ----
+
+    def _load_stock_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Adopt a state dict saved by the base class itself: its state carries over, the weights start the wrapper.
+
+        Refused (``ValueError``) unless every saved per-parameter state has the keys the base creates.
+        """
+        self._check_stock_state(state_dict, self._probe_base_state_keys(), self.base_class.__name__)
+        saved = dict(self._saved_param_states(state_dict))
+        self._reset_state()
+        self._base = None
+        self._adopt_schedule(state_dict)
+        for p in saved:
+            self._base_tensor(p, create=True)
+        base = self.base_optimizer
+        index = {id(t): i for i, t in enumerate(t for g in base.param_groups for t in g["params"])}
+        base.load_state_dict(
+            {
+                "state": {index[id(t)]: saved[p] for p, t in self._base_pairs if p in saved},
+                "param_groups": [
+                    {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(t)] for t in g["params"]]}
+                    for g in base.param_groups
+                ],
+            }
+        )
+        self._link_base_state(base, self._base_pairs)
+
+    def _probe_base_state_keys(self) -> set[str]:
+        """The per-parameter state keys the base creates, from one step on a 2x2 probe tensor."""
+        probe = torch.zeros(2, 2, requires_grad=True)
+        optimizer = self.base_class([{"params": [probe], **self._base_hypers(self.defaults)}])
+        probe.grad = torch.ones_like(probe)
+        unhooked_step(optimizer)
+        return {str(k) for k in optimizer.state[probe]}

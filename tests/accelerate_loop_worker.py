@@ -1,0 +1,74 @@
+"""Worker for tests/test_accelerate_loop.py: a plain accelerate loop (no Trainer) with GPA on 2 CPU processes (DDP).
+
+One launch trains STEPS steps, saving a resumable state at RESUME_STEP with `hf_gpa.accelerate_utils.save_state`
+and the final x with `save_x_model` (and, for contrast, the plain `accelerator.save_model`); then, in the same
+processes, a fresh model and optimizer load that state with `load_state` and train the remaining steps. Rank 0
+writes what it saw to ``full.pt``; the test compares it with a single-process run. The model, the global batches
+and the optimizer settings are those of tests/distributed_workers.py.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/accelerate_loop_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from distributed_workers import ADAMW_KW, GLOBAL_BATCH, build_mlp, global_batch, mse
+
+from hf_gpa.accelerate_utils import load_state, save_state, save_x_model
+from hf_gpa.checkpoint import x_state_dict
+from hf_gpa.optim import GPAAdamW
+
+STEPS, RESUME_STEP = 4, 2
+DTYPE = torch.float64  # the DDP all-reduce order is the only difference from one process
+
+
+def _train(accelerator: Accelerator, model, optimizer, steps: range) -> None:
+    rows = GLOBAL_BATCH // accelerator.num_processes
+    for step in steps:
+        inputs, targets = global_batch(step, DTYPE)
+        own = slice(accelerator.process_index * rows, (accelerator.process_index + 1) * rows)
+        accelerator.backward(mse(model, inputs[own], targets[own]))  # DDP averages: the global batch's gradient
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _y(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True)
+    facts: dict[str, object] = {}
+    plain = build_mlp(DTYPE)
+    model, optimizer = accelerator.prepare(plain, GPAAdamW(plain.parameters(), **ADAMW_KW))
+    _train(accelerator, model, optimizer, range(RESUME_STEP))
+    save_state(accelerator, optimizer, out / "state")
+    facts["y_at_save"] = _y(plain)
+    _train(accelerator, model, optimizer, range(RESUME_STEP, STEPS))
+    facts.update(x=x_state_dict(plain, optimizer), y=_y(plain))
+    save_x_model(accelerator, model, optimizer, out / "x_model")
+    accelerator.save_model(model, out / "plain_save_model")
+
+    accelerator.free_memory()
+    fresh = build_mlp(DTYPE)
+    model, optimizer = accelerator.prepare(fresh, GPAAdamW(fresh.parameters(), **ADAMW_KW))
+    load_state(accelerator, optimizer, out / "state")
+    facts["y_at_load"] = _y(fresh)
+    _train(accelerator, model, optimizer, range(RESUME_STEP, STEPS))
+    facts.update(resumed_x=x_state_dict(fresh, optimizer), resumed_y=_y(fresh))
+    gathered = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(gathered, facts["y"])
+    facts["ranks_agree"] = all(all(torch.equal(g[k], facts["y"][k]) for k in g) for g in gathered)
+    if accelerator.is_main_process:
+        torch.save(facts, out / "full.pt")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]).resolve())

@@ -1,0 +1,100 @@
+"""`hf_gpa.accelerate_utils` in a plain accelerate loop on 2 CPU processes (DDP over gloo), against one process.
+
+One ``torchrun --standalone`` launch of tests/accelerate_loop_worker.py (its own session, killed on timeout, so a
+hang fails the test instead of blocking CI); the asserts compare its files with a single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import accelerate_loop_worker as worker
+import distributed_workers as dw
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_gpa.checkpoint import x_state_dict
+from hf_gpa.optim import GPAAdamW
+
+LAUNCH_TIMEOUT_S = 180  # ~15 s on 2 shared cores; past this it is a hang, not slowness
+F64 = dict(rtol=1e-10, atol=1e-12)  # the order of the gradient all-reduce only
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One 2-process launch of the accelerate loop: its output folder and rank 0's facts."""
+    out = tmp_path_factory.mktemp("accelerate_loop")
+    script = Path(worker.__file__)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(script.parent.parent), str(script.parent), env.get("PYTHONPATH")])
+    )
+    log = out / "launch.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: the session started above
+            proc.wait()
+            pytest.fail(f"the accelerate loop hung for {LAUNCH_TIMEOUT_S} s:\n{log.read_text()[-6000:]}")
+    if rc != 0:
+        pytest.fail(f"the accelerate loop exited with {rc}:\n{log.read_text()[-6000:]}")
+    return out, torch.load(out / "full.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def single_process() -> dict[str, dict[str, torch.Tensor]]:
+    """x and y of the same model trained in one process on the full global batches."""
+    model = dw.build_mlp(worker.DTYPE)
+    optimizer = GPAAdamW(model.parameters(), **dw.ADAMW_KW)
+    dw.oracle_steps(model, optimizer, range(worker.STEPS), worker.DTYPE)
+    return {"x": x_state_dict(model, optimizer), "y": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float) -> None:
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], **tol)
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_save_x_model_writes_the_single_process_x(loop, single_process) -> None:
+    """`save_x_model` on 2 ranks writes the x of a single-process run, where plain `save_model` writes y."""
+    out, facts = loop
+    saved = load_file(str(out / "x_model" / "model.safetensors"))
+    _close(saved, single_process["x"], **F64)
+    _equal(saved, facts["x"])
+    plain = load_file(str(out / "plain_save_model" / "model.safetensors"))
+    _equal(plain, facts["y"])
+    assert max((plain[k] - saved[k]).abs().max().item() for k in saved) > 1e-3
+    assert facts["ranks_agree"]
+
+
+def test_load_state_resumes_bitwise(loop) -> None:
+    """`load_state` of a `save_state` folder gives back y bitwise, and the resumed loop ends with the same x and y."""
+    _, facts = loop
+    _equal(facts["y_at_load"], facts["y_at_save"])
+    _equal(facts["resumed_x"], facts["x"])
+    _equal(facts["resumed_y"], facts["y"])
+
+
+def test_save_state_folder_holds_x(loop) -> None:
+    """The model file inside a `save_state` folder holds x (a state that is only y would not be a model to keep)."""
+    out, facts = loop
+    model = dw.build_mlp(worker.DTYPE)
+    optimizer = GPAAdamW(model.parameters(), **dw.ADAMW_KW)
+    dw.oracle_steps(model, optimizer, range(worker.RESUME_STEP), worker.DTYPE)
+    _close(load_file(str(out / "state" / "model.safetensors")), x_state_dict(model, optimizer), **F64)
