@@ -29,6 +29,7 @@ from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
 from transformers.utils.generic import strtobool
 
+from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches
 from hf_gpa.optim.schedules import inner_steps_from_mu_x, mu_x_from_inner_steps
 
 __all__ = ["GPAOptimizerNames", "GPATrainingArguments", "DEFAULT_MU_X", "DEFAULT_MU_Y"]
@@ -141,9 +142,21 @@ class GPATrainingArguments(TrainingArguments):
     diloco_outer_momentum: float = field(
         default=0.9, metadata={"help": "With --optim diloco_adamw: the outer Nesterov momentum in [0, 1)."}
     )
+    gpa_bn_recalibration_batches: int = field(
+        default=DEFAULT_RECALIBRATION_BATCHES,
+        metadata={
+            "help": (
+                "Training batches forwarded at x (no gradients) to recompute the running statistics of BatchNorm "
+                "and other norm layers that keep them, wherever GPATrainer evaluates or saves at x (the statistics "
+                "of y are restored for training). Models without such layers pay nothing. 0 turns it off "
+                f"(default: {DEFAULT_RECALIBRATION_BATCHES})."
+            )
+        },
+    )
 
     def __post_init__(self) -> None:
         # Validate our flags first: a wrong flag should fail before anything else happens.
+        self.gpa_bn_recalibration_batches = check_recalibration_batches(self.gpa_bn_recalibration_batches)
         optim = self.optim.value if isinstance(self.optim, (OptimizerNames, GPAOptimizerNames)) else self.optim
         if optim not in GPA_OPTIM_NAMES and optim not in STOCK_OPTIM_NAMES:
             raise ValueError(
