@@ -11,12 +11,16 @@ With no dataset and no model named, the script needs no network:
 * data: scikit-learn's bundled handwritten digits (:func:`hf_gpa.data.load_digits_dataset`, 1,797 8x8 images),
   15% split off for validation, stratified by label, with ``--seed``;
 * model: a small ViT built from a config (:data:`DEFAULT_VIT_CONFIG`, 16x16 inputs in 4x4 patches) and a matching
-  ``ViTImageProcessor`` (resize to 16x16, normalize to [-1, 1]);
+  ``ViTImageProcessor`` (resize to 16x16, normalize to [-1, 1]); with ``--model_type resnet`` a small ResNet with
+  BatchNorm (:data:`DEFAULT_RESNET_CONFIG`, 32x32 inputs), whose statistics GPATrainer recomputes at x
+  (``--gpa_bn_recalibration_batches``);
 * training: :data:`EMBEDDED_DEFAULTS` (30 epochs of 32 images), a few minutes on 2 CPU cores.
 
 Train-time augmentation is a random resized crop (``--min_crop_scale``) and an optional horizontal flip
 (``--horizontal_flip``), done on the PIL image before the image processor; evaluation sees the whole image.
-Without torchvision this uses PIL only.
+Without torchvision this uses PIL only. It draws from Python's global generator, seeded by ``--seed``, which
+GPATrainer's BatchNorm recalibration leaves untouched: it forwards augmented training batches without changing
+training's own random draws.
 
 Defaults, in the order they apply (a flag given on the command line or in the JSON file always wins):
 
@@ -30,6 +34,7 @@ Examples::
 
     python run_vit_gpa.py --output_dir outputs/vit-gpa                       # the embedded default
     python run_vit_gpa.py --output_dir outputs/vit-adamw --optim adamw_torch   # the same run with AdamW
+    python run_vit_gpa.py --output_dir outputs/resnet-gpa --model_type resnet  # a small ResNet (BatchNorm)
     python run_vit_gpa.py --train_dir my_images/train --validation_dir my_images/val --output_dir outputs/mine
 """
 
@@ -57,6 +62,7 @@ from transformers import (
     AutoModelForImageClassification,
     EvalPrediction,
     PreTrainedConfig,
+    TrainerCallback,
     ViTConfig,
     ViTImageProcessorPil,
     set_seed,
@@ -120,6 +126,20 @@ DEFAULT_VIT_CONFIG: dict[str, Any] = {
     "hidden_dropout_prob": 0.0,
     "attention_probs_dropout_prob": 0.0,
 }
+
+#: ``--model_type resnet``: a 3-stage ResNet of basic blocks (widths 16/32/64, one block each; about 80K
+#: parameters, 9 BatchNorm layers) on the digits upscaled to 32x32 (``image_size`` sizes the image processor).
+DEFAULT_RESNET_CONFIG: dict[str, Any] = {
+    "image_size": 32,
+    "num_channels": 3,
+    "embedding_size": 16,
+    "hidden_sizes": [16, 32, 64],
+    "depths": [1, 1, 1],
+    "layer_type": "basic",
+}
+
+#: Model types that train from scratch with a small config of the script's rather than the type's stock default.
+SMALL_CONFIGS: dict[str, dict[str, Any]] = {"resnet": DEFAULT_RESNET_CONFIG}
 
 
 @dataclass
@@ -217,7 +237,7 @@ class ModelArguments:
             "help": (
                 "If training from scratch, the model type whose default config to use, one of: "
                 + ", ".join(MODEL_TYPES)
-                + ". Unset: a small ViT (DEFAULT_VIT_CONFIG)."
+                + ". Unset: a small ViT (DEFAULT_VIT_CONFIG); resnet: a small ResNet (DEFAULT_RESNET_CONFIG)."
             )
         },
     )
@@ -356,6 +376,8 @@ def build_config(model_args: ModelArguments, labels: list[str]) -> PreTrainedCon
         )
     if model_args.model_type is None:
         config = ViTConfig(**DEFAULT_VIT_CONFIG, **common)
+    elif model_args.model_type in SMALL_CONFIGS:
+        config = CONFIG_MAPPING[model_args.model_type](**SMALL_CONFIGS[model_args.model_type], **common)
     else:
         config = CONFIG_MAPPING[model_args.model_type](**common)
     logger.warning("You are instantiating a new config instance from scratch.")
@@ -384,28 +406,33 @@ def build_image_processor(model_args: ModelArguments, config: PreTrainedConfig) 
     )
 
 
-def random_resized_crop(image: Image.Image, min_scale: float, rng: random.Random) -> Image.Image:
+def random_resized_crop(image: Image.Image, min_scale: float, rng: random.Random | None = None) -> Image.Image:
     """A crop of random area fraction in [min_scale, 1] and aspect ratio in [3/4, 4/3] (torchvision's recipe).
 
-    The crop keeps its own size; the image processor resizes it afterwards. Falls back to the whole image when ten
-    draws do not fit, as torchvision does (its fallback is a center crop; the whole image is the same for squares).
+    ``rng`` defaults to Python's global generator. The crop keeps its own size; the image processor resizes it
+    afterwards. Falls back to the whole image when ten draws do not fit, as torchvision does (its fallback is a
+    center crop; the whole image is the same for squares).
     """
+    draw: Any = rng if rng is not None else random  # the module's functions use its global generator
     width, height = image.size
     area = width * height
     for _ in range(10):
-        target_area = area * rng.uniform(min_scale, 1.0)
-        aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        target_area = area * draw.uniform(min_scale, 1.0)
+        aspect = math.exp(draw.uniform(math.log(3 / 4), math.log(4 / 3)))
         w = round(math.sqrt(target_area * aspect))
         h = round(math.sqrt(target_area / aspect))
         if 0 < w <= width and 0 < h <= height:
-            left = rng.randint(0, width - w)
-            top = rng.randint(0, height - h)
+            left = draw.randint(0, width - w)
+            top = draw.randint(0, height - h)
             return image.crop((left, top, left + w, top + h))
     return image
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
+def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback] = ()) -> dict[str, float]:
+    """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json.
+
+    ``callbacks`` are added to the Trainer's (benchmarks/bn_recalibration.py measures through one).
+    """
     model_args, data_args, training_args = parse_args(argv)
 
     setup_logging(training_args, logger)
@@ -454,12 +481,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         logger.info(f"Training new model from scratch - Total size={n_params / 2**20:.2f}M params")
     image_processor = build_image_processor(model_args, config)
 
-    # Augmentation draws from its own generator, seeded by --seed, so that runs repeat.
-    augment_rng = random.Random(training_args.seed)
-
+    # Augmentation draws from Python's global generator: seeded by set_seed(--seed) above and isolated from
+    # GPATrainer's BatchNorm recalibration (which also forwards augmented training batches), so that runs repeat
+    # and their training does not depend on whether the statistics are recomputed.
     def _augment(image: Image.Image) -> Image.Image:
-        image = random_resized_crop(image, data_args.min_crop_scale, augment_rng)
-        if data_args.horizontal_flip and augment_rng.random() < 0.5:
+        image = random_resized_crop(image, data_args.min_crop_scale)
+        if data_args.horizontal_flip and random.random() < 0.5:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return image
 
@@ -509,6 +536,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         compute_metrics=compute_metrics,
         processing_class=image_processor,
         data_collator=collate_fn,
+        callbacks=list(callbacks) or None,
     )
 
     all_metrics: dict[str, float] = {}

@@ -8,18 +8,23 @@ of this file and `GPATrainer` go through it.
 
 The optimizer may be wrapped (accelerate's `AcceleratedOptimizer` keeps the real one in `.optimizer`); the helpers
 here unwrap it. For any other optimizer they do nothing, so the same code path serves stock optimizers.
+
+A model with BatchNorm (or other norm layers with running statistics, see `hf_gpa.batchnorm`) carries statistics
+estimated at y. Given a few training batches (``bn_batches``), the helpers recompute them at x for the block, and
+restore y's statistics exactly on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches, recalibrated_norm_statistics
 from hf_gpa.optim._modes import PrimalAveragingOptimizer
 
 __all__ = ["SAFE_WEIGHTS_NAME", "evaluation_weights", "save_x_weights", "unwrap_gpa_optimizer", "x_state_dict"]
@@ -38,39 +43,89 @@ def unwrap_gpa_optimizer(optimizer: Any) -> PrimalAveragingOptimizer | None:
 
 
 @contextlib.contextmanager
-def evaluation_weights(optimizer: Any) -> Iterator[None]:
+def evaluation_weights(
+    optimizer: Any,
+    model: nn.Module | None = None,
+    *,
+    bn_batches: Iterable[Any] | None = None,
+    bn_num_batches: int = DEFAULT_RECALIBRATION_BATCHES,
+    bn_forward: Callable[[nn.Module, Any], Any] | None = None,
+) -> Iterator[None]:
     """Inside the block the parameters hold x; on exit (also by an exception) the mode found on entry is restored.
 
-    A no-op for optimizers without an x/y split (stock torch ones, None) and when already in eval mode.
+    A no-op for optimizers without an x/y split (stock torch ones, None) and when already in eval mode. With
+    ``model`` and ``bn_batches`` (an iterable of training batches: a DataLoader may be passed as it is), the running
+    statistics of ``model``'s norm layers are recomputed at x from at most ``bn_num_batches`` of them for the block
+    and y's statistics restored exactly on exit; the global random generators are left as they were, so passing the
+    training DataLoader does not change training's data order. A batch is forwarded by ``bn_forward(model, batch)``,
+    by default ``model(**batch)`` for a mapping, ``model(batch[0])`` for an ``(inputs, targets)`` pair, else
+    ``model(batch)`` (`hf_gpa.batchnorm.default_forward`). Under DDP the statistics are those of this process's
+    batches: pass every rank the same batches, or use `hf_gpa.batchnorm.recalibrate_norm_statistics` with
+    ``all_reduce=True``.
     """
+    bn_num_batches = check_recalibration_batches(bn_num_batches, "bn_num_batches")
+    if bn_batches is not None and model is None:
+        raise ValueError("evaluation_weights: bn_batches needs the model whose statistics to recompute (model=...)")
     inner = unwrap_gpa_optimizer(optimizer)
-    if inner is None or not inner.train_mode:
+    if inner is None:
         yield
         return
-    inner.eval()
+    switch = inner.train_mode
+    if switch:
+        inner.eval()
     try:
-        yield
+        if model is None or bn_batches is None:
+            yield
+        else:
+            with recalibrated_norm_statistics(model, bn_batches, bn_num_batches, forward=bn_forward):
+                yield
     finally:
-        inner.train()
+        if switch:
+            inner.train()
 
 
-def x_state_dict(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
-    """A detached copy of ``model.state_dict()`` at x; the live parameters are left as they were."""
-    with evaluation_weights(optimizer):
+def x_state_dict(
+    model: nn.Module,
+    optimizer: Any,
+    *,
+    bn_batches: Iterable[Any] | None = None,
+    bn_num_batches: int = DEFAULT_RECALIBRATION_BATCHES,
+    bn_forward: Callable[[nn.Module, Any], Any] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A detached copy of ``model.state_dict()`` at x; the live parameters are left as they were.
+
+    ``bn_batches=...`` (and ``bn_num_batches``, ``bn_forward``) as in `evaluation_weights`: the copy then holds the
+    norm statistics recomputed at x.
+    """
+    with evaluation_weights(
+        optimizer, model, bn_batches=bn_batches, bn_num_batches=bn_num_batches, bn_forward=bn_forward
+    ):
         return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def save_x_weights(model: nn.Module, optimizer: Any, output_dir: str | os.PathLike[str]) -> str:
+def save_x_weights(
+    model: nn.Module,
+    optimizer: Any,
+    output_dir: str | os.PathLike[str],
+    *,
+    bn_batches: Iterable[Any] | None = None,
+    bn_num_batches: int = DEFAULT_RECALIBRATION_BATCHES,
+    bn_forward: Callable[[nn.Module, Any], Any] | None = None,
+) -> str:
     """Write the x weights of ``model`` to ``output_dir`` and return the weights file's path.
 
     A `PreTrainedModel` is written with ``save_pretrained`` (config included, loadable with ``from_pretrained``);
     any other module as ``model.safetensors`` via `safetensors.torch.save_model`, which handles tied weights.
+    ``bn_batches=...`` (and ``bn_num_batches``, ``bn_forward``) as in `evaluation_weights`: the file then holds the
+    norm statistics recomputed at x.
     """
     from safetensors.torch import save_model
 
     output_dir = os.fspath(output_dir)
     os.makedirs(output_dir, exist_ok=True)
-    with evaluation_weights(optimizer):
+    with evaluation_weights(
+        optimizer, model, bn_batches=bn_batches, bn_num_batches=bn_num_batches, bn_forward=bn_forward
+    ):
         if callable(getattr(model, "save_pretrained", None)):
             model.save_pretrained(output_dir)
         else:

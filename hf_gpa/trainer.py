@@ -17,27 +17,43 @@ happened to run just before the save. This subclass fixes the places that read o
   logging integrations that save or upload the model there (W&B with `WANDB_LOG_MODEL=end`, DVCLive with
   `log_model=True`) get x: `GPATrainer` puts its own callback first in the callback list. The next training step
   switches back to y.
+* A model with BatchNorm (or another norm layer with running statistics) gets them recomputed at x from
+  `--gpa_bn_recalibration_batches` training batches wherever it is at x (`hf_gpa.batchnorm`), so evaluations and
+  every saved model use x's statistics; y's are put back with y, bitwise, and a checkpoint keeps them beside the
+  optimizer state (`norm_statistics_y.safetensors`) for an exact resume.
 
 Only overrides; transformers and accelerate are not patched. With a stock `--optim` it behaves as `Trainer`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
 import os
+import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_optimizer import is_optimizer_factory
 from transformers.trainer_utils import HubStrategy
 from transformers.training_args import OptimizerNames, TrainingArguments
+from transformers.utils import is_datasets_available
 
-from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer
+from hf_gpa.batchnorm import (
+    DEFAULT_RECALIBRATION_BATCHES,
+    load_norm_statistics,
+    norm_layers,
+    norm_statistics,
+    recalibrate_norm_statistics,
+)
+from hf_gpa.checkpoint import unwrap_gpa_optimizer
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
 from hf_gpa.optim._modes import PrimalAveragingOptimizer, saved_optimizer_name
 from hf_gpa.training_args import DEEPSPEED_REFUSAL, GPAOptimizerNames, GPATrainingArguments
@@ -46,9 +62,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.trainer_utils import PredictionOutput, TrainOutput
 
-__all__ = ["GPATrainer", "gpa_model_card_section"]
+__all__ = ["GPATrainer", "NORM_STATISTICS_Y_NAME", "gpa_model_card_section"]
 
 logger = logging.getLogger(__name__)
+
+#: In a checkpoint, beside optimizer.pt: the norm layers' running statistics of y (model.safetensors has x's).
+NORM_STATISTICS_Y_NAME = "norm_statistics_y.safetensors"
 
 
 def _adam_kwargs(args: TrainingArguments) -> dict[str, Any]:
@@ -171,12 +190,16 @@ _GPA_OPTIM_OF = {"GPAAdamW": "gpa_adamw", "GPA": "gpa", "DiLoCo": "diloco_adamw"
 
 
 class EvaluationWeightsAtTrainEnd(TrainerCallback):
-    """Switches the parameters to x in ``on_train_end``; `GPATrainer` keeps it first among its callbacks."""
+    """Puts the trainer's model at x (with x's norm statistics) in ``on_train_end``; `GPATrainer` keeps it first among
+    its callbacks."""
+
+    def __init__(self, trainer: GPATrainer) -> None:
+        self._trainer = weakref.ref(trainer)  # no reference cycle: the trainer holds this callback
 
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
-        inner = unwrap_gpa_optimizer(kwargs.get("optimizer"))
-        if inner is not None:
-            inner.eval()
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer._hold_x()
 
 
 class GPATrainer(Trainer):
@@ -200,6 +223,101 @@ class GPATrainer(Trainer):
             return super().get_optimizer_cls_and_kwargs(args, model, *more, **kwargs)
         return handler(args, model)
 
+    # ---- the weights x and their norm statistics ----
+
+    #: The norm layers' running statistics of y while the buffers hold those recomputed at x, else None.
+    _norm_statistics_y: dict[str, torch.Tensor] | None = None
+
+    @contextlib.contextmanager
+    def _at_x(self) -> Iterator[None]:
+        """Inside: parameters at x with x's norm statistics; on exit (also by an exception) y and y's statistics.
+
+        A no-op when the optimizer has no x/y split or is already at x (after `train()`).
+        """
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if inner is None or not inner.train_mode:
+            yield
+            return
+        inner.eval()
+        try:
+            self._norm_statistics_to_x()
+            yield
+        finally:
+            self._norm_statistics_to_y()
+            inner.train()
+
+    def _hold_x(self) -> None:
+        """Leave the model at x with x's norm statistics (until the next training step switches back to y)."""
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if inner is not None:
+            inner.eval()
+            self._norm_statistics_to_x()
+
+    def _norm_statistics_to_x(self) -> None:
+        # With the parameters at x: recompute the statistics, keeping y's to put back. Costs nothing without norm
+        # layers that keep running statistics, with --gpa_bn_recalibration_batches 0 or without a train dataset.
+        num_batches = getattr(self.args, "gpa_bn_recalibration_batches", DEFAULT_RECALIBRATION_BATCHES)
+        if self._norm_statistics_y is not None or num_batches == 0 or self.train_dataset is None:
+            return
+        if not norm_layers(self.model):
+            return
+        saved = norm_statistics(self.model)
+        try:
+            # Every rank forwards its own batches and the statistics are then averaged over the ranks (all_reduce):
+            # the same values on every rank, estimated from world_size times as many batches.
+            used = recalibrate_norm_statistics(
+                self.model,
+                self._recalibration_dataloader(),
+                num_batches,
+                forward=self._recalibration_forward,
+                all_reduce=self.args.world_size > 1,
+                seed=self.args.seed + self.args.process_index,
+            )
+        except BaseException:
+            load_norm_statistics(self.model, saved)
+            raise
+        self._norm_statistics_y = saved
+        logger.info("Norm-layer running statistics recomputed at x from %d training batches", used)
+
+    def _norm_statistics_to_y(self) -> None:
+        if self._norm_statistics_y is not None:
+            load_norm_statistics(self.model, self._norm_statistics_y)
+            self._norm_statistics_y = None
+
+    def _recalibration_dataloader(self) -> DataLoader:
+        """A fresh loader over the train dataset with its own seeded shuffling: training's loader and sampler, and
+        the global random state, are left alone (so a resumed run stays bitwise). No worker processes."""
+        dataset, collator = self.train_dataset, self.data_collator
+        description = "BatchNorm recalibration"
+        if is_datasets_available():
+            import datasets
+        if is_datasets_available() and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        batch_size = self._train_batch_size
+        if isinstance(dataset, IterableDataset):
+            return DataLoader(dataset, batch_size=batch_size, collate_fn=collator)
+        generator = torch.Generator().manual_seed(self.args.seed + self.args.process_index)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=True,
+            generator=generator,
+            collate_fn=collator,
+            drop_last=len(dataset) >= batch_size,  # no short last batch: BatchNorm needs > 1 value per channel
+        )
+
+    def _recalibration_forward(self, model: nn.Module, batch: dict[str, Any]) -> None:
+        inputs = self._prepare_inputs(batch)
+        with self.compute_loss_context_manager():
+            model(**inputs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The next class's `training_step`; y's norm statistics come back first if x's were left in place."""
+        self._norm_statistics_to_y()
+        return super().training_step(*args, **kwargs)
+
     # ---- wrappers that hide the real parameters from the optimizer: refused before any step ----
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -212,7 +330,7 @@ class GPATrainer(Trainer):
         # appended after it) sees x; the callback handler calls them in list order.
         handler = getattr(self, "callback_handler", None)
         if handler is not None:
-            handler.callbacks.insert(0, EvaluationWeightsAtTrainEnd())
+            handler.callbacks.insert(0, EvaluationWeightsAtTrainEnd(self))
 
     def _uses_gpa_optimizer(self) -> bool:
         given = getattr(self, "optimizer_cls_and_kwargs", None)
@@ -255,24 +373,40 @@ class GPATrainer(Trainer):
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """The next class's `evaluate` at x; the optimizer's mode (and so y) is restored afterwards."""
-        with evaluation_weights(self.optimizer):
+        with self._at_x():
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> PredictionOutput:
         """The next class's `predict` at x; the optimizer's mode (and so y) is restored afterwards."""
-        with evaluation_weights(self.optimizer):
+        with self._at_x():
             return super().predict(*args, **kwargs)
 
     def save_model(self, *args: Any, **kwargs: Any) -> None:
         """The next class's `save_model` writing x; the live weights are y again afterwards, also if saving raises."""
-        with evaluation_weights(self.optimizer):
+        with self._at_x():
             super().save_model(*args, **kwargs)
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         # Model (x) and optimizer state (eval mode, with the residual that restores y) are written together, so a
         # checkpoint is the same whether or not an evaluation ran just before it.
-        with evaluation_weights(self.optimizer):
+        with self._at_x():
             super()._save_checkpoint(*args, **kwargs)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
+        super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)
+        # The model file holds x's norm statistics; y's belong to the training state, beside the optimizer's.
+        if self._norm_statistics_y is not None and self.args.should_save:
+            from safetensors.torch import save_file
+
+            save_file(self._norm_statistics_y, os.path.join(output_dir, NORM_STATISTICS_Y_NAME))
+
+    def _load_norm_statistics_y(self, checkpoint: str) -> dict[str, torch.Tensor] | None:
+        path = os.path.join(checkpoint, NORM_STATISTICS_Y_NAME)
+        if not os.path.isfile(path):
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(path)
 
     # ---- resuming and best-model loading: weights on disk are x ----
 
@@ -287,6 +421,12 @@ class GPATrainer(Trainer):
         super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
         if checkpoint is None or inner is None:
             return
+        # The model holds the checkpoint's weights and norm statistics (x's, when recomputed): any statistics held
+        # from before are stale, and y's, when the checkpoint has them, are the ones training continues with.
+        self._norm_statistics_y = None
+        stats_y = self._load_norm_statistics_y(checkpoint)
+        if stats_y is not None:
+            load_norm_statistics(self.model, stats_y)
         if inner.train_mode:
             # No optimizer state there (save_only_model), or one saved in train mode by another trainer: the
             # weights file is then the only starting point there is, and training resumes from it as y.
@@ -305,6 +445,8 @@ class GPATrainer(Trainer):
         # Parameters at x before they are overwritten with the best checkpoint's x, so that no stale y remains.
         inner.eval()
         super()._load_best_model(*args, **kwargs)
+        # The model holds the best checkpoint's x and its norm statistics; y's (if kept) come back with y.
+        self._norm_statistics_y = self._load_norm_statistics_y(self.state.best_model_checkpoint)
         optimizer_file = os.path.join(self.state.best_model_checkpoint, OPTIMIZER_NAME)
         if os.path.isfile(optimizer_file):
             # The best checkpoint's eval-mode state matches the x just loaded: optimizer.train() would give its y.
@@ -322,9 +464,7 @@ class GPATrainer(Trainer):
         """The next class's `train`; afterwards the model holds x (the next training step switches back to y)."""
         output = super().train(*args, **kwargs)
         # Already x since on_train_end; also when a user removed that callback.
-        inner = unwrap_gpa_optimizer(self.optimizer)
-        if inner is not None:
-            inner.eval()
+        self._hold_x()
         return output
 
     # ---- the Hub: the model card names the optimizer ----

@@ -29,6 +29,8 @@ from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
 from transformers.utils.generic import strtobool
 
+from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches
+
 # The defaults, ranges and checks are the optimizers' own: one source of truth, called here with the flag's name.
 from hf_gpa.optim._checks import (
     AVERAGING_MODES,
@@ -156,9 +158,21 @@ class GPATrainingArguments(TrainingArguments):
         default=DEFAULT_OUTER_MOMENTUM,
         metadata={"help": "With --optim diloco_adamw: the outer Nesterov momentum in [0, 1)."},
     )
+    gpa_bn_recalibration_batches: int = field(
+        default=DEFAULT_RECALIBRATION_BATCHES,
+        metadata={
+            "help": (
+                "Training batches forwarded at x (no gradients) to recompute the running statistics of BatchNorm "
+                "and other norm layers that keep them, wherever GPATrainer evaluates or saves at x (the statistics "
+                "of y are restored for training). Models without such layers pay nothing. 0 turns it off "
+                f"(default: {DEFAULT_RECALIBRATION_BATCHES})."
+            )
+        },
+    )
 
     def __post_init__(self) -> None:
         # Validate our flags first: a wrong flag should fail before anything else happens.
+        self.gpa_bn_recalibration_batches = check_recalibration_batches(self.gpa_bn_recalibration_batches)
         optim = self.optim.value if isinstance(self.optim, (OptimizerNames, GPAOptimizerNames)) else self.optim
         if optim not in GPA_OPTIM_NAMES and optim not in STOCK_OPTIM_NAMES:
             raise ValueError(

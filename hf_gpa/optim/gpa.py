@@ -56,6 +56,9 @@ class GPA(BaseOptimizerWrapper, GPAModes):
       hyper-parameter this optimizer's own. A state of any other optimizer raises a ``ValueError`` naming both.
     * Complex parameters: the passes act on their real views and the base sees complex z (torch's AdamW, SGD, ...
       handle them through ``view_as_real``), so ``mu_x = 0`` equals the base on complex parameters.
+    * bf16/fp16 parameters: z is float32 (so is the base's state of z) and y is kept in float32 too
+      (``state["y_fp32"]``, 4 more bytes per parameter; the parameter holds it rounded), as in `GPAAdamW`: x is as
+      exact as float32 allows instead of accumulating y's roundings.
     * ``lr = 0``: z stays put but y still moves, since x <- mu_x x + (1 - mu_x) z averages towards z; where x = z
       already (before the first step, or mu_y = 1 with x = z), y stays put within rounding.
 
@@ -108,15 +111,20 @@ class GPA(BaseOptimizerWrapper, GPAModes):
             with self._rollback_on_error() as undo:
                 self._prepare_base()  # z created (for a first gradient) before the passes read it
                 for group in self.param_groups:
-                    ys, zs = [], []
+                    ys, zs, y32s = [], [], []
                     for p in group["params"]:
                         if p.grad is None:
                             continue
-                        z = self.state[p]["z"]
+                        state = self.state[p]
+                        z = state["z"]
                         z.grad = p.grad if p.grad.dtype == z.dtype else p.grad.to(z.dtype)
                         with_grad.append(z)
+                        if p.dtype in (torch.bfloat16, torch.float16) and "y_fp32" not in state:
+                            # y in float32 beside the rounded parameter, as in GPAAdamW: x stays as exact as z.
+                            state["y_fp32"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
                         ys.append(real_view(local_tensor(p)))
                         zs.append(real_view(local_tensor(z)))
+                        y32s.append(real_view(local_tensor(state["y_fp32"])) if "y_fp32" in state else None)
                     if not ys:
                         continue
                     lr = float(group.get("lr", 0.0))
@@ -124,13 +132,14 @@ class GPA(BaseOptimizerWrapper, GPAModes):
                         group["averaging"], group["mu_x"], lr, group["weight_sum"]
                     )
                     mu_y = group["mu_y"]
-                    undo.save(ys)
-                    foreach_axpby_(ys, zs, 1.0 - mu_y, mu_x)  # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x
-                    stepped.append((ys, zs, 1.0 - mu_x * mu_y))
+                    # The first pass changes y in place (its float32 copy alone, where there is one).
+                    undo.save([y if y32 is None else y32 for y, y32 in zip(ys, y32s)])
+                    foreach_axpby_(ys, zs, 1.0 - mu_y, mu_x, y32s)  # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x
+                    stepped.append((ys, zs, 1.0 - mu_x * mu_y, y32s))
                 self._base_step()
         finally:
             for z in with_grad:
                 z.grad = None
-        for ys, zs, c in stepped:
-            foreach_add_scaled_(ys, zs, c)  # y <- mu_x mu_y x + (1 - mu_x mu_y) z'
+        for ys, zs, c, y32s in stepped:
+            foreach_add_scaled_(ys, zs, c, y32s)  # y <- mu_x mu_y x + (1 - mu_x mu_y) z'
         return loss
