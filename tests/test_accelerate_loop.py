@@ -6,9 +6,6 @@ hang fails the test instead of blocking CI); the asserts compare its files with 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,12 +14,12 @@ import accelerate_loop_worker as worker
 import distributed_workers as dw
 import pytest
 import torch
+from launching import launch_env, run_logged
 from safetensors.torch import load_file
 
 from hf_gpa.checkpoint import x_state_dict
 from hf_gpa.optim import GPAAdamW, _kernels
 
-LAUNCH_TIMEOUT_S = 180  # ~15 s on 2 shared cores; past this it is a hang, not slowness
 F64 = dict(rtol=1e-10, atol=1e-12)  # the order of the gradient all-reduce only
 
 
@@ -33,21 +30,8 @@ def loop(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]
     out = tmp_path_factory.mktemp("accelerate_loop")
     script = Path(worker.__file__)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(script.parent.parent), str(script.parent), env.get("PYTHONPATH")])
-    )
-    log = out / "launch.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: the session started above
-            proc.wait()
-            pytest.fail(f"the accelerate loop hung for {LAUNCH_TIMEOUT_S} s:\n{log.read_text()[-6000:]}")
-    if rc != 0:
-        pytest.fail(f"the accelerate loop exited with {rc}:\n{log.read_text()[-6000:]}")
+    env = launch_env(script.parent.parent, script.parent)
+    run_logged(cmd, out / "launch.log", env, what="the accelerate loop")
     return out, torch.load(out / "full.pt", weights_only=True)
 
 

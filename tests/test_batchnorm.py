@@ -8,10 +8,7 @@ unbiased variances, averaged over the batches, are what the running statistics m
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from launching import launch_env, run_logged
 from safetensors.torch import load_file
 from torch import nn
 from transformers import ResNetConfig, ResNetForImageClassification, TrainerCallback
@@ -444,7 +442,6 @@ def test_bad_recalibration_flag_fails_clearly(value, tmp_path):
 # ---- DDP: 2 CPU processes ----
 
 NPROC = 2
-LAUNCH_TIMEOUT_S = 180  # ~15 s on 2 shared cores; past this it is a hang, not slowness
 
 
 def torchrun(out: Path) -> None:
@@ -452,21 +449,7 @@ def torchrun(out: Path) -> None:
     as a group on timeout so that a hang fails the test."""
     workers = Path(__file__).with_name("batchnorm_workers.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(workers.parent.parent), env.get("PYTHONPATH")]))
-    log_path = out / "launch.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [*cmd, str(workers), str(out)], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: the session started above
-            proc.wait()
-            pytest.fail(f"the DDP launch hung for {LAUNCH_TIMEOUT_S} s:\n{log_path.read_text()[-6000:]}")
-    if rc != 0:
-        pytest.fail(f"the DDP launch exited with {rc}:\n{log_path.read_text()[-6000:]}")
+    run_logged([*cmd, str(workers), str(out)], out / "launch.log", launch_env(workers.parent.parent), what="DDP")
 
 
 def test_ddp_ranks_hold_the_same_statistics(tmp_path):

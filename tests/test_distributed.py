@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ from unittest import mock
 import distributed_workers as dw
 import pytest
 import torch
+from launching import LAUNCH_TIMEOUT_S, launch_env, run_logged
 from safetensors.torch import load_file
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
@@ -30,7 +29,6 @@ from hf_gpa.optim import _kernels
 
 WORKERS = Path(__file__).with_name("distributed_workers.py")
 NPROC = 2
-LAUNCH_TIMEOUT_S = 180  # a scenario takes ~10-30 s on 2 shared cores; past this it is a hang, not slowness
 F64 = dict(rtol=1e-10, atol=1e-12)  # reduction order only (the gradient all-reduce/reduce-scatter)
 F32 = dict(rtol=1e-5, atol=1e-6)
 # DDP vs one process, fp32 Llama: Adam's normalization turns the all-reduce's ~1e-7 gradient differences into up to
@@ -42,33 +40,17 @@ def launch(launcher: list[str], scenario: str, out: Path, timeout: float = LAUNC
     """Run ``scenario`` with ``python <launcher...> distributed_workers.py`` and return each rank's facts.
 
     The launch runs in its own session, killed as a group on timeout; a failure or a hang fails the test with the
-    end of the log.
+    end of the log (``launching.run_logged``).
     """
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, *launcher, str(WORKERS), scenario, str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKERS.parent.parent), env.get("PYTHONPATH")]))
-    log = out / "launch.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: the session started above
-            proc.wait()
-            pytest.fail(f"{scenario} hung for {timeout} s:\n{_tail(log)}")
-    if rc != 0:
-        pytest.fail(f"{scenario} exited with {rc}:\n{_tail(log)}")
+    run_logged(cmd, out / "launch.log", launch_env(WORKERS.parent.parent), timeout, what=scenario)
     return [json.loads((out / f"facts_rank{r}.json").read_text()) for r in range(NPROC)]
 
 
 def torchrun(scenario: str, out: Path) -> list[dict[str, Any]]:
     """``torchrun --standalone``: NPROC CPU ranks on a port the OS picks."""
     return launch(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}"], scenario, out)
-
-
-def _tail(log: Path, chars: int = 6000) -> str:
-    return log.read_text(errors="replace")[-chars:]
 
 
 

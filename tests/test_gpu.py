@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from launching import run_logged
 from safetensors.torch import load_file
 
 from hf_gpa import GPA, GPAAdamW
@@ -317,20 +316,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_logged(cmd: list[str], log: Path, env: dict[str, str], timeout: float = LAUNCH_TIMEOUT_S) -> None:
-    """Run ``cmd`` in its own session with its output in ``log``; a hang is killed with its children and fails."""
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: the session started above
-            proc.wait()
-            pytest.fail(f"{' '.join(cmd[:6])} ... hung for {timeout} s:\n{log.read_text(errors='replace')[-6000:]}")
-    if rc != 0:
-        pytest.fail(f"{' '.join(cmd[:6])} ... exited with {rc}:\n{log.read_text(errors='replace')[-6000:]}")
-
-
 def clm_commands(config: str, device: str, corpus: Path, out: Path) -> dict[str, list[str]]:
     """The three runs of one scenario: plain single process (the oracle), launched, and launched + resumed at 3."""
     flags = [item for name, value in CLM_FLAGS.items() for item in (f"--{name}", str(value))]
@@ -373,7 +358,7 @@ def clm_launches(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str
             env["CUDA_VISIBLE_DEVICES"] = ""  # also on a GPU machine
         out.mkdir()
         for name, cmd in clm_commands(config, device, corpus, out).items():
-            run_logged(cmd, out / f"{name}.log", env)
+            run_logged(cmd, out / f"{name}.log", env, LAUNCH_TIMEOUT_S, cwd=REPO)
         done[(config, device)] = out
         return out
 
