@@ -17,7 +17,7 @@ its step. Everything about holding that base lives here, once:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,17 +39,17 @@ def unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
 
 
 class _Undo:
-    """Copies of tensors a step is about to change in place, to put back if the step raises."""
+    """What a step did in place before its base stepped, as actions that undo it if the step raises (newest first)."""
 
     def __init__(self) -> None:
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.actions: list[Callable[[], None]] = []
 
-    def save(self, tensors: list[torch.Tensor]) -> None:
-        self.copies.extend((t, t.clone()) for t in tensors)
+    def on_error(self, action: Callable[[], None]) -> None:
+        self.actions.append(action)
 
     def restore(self) -> None:
-        for t, copy in self.copies:
-            t.copy_(copy)
+        for action in reversed(self.actions):
+            action()
 
 
 def _key_sets(state: dict[str, Any]) -> dict[str, set[str] | None]:
@@ -164,8 +164,8 @@ class BaseOptimizerWrapper(PrimalAveragingOptimizer):
     def _rollback_on_error(self) -> Iterator[_Undo]:
         """Undo this optimizer's own changes if the block raises: state keys created, group values, saved tensors.
 
-        The tensors a step changes in place before its base steps are saved with ``undo.save(tensors)`` (a copy of
-        each, held only during the step). What the base itself changed before raising is the base's own affair: torch's
+        What a step changes in place before its base steps is undone by the action it registers with
+        ``undo.on_error(action)``. What the base itself changed before raising is the base's own affair: torch's
         optimizers check their inputs (a sparse gradient into AdamW) before they change anything.
         """
         keys = {p: _key_sets(s) for p, s in self.state.items()}
