@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from test_trainer import tiny_llama
+from transformers import TrainerCallback
 
 from hf_gpa.checkpoint import unwrap_gpa_optimizer, x_state_dict
 from hf_gpa.trainer import GPATrainer
@@ -22,25 +23,11 @@ peft = pytest.importorskip("peft")
 STEPS, SAVE_STEPS = 6, 3
 
 
-def _base(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(config)
-
-
 def _lora_model() -> torch.nn.Module:
     # init_lora_weights=False: B is random too, so that the adapter changes the outputs from the first step on.
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     torch.manual_seed(1)
-    return peft.get_peft_model(_base(), config)
+    return peft.get_peft_model(tiny_llama(), config)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -133,7 +120,7 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 
 
 def _reloaded(folder: Path) -> torch.nn.Module:
-    return peft.PeftModel.from_pretrained(_base(), str(folder))
+    return peft.PeftModel.from_pretrained(tiny_llama(), str(folder))
 
 
 def test_peft_adapters_are_saved_at_x_and_reload(run: Run) -> None:
