@@ -85,14 +85,7 @@ def norm_layers(model: nn.Module) -> list[tuple[str, _NormBase]]:
 
 def norm_statistics(model: nn.Module) -> dict[str, torch.Tensor]:
     """A detached copy of every running-statistics buffer (mean, variance, batch count) of ``model``'s norm layers."""
-    stats: dict[str, torch.Tensor] = {}
-    for name, module in norm_layers(model):
-        prefix = f"{name}." if name else ""
-        for buffer in _STAT_BUFFERS:
-            tensor = getattr(module, buffer, None)
-            if tensor is not None:
-                stats[prefix + buffer] = tensor.detach().clone()
-    return stats
+    return {key: tensor.detach().clone() for key, tensor in norm_statistics_buffers(model).items()}
 
 
 @torch.no_grad()

@@ -187,26 +187,14 @@ def bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, 
     ``full_determinism`` makes the CUDA kernels (attention backward, embedding gradients) deterministic, which a
     bitwise comparison of two runs needs; the global switch is turned off again afterwards.
     """
-    from test_trainer import RUN, Snapshots, TokenDataset, make_args, tiny_llama
-
-    from hf_gpa.trainer import GPATrainer
+    from test_trainer import run_llama
 
     root = tmp_path_factory.mktemp("bf16_cuda")
 
     def run(name: str, resume: str | None = None) -> tuple[Any, Any]:
-        snapshots = Snapshots()
         overrides = dict(bf16=True, full_determinism=True, eval_strategy="steps", eval_steps=2)
         overrides["use_cpu"] = TRAINER_DEVICE == "cpu"
-        args = make_args(root / name, **{**RUN, **overrides})
-        trainer = GPATrainer(
-            model=tiny_llama(),
-            args=args,
-            train_dataset=TokenDataset(16, seed=1),
-            eval_dataset=TokenDataset(8, seed=2),
-            callbacks=[snapshots],
-        )
-        trainer.train(resume_from_checkpoint=resume)
-        return trainer, snapshots
+        return run_llama(root / name, resume, **overrides)
 
     try:
         runs = {"full": run("full")}
