@@ -47,7 +47,7 @@ from hf_gpa.optim._checks import (
     check_outer_lr,
     check_outer_momentum,
 )
-from hf_gpa.optim.schedules import inner_steps_from_mu_x, mu_x_from_inner_steps
+from hf_gpa.optim.averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
 
 __all__ = ["GPAOptimizerNames", "GPATrainingArguments", "DEFAULT_MU_X", "DEFAULT_MU_Y"]
 
