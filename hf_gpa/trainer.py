@@ -53,7 +53,7 @@ from hf_gpa.batchnorm import (
     norm_statistics,
     recalibrate_norm_statistics,
 )
-from hf_gpa.checkpoint import unwrap_gpa_optimizer
+from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
 from hf_gpa.optim._modes import PrimalAveragingOptimizer, saved_optimizer_name
 from hf_gpa.training_args import DEEPSPEED_REFUSAL, GPAOptimizerNames, GPATrainingArguments
@@ -230,21 +230,23 @@ class GPATrainer(Trainer):
 
     @contextlib.contextmanager
     def _at_x(self) -> Iterator[None]:
-        """Inside: parameters at x with x's norm statistics; on exit (also by an exception) y and y's statistics.
+        """Inside: parameters at x with x's norm statistics; on exit (also by an exception) y and y's statistics, and
+        the global random generators as they were on entry.
 
-        A no-op when the optimizer has no x/y split or is already at x (after `train()`).
+        The switch of weights is `evaluation_weights`'s, a no-op when the optimizer has no x/y split or is already at
+        x (after `train()`). Whatever runs inside (an evaluation's DataLoader seeds itself from torch's generator)
+        leaves training's random draws (dropout masks, shuffles, augmentation) as they would be without it, with
+        any optimizer.
         """
-        inner = unwrap_gpa_optimizer(self.optimizer)
-        if inner is None or not inner.train_mode:
-            yield
-            return
-        inner.eval()
-        try:
-            self._norm_statistics_to_x()
-            yield
-        finally:
-            self._norm_statistics_to_y()
-            inner.train()
+        with random_state_kept(self.args.device), evaluation_weights(self.optimizer) as switched:
+            if not switched:
+                yield
+                return
+            try:
+                self._norm_statistics_to_x()
+                yield
+            finally:
+                self._norm_statistics_to_y()
 
     def _hold_x(self) -> None:
         """Leave the model at x with x's norm statistics (until the next training step switches back to y)."""

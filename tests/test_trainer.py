@@ -777,3 +777,65 @@ def test_on_train_end_callbacks_see_x(tmp_path):
     assert_equal_dicts(added.saved, x)
     unwrap_gpa_optimizer(trainer.optimizer).train()
     assert max_abs_diff(params_of(trainer.model), x) > 1e-3  # y is far from x: the test tells them apart
+
+
+# ---- evaluation and saving leave training's random state alone ----
+
+
+class DropoutRegressor(TinyRegressor):
+    """TinyRegressor with dropout: every training step draws its mask from torch's global generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = self.fc2(self.dropout(torch.tanh(self.norm(self.fc1(features))))).squeeze(-1)
+        loss = None if labels is None else nn.functional.mse_loss(out, labels)
+        return {"loss": loss, "logits": out}
+
+
+def dropout_run(output_dir, **overrides) -> dict[str, torch.Tensor]:
+    """Ten steps over two and a half epochs of a dropout model; its weights y after the last step."""
+    torch.manual_seed(0)
+    trainer = GPATrainer(
+        model=DropoutRegressor().double(),
+        args=make_args(output_dir, max_steps=10, **overrides),
+        train_dataset=RegressionDataset(16, seed=1),
+        eval_dataset=RegressionDataset(8, seed=2),
+    )
+    snapshots = Snapshots()
+    trainer.add_callback(snapshots)
+    trainer.train()
+    return snapshots.y[10]
+
+
+@pytest.mark.parametrize("optim", ["gpa_adamw", "adamw_torch"])
+def test_evaluation_and_saving_leave_the_random_state_alone(optim, tmp_path):
+    """With dropout, evaluating and saving every 2 steps trains on the same masks as neither: bitwise equal y."""
+    quiet = dropout_run(tmp_path / "quiet", optim=optim)
+    busy = dropout_run(
+        tmp_path / "busy", optim=optim, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2
+    )
+    assert_equal_dicts(busy, quiet)
+
+
+def test_evaluate_leaves_the_global_generators_as_found(tmp_path):
+    """evaluate() called by the user draws nothing from Python's, NumPy's or torch's global generators."""
+    import random
+
+    import numpy as np
+
+    trainer = GPATrainer(
+        model=DropoutRegressor().double(),
+        args=make_args(tmp_path, max_steps=2),
+        train_dataset=RegressionDataset(16, seed=1),
+        eval_dataset=RegressionDataset(8, seed=2),
+    )
+    trainer.train()
+    states = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    trainer.evaluate()
+    trainer.save_model(str(tmp_path / "model"))
+    assert random.getstate() == states[0]
+    assert np.array_equal(np.random.get_state()[1], states[1])
+    assert torch.equal(torch.get_rng_state(), states[2])
