@@ -28,7 +28,6 @@ Only overrides; transformers and accelerate are not patched. With a stock `--opt
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import os
@@ -41,9 +40,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
-from transformers.trainer_optimizer import is_optimizer_factory
 from transformers.trainer_utils import HubStrategy
-from transformers.training_args import OptimizerNames, TrainingArguments
+from transformers.training_args import TrainingArguments
 from transformers.utils import is_datasets_available
 
 from hf_gpa.batchnorm import (
@@ -54,9 +52,8 @@ from hf_gpa.batchnorm import (
     recalibrate_norm_statistics,
 )
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
-from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
 from hf_gpa.optim._modes import PrimalAveragingOptimizer, saved_optimizer_name
-from hf_gpa.training_args import DEEPSPEED_REFUSAL, GPAOptimizerNames, GPATrainingArguments
+from hf_gpa.training_args import DEEPSPEED_REFUSAL, HF_GPA_OPTIMIZERS, GPAOptimizerNames, optimizer_cls_and_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -68,55 +65,6 @@ logger = logging.getLogger(__name__)
 
 #: In a checkpoint, beside optimizer.pt: the norm layers' running statistics of y (model.safetensors has x's).
 NORM_STATISTICS_Y_NAME = "norm_statistics_y.safetensors"
-
-
-def _adam_kwargs(args: TrainingArguments) -> dict[str, Any]:
-    # The same keys, from the same flags, as the stock `--optim adamw_torch` handler.
-    return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
-
-
-def _gpa_kwargs(args: GPATrainingArguments) -> dict[str, Any]:
-    kwargs = {"mu_y": args.gpa_mu_y, "averaging": args.gpa_averaging}
-    if args.gpa_mu_x is not None:  # None with schedule_free averaging, which has no averaging constant
-        kwargs["mu_x"] = args.gpa_mu_x
-    return kwargs
-
-
-def _get_gpa_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    return GPAAdamW, {**_adam_kwargs(args), **_gpa_kwargs(args)}
-
-
-def _get_gpa(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    # Whatever the stock Trainer builds for `--optim <base>`, with the same flags, becomes GPA's base optimizer.
-    base_args = copy.copy(args)
-    base_args.optim = OptimizerNames(args.gpa_base_optim)
-    base_cls, base_kwargs = Trainer.get_optimizer_cls_and_kwargs(base_args, model)
-    if is_optimizer_factory(base_cls) or "model" in base_kwargs or "optimizer_dict" in base_kwargs:
-        raise ValueError(
-            f"--gpa_base_optim {args.gpa_base_optim} does not build a plain torch.optim.Optimizer in this "
-            "transformers version, so GPA cannot wrap it"
-        )
-    clashes = {"base", "mu_x", "mu_y", "averaging"} & set(base_kwargs)
-    if clashes:
-        raise ValueError(f"--gpa_base_optim {args.gpa_base_optim} takes arguments GPA uses itself: {sorted(clashes)}")
-    return GPA, {"base": base_cls, **_gpa_kwargs(args), **base_kwargs}
-
-
-def _get_diloco_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    return DiLoCo, {
-        "base": torch.optim.AdamW,
-        "inner_steps": args.diloco_inner_steps,
-        "outer_lr": args.diloco_outer_lr,
-        "outer_momentum": args.diloco_outer_momentum,
-        **_adam_kwargs(args),
-    }
-
-
-_GPA_OPTIMIZER_HANDLERS = {
-    GPAOptimizerNames.GPA_ADAMW: _get_gpa_adamw,
-    GPAOptimizerNames.GPA: _get_gpa,
-    GPAOptimizerNames.DILOCO_ADAMW: _get_diloco_adamw,
-}
 
 
 def gpa_model_card_section(args: TrainingArguments) -> str:
@@ -181,12 +129,19 @@ def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArgumen
         raise ValueError(
             f"{optimizer_file} was written by hf_gpa's {saved}, which --optim {optim} cannot resume (its state holds "
             "GPA's z and the weights beside it are the averaged x). Resume with the hf_gpa optimizer that wrote it "
-            f"(e.g. --optim {_GPA_OPTIM_OF.get(saved.split('(')[0], 'gpa_adamw')}), or start a new run from the "
-            "checkpoint's weights (--model_name_or_path / from_pretrained) without resume_from_checkpoint."
+            f"(e.g. --optim {_optim_that_saved(saved)}), or start a new run from the checkpoint's weights "
+            "(--model_name_or_path / from_pretrained) without resume_from_checkpoint."
         )
 
 
-_GPA_OPTIM_OF = {"GPAAdamW": "gpa_adamw", "GPA": "gpa", "DiLoCo": "diloco_adamw"}
+def _optim_that_saved(saved: str) -> str:
+    """The --optim name whose optimizer records ``saved`` (``"GPA(SGD)"`` -> ``gpa``) in its checkpoints."""
+    by_class = {spec.optimizer_name: name for name, spec in HF_GPA_OPTIMIZERS.items()}
+    return by_class.get(saved.split("(")[0], "gpa_adamw")
+
+
+#: What transformers' model card says of a model whose config names no base model (trained from scratch).
+_EMPTY_BASE_MODEL = "This model is a fine-tuned version of [](https://huggingface.co/) on "
 
 
 class EvaluationWeightsAtTrainEnd(TrainerCallback):
@@ -218,10 +173,9 @@ class GPATrainer(Trainer):
         cls, args: TrainingArguments, model: PreTrainedModel | nn.Module | None = None, *more: Any, **kwargs: Any
     ) -> tuple[Any, dict[str, Any]]:
         """The optimizer class and keyword arguments for ``args.optim`` (hf_gpa names first, then the next class's)."""
-        handler = _GPA_OPTIMIZER_HANDLERS.get(getattr(args, "optim", None))
-        if handler is None:
+        if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
             return super().get_optimizer_cls_and_kwargs(args, model, *more, **kwargs)
-        return handler(args, model)
+        return optimizer_cls_and_kwargs(args, model)
 
     # ---- the weights x and their norm statistics ----
 
@@ -481,9 +435,16 @@ class GPATrainer(Trainer):
         if section:
             args, kwargs = _with_gpa_tags(super().create_model_card, args, kwargs, ("hf_gpa", self.args.optim.value))
         super().create_model_card(*args, **kwargs)
-        if section and self.is_world_process_zero():
-            with open(os.path.join(self.args.output_dir, "README.md"), "a", encoding="utf-8") as f:
-                f.write("\n" + section)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not (self.is_world_process_zero() and os.path.isfile(path)):
+            return
+        with open(path, encoding="utf-8") as f:
+            card = f.read()
+        # transformers names the base model from config._name_or_path, which is "" for a model built from a config:
+        # its card would say "a fine-tuned version of [](https://huggingface.co/)".
+        card = card.replace(_EMPTY_BASE_MODEL, "This model was trained from scratch on ")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(card + ("\n" + section if section else ""))
 
     def _push_from_checkpoint(self, checkpoint_folder: str, *args: Any, **kwargs: Any) -> None:
         # The stock checkpoint push uploads output_dir without a model card: write one, so that a repo pushed only

@@ -839,3 +839,15 @@ def test_evaluate_leaves_the_global_generators_as_found(tmp_path):
     assert random.getstate() == states[0]
     assert np.array_equal(np.random.get_state()[1], states[1])
     assert torch.equal(torch.get_rng_state(), states[2])
+
+
+def test_model_card_of_a_model_trained_from_scratch(tmp_path):
+    """The card of a model built from a config says "trained from scratch" and names the optimizer as typed."""
+    trainer = GPATrainer(model=tiny_llama(), args=make_args(tmp_path, max_steps=1), train_dataset=TokenDataset(8, 1))
+    trainer.train()
+    trainer.create_model_card(dataset="tokens")
+    card = (tmp_path / "README.md").read_text()
+    assert "This model was trained from scratch on the tokens dataset." in card
+    assert "[](https://huggingface.co/)" not in card
+    assert "GPAOptimizerNames" not in card and "Use gpa_adamw with betas=(0.9,0.999)" in card
+    assert card.count("## Optimizer: GPA (hf_gpa)") == 1
