@@ -370,11 +370,7 @@ class GPATrainer(Trainer):
         inner = unwrap_gpa_optimizer(self.optimizer)
         if checkpoint is not None and inner is None:
             _refuse_gpa_state_for_stock_optimizer(checkpoint, self.args)
-        if checkpoint is not None and inner is not None and self.is_fsdp_enabled:
-            # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
-            # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.
-            inner.init_state(eval_mode=True)
-        super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+        self._load_eval_mode_state(checkpoint, *args, **kwargs)
         if checkpoint is None or inner is None:
             return
         # The model holds the checkpoint's weights and norm statistics (x's, when recomputed): any statistics held
@@ -393,6 +389,25 @@ class GPATrainer(Trainer):
         # The model holds the checkpoint's x and the optimizer its eval-mode state: train() restores y bitwise.
         inner.train()
 
+    def _load_eval_mode_state(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> bool:
+        """The next class's `_load_optimizer_and_scheduler` (FSDP, devices, SageMaker: the Trainer's own loader);
+        True when it loaded an optimizer state."""
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if inner is None:
+            super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+            return False
+        if checkpoint is not None and self.is_fsdp_enabled:
+            # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
+            # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.
+            inner.init_state(eval_mode=True)
+        loaded: list[bool] = []
+        handle = inner.register_load_state_dict_post_hook(lambda optimizer: loaded.append(True))
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+        finally:
+            handle.remove()
+        return bool(loaded)
+
     def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         inner = unwrap_gpa_optimizer(self.optimizer)
         if inner is None:
@@ -403,12 +418,9 @@ class GPATrainer(Trainer):
         super()._load_best_model(*args, **kwargs)
         # The model holds the best checkpoint's x and its norm statistics; y's (if kept) come back with y.
         self._norm_statistics_y = self._load_norm_statistics_y(self.state.best_model_checkpoint)
-        optimizer_file = os.path.join(self.state.best_model_checkpoint, OPTIMIZER_NAME)
-        if os.path.isfile(optimizer_file):
-            # The best checkpoint's eval-mode state matches the x just loaded: optimizer.train() would give its y.
-            state = torch.load(optimizer_file, map_location="cpu", weights_only=True)
-            self.optimizer.load_state_dict(state)
-        else:
+        # The best checkpoint's eval-mode state (and its scheduler) matches the x just loaded: optimizer.train()
+        # would give its y. Loaded as a resume loads it, so FSDP's sharded states and devices are handled alike.
+        if not self._load_eval_mode_state(self.state.best_model_checkpoint):
             logger.warning(
                 "%s has no %s (save_only_model?): the model holds the best x, but the optimizer state is the last "
                 "step's; do not continue training from it.",

@@ -513,8 +513,14 @@ def test_load_best_model_at_end_loads_best_x(tmp_path):
     )
     # A score that peaks at step 2, so that the best checkpoint is neither the first nor the last.
     trainer.compute_metrics = lambda prediction: {"score": -abs(trainer.state.global_step - 2)}
-    trainer.train()
+    with mock.patch.object(
+        Trainer, "_load_optimizer_and_scheduler", autospec=True, side_effect=Trainer._load_optimizer_and_scheduler
+    ) as loader:
+        trainer.train()
     assert trainer.state.best_model_checkpoint == os.path.join(str(tmp_path), "checkpoint-2")
+    # The optimizer state came through the Trainer's own loader (FSDP, devices), with its scheduler.
+    assert loader.call_args_list[-1].args[1:] == (trainer.state.best_model_checkpoint,)
+    assert trainer.lr_scheduler.last_epoch == 2
     assert_equal_dicts(
         params_of(trainer.model), load_file(os.path.join(tmp_path, "checkpoint-2", "model.safetensors"))
     )
