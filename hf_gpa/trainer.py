@@ -7,12 +7,15 @@ but it never switches back after evaluating, and it saves whatever the parameter
 happened to run just before the save. This subclass fixes the places that read or write weights:
 
 * `evaluate()` / `predict()` run at x and restore the mode they found, so training continues from the same y.
+  They, and every save, also leave the global random generators as they found them (an evaluation's DataLoader
+  draws a seed from torch's), so training draws the same dropout masks and shuffles with or without them.
 * `_save_checkpoint()` and `save_model()` run at x: every `model.safetensors` holds x, and `optimizer.pt` is the
   eval-mode state, which carries the integer residual that restores y exactly. The switch sits in try/finally, so
   the live weights are y again even when the save raises half-way.
 * `_load_optimizer_and_scheduler()` (resume) loads x weights and the eval-mode state, then calls `train()`: y is
   back bitwise and the resumed run matches the uninterrupted one.
-* `_load_best_model()` loads the best checkpoint's x together with its optimizer state, so the two agree.
+* `_load_best_model()` loads the best checkpoint's x together with its optimizer state and scheduler (through the
+  Trainer's own loader, as a resume does), so the two agree.
 * When training ends, the model holds x (the weights to use) before any `on_train_end` callback runs, so that
   logging integrations that save or upload the model there (W&B with `WANDB_LOG_MODEL=end`, DVCLive with
   `log_model=True`) get x: `GPATrainer` puts its own callback first in the callback list. The next training step
