@@ -102,6 +102,8 @@ def make_args(output_dir, **overrides) -> GPATrainingArguments:
     )
     if overrides.get("gpa_averaging") == "schedule_free":
         del kwargs["gpa_mu_x"]  # Schedule-Free's average has no mu_x: giving one is an error
+    if overrides.get("optim", kwargs["optim"]) not in ("gpa_adamw", "gpa"):
+        del kwargs["gpa_mu_x"], kwargs["gpa_mu_y"]  # an optimizer that does not read them refuses them
     kwargs.update(overrides)
     return GPATrainingArguments(**kwargs)
 
