@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches, recalibrated_norm_statistics
-from hf_gpa.optim._modes import PrimalAveragingOptimizer
+from hf_gpa.optim._train_eval import TrainEvalOptimizer
 
 __all__ = [
     "SAFE_WEIGHTS_NAME",
@@ -41,10 +41,10 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 _MAX_WRAPPER_DEPTH = 8  # accelerate wraps once; DeepSpeed/SMP-style wrappers add a level or two at most
 
 
-def unwrap_gpa_optimizer(optimizer: Any) -> PrimalAveragingOptimizer | None:
+def unwrap_gpa_optimizer(optimizer: Any) -> TrainEvalOptimizer | None:
     """The hf_gpa optimizer inside ``optimizer`` (itself, or behind ``.optimizer`` wrappers), else None."""
     for _ in range(_MAX_WRAPPER_DEPTH):
-        if optimizer is None or isinstance(optimizer, PrimalAveragingOptimizer):
+        if optimizer is None or isinstance(optimizer, TrainEvalOptimizer):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
     return None

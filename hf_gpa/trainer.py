@@ -55,7 +55,8 @@ from hf_gpa.batchnorm import (
     recalibrate_norm_statistics,
 )
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
-from hf_gpa.optim._modes import PrimalAveragingOptimizer, saved_optimizer_name
+from hf_gpa.optim._loading import saved_optimizer_name
+from hf_gpa.optim._train_eval import TrainEvalOptimizer
 from hf_gpa.training_args import DEEPSPEED_REFUSAL, HF_GPA_OPTIMIZERS, GPAOptimizerNames, optimizer_cls_and_kwargs
 
 if TYPE_CHECKING:
@@ -296,7 +297,7 @@ class GPATrainer(Trainer):
         return (
             isinstance(getattr(self.args, "optim", None), GPAOptimizerNames)
             or unwrap_gpa_optimizer(self.optimizer) is not None
-            or (given is not None and isinstance(given[0], type) and issubclass(given[0], PrimalAveragingOptimizer))
+            or (given is not None and isinstance(given[0], type) and issubclass(given[0], TrainEvalOptimizer))
         )
 
     def create_scheduler(self, *args: Any, **kwargs: Any) -> Any:

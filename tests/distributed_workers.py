@@ -159,7 +159,7 @@ def _train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: rang
 
 
 def _locals(tensors: Iterator[torch.Tensor]) -> list[torch.Tensor]:
-    from hf_gpa.optim._modes import local_tensor
+    from hf_gpa.optim._tensors import local_tensor
 
     return [local_tensor(t).detach().clone() for t in tensors]
 
@@ -220,7 +220,7 @@ def fsdp2(out: Path) -> None:
     from torch.distributed.tensor import DTensor
 
     from hf_gpa import GPA, DiLoCo, GPAAdamW
-    from hf_gpa.optim._kernels import load_cpu_kernel
+    from hf_gpa.optim.kernels.cpu import load_cpu_kernel
 
     rank = dist.get_rank()
     f64 = torch.float64

@@ -18,7 +18,8 @@ from launching import launch_env, run_logged
 from safetensors.torch import load_file
 
 from hf_gpa.checkpoint import x_state_dict
-from hf_gpa.optim import GPAAdamW, _kernels
+from hf_gpa.optim import GPAAdamW
+from hf_gpa.optim.kernels import cpu as _kernels
 
 F64 = dict(rtol=1e-10, atol=1e-12)  # the order of the gradient all-reduce only
 

@@ -25,7 +25,7 @@ from launching import LAUNCH_TIMEOUT_S, launch_env, run_logged
 from safetensors.torch import load_file
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
-from hf_gpa.optim import _kernels
+from hf_gpa.optim.kernels import cpu as _kernels
 
 WORKERS = Path(__file__).with_name("distributed_workers.py")
 NPROC = 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW, ReferenceGPA
-from hf_gpa.optim import _kernels
+from hf_gpa.optim.kernels import cpu as _kernels
 
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 

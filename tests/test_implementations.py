@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from hf_gpa import GPAAdamW
-from hf_gpa.optim import _kernels, _passes, _triton
+from hf_gpa.optim import _wrapper_passes as _passes
+from hf_gpa.optim.kernels import cpu as _kernels
+from hf_gpa.optim.kernels import triton_launch as _triton
 
 SIZES = [(0,), (1,), (7,), (1023,), (4097,), (33, 65)]  # 4097 and 33 x 65 span several Triton blocks
 IMPLS = ["forloop", "foreach", "cpu_kernel", "triton"]
@@ -197,7 +199,7 @@ def test_kernels_compile_for_cuda_without_a_gpu(tmp_path, monkeypatch: pytest.Mo
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hf_gpa.optim import _triton_kernels
+    from hf_gpa.optim.kernels import triton_source as _triton_kernels
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
-from hf_gpa.optim._modes import decode_residual, encode_residual
+from hf_gpa.optim._residual import decode_residual, encode_residual
 
 FACTORIES = {
     "gpa_adamw": lambda ps: GPAAdamW(ps, lr=1e-2, weight_decay=0.1, mu_x=0.99, mu_y=0.7),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_gpa import inner_steps_from_mu_x, mu_x_from_inner_steps
-from hf_gpa.optim.schedules import averaging_mu_x
+from hf_gpa.optim.averaging import averaging_mu_x
 
 # Table 4 of the paper: H -> mu_x for mu = 0.9, to the four decimals printed there.
 TABLE_4 = {1: 0.9, 4: 0.9740, 8: 0.9869, 16: 0.9934, 32: 0.9967, 64: 0.9984, 128: 0.9992}

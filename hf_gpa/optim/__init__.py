@@ -1,9 +1,9 @@
 """hf_gpa.optim: the GPA optimizers in pure PyTorch (imports nothing but torch)."""
 
+from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
 from .diloco import DiLoCo
 from .gpa import GPA
 from .gpa_adamw import GPAAdamW
 from .reference import ReferenceGPA
-from .schedules import inner_steps_from_mu_x, mu_x_from_inner_steps
 
 __all__ = ["GPA", "GPAAdamW", "DiLoCo", "ReferenceGPA", "mu_x_from_inner_steps", "inner_steps_from_mu_x"]

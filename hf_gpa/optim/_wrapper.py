@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from ._checks import base_defaults
-from ._modes import OPTIMIZER_KEY, PrimalAveragingOptimizer
+from ._loading import OPTIMIZER_KEY
+from ._train_eval import TrainEvalOptimizer
 
 __all__ = ["BaseOptimizerWrapper", "unhooked_step"]
 
@@ -65,8 +66,8 @@ def _drop_new_keys(state: dict[str, Any], old: dict[str, set[str] | None]) -> No
                 del state[key][inner]
 
 
-class BaseOptimizerWrapper(PrimalAveragingOptimizer):
-    """A ``PrimalAveragingOptimizer`` around a base optimizer class (see the module docstring).
+class BaseOptimizerWrapper(TrainEvalOptimizer):
+    """A ``TrainEvalOptimizer`` around a base optimizer class (see the module docstring).
 
     Subclasses give ``_base_tensor(p)`` (the tensor the base moves for parameter ``p``, or None while it needs
     none) and ``_check_group(group)`` (their per-group checks), and call ``_prepare_base()`` then ``_base_step()``

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ._checks import DEFAULT_INNER_STEPS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, check_diloco
-from ._modes import local_tensor
+from ._tensors import local_tensor
 from ._wrapper import BaseOptimizerWrapper
 
 __all__ = ["DiLoCo"]

@@ -1,7 +1,7 @@
 """GPA around any ``torch.optim.Optimizer``: the base optimizer moves z with the gradient taken at y.
 
 The parameters hold y and the state holds z (plus the base optimizer's own state of z); x is recovered by ``eval()``
-(paper, Algorithm 3). Around the base step GPA adds two passes over the parameters (``_passes``):
+(paper, Algorithm 3). Around the base step GPA adds two passes over the parameters (``_wrapper_passes``):
 
     y <- mu_x (y - (1 - mu_y) z)      (= mu_x mu_y x)
     z <- base(z, grad f(y))
@@ -17,16 +17,16 @@ from typing import Any
 import torch
 
 from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, check_averaging, check_mu
-from ._gpa_modes import GPAModes
-from ._modes import local_tensor, real_view, state_dtype_for
-from ._passes import foreach_add_scaled_, foreach_axpby_
+from ._gpa_switch import GPASwitch
+from ._tensors import local_tensor, real_view, state_dtype_for
 from ._wrapper import BaseOptimizerWrapper
-from .schedules import averaging_mu_x
+from ._wrapper_passes import foreach_add_scaled_, foreach_axpby_
+from .averaging import averaging_mu_x
 
 __all__ = ["GPA"]
 
 
-class GPA(BaseOptimizerWrapper, GPAModes):
+class GPA(BaseOptimizerWrapper, GPASwitch):
     r"""GPA around any ``torch.optim.Optimizer``: the base moves z with the gradient taken at y.
 
     The base optimizer is built lazily (at the first step, after any FSDP wrapping) on the z tensors, which hold the

@@ -12,8 +12,9 @@ written as small corrections added to y rather than as mu_x mu_y x + (1 - mu_x m
 that of the corrections, and where x = z a step with lr = 0 leaves y bitwise unchanged.
 
 Every path computes the same update: `_single_tensor_gpa_adamw` (the ground truth), `_foreach_gpa_adamw`, the C++
-kernel (``csrc/gpa_adamw.cpp``) and the Triton kernel (``_triton.py``). ``fused=None`` takes the fused kernel
-of the device (CPU: C++; CUDA: Triton, when triton imports) and foreach for the tensors it cannot take.
+kernel (``kernels/csrc/gpa_adamw.cpp``) and the Triton kernel (``kernels/triton_source.py``). ``fused=None``
+takes the fused kernel of the device (CPU: C++; CUDA: Triton, when triton imports) and foreach for the tensors it
+cannot take.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from typing import Any
 import torch
 
 from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, check_adam, check_averaging, check_lr, check_mu
-from ._gpa_modes import GPAModes
-from ._kernels import load_cpu_kernel
-from ._modes import local_tensor, state_dtype_for
-from .schedules import averaging_mu_x
+from ._gpa_switch import GPASwitch
+from ._tensors import local_tensor, state_dtype_for
+from .averaging import averaging_mu_x
+from .kernels.cpu import load_cpu_kernel
 
 __all__ = ["GPAAdamW"]
 
@@ -37,7 +38,7 @@ _HALF = (torch.bfloat16, torch.float16)
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-class GPAAdamW(GPAModes):
+class GPAAdamW(GPASwitch):
     r"""GPA around AdamW, with fused single-pass kernels (C++ on CPU, Triton on CUDA).
 
     .. math::
@@ -188,7 +189,7 @@ class GPAAdamW(GPAModes):
     def _fused_kernel(self, y: torch.Tensor) -> str | None:
         """The fused kernel ("triton" or "cpu") that can take a tensor of this device and dtype, else None."""
         if self._fused_backend == "triton" or y.device.type == "cuda":
-            from . import _triton
+            from .kernels import triton_launch as _triton
 
             if _triton.triton_available() and _triton.supports([y]):
                 return "triton"
@@ -276,7 +277,7 @@ class GPAAdamW(GPAModes):
                     hyper["eps"], hyper["weight_decay"], hyper["mu_x"], hyper["mu_y"], hyper["maximize"],
                 )  # fmt: skip
             else:
-                from . import _triton
+                from .kernels import triton_launch as _triton
 
                 lr_arg = lr if torch.is_tensor(lr) and lr.device == device else float(lr)
                 _triton.gpa_adamw_step(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, check_adam, check_averaging, check_lr, check_mu
-from .schedules import averaging_mu_x
+from .averaging import averaging_mu_x
 
 __all__ = ["ReferenceGPA"]
 

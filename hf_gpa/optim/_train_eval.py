@@ -1,16 +1,9 @@
-"""Train/eval switching shared by every hf_gpa optimizer, exact to the bit.
+"""The train/eval modes shared by every hf_gpa optimizer, and its checked loading of state dicts.
 
 In train mode the parameters hold the gradient point (GPA: y; DiLoCo: the inner weights); in eval mode they hold
 the evaluation weights (GPA: x; DiLoCo: the outer weights). The mode is recorded in the param groups and travels
-with ``state_dict()``. For GPA, x = (y - (1 - mu_y) z) / mu_y is rounded, and
-going back with y' = mu_y x + (1 - mu_y) z rounds again, so y' can differ from y by a few units in the last place.
-Instead of keeping a second copy of y while in eval mode, `eval()` keeps the *integer* difference between the bit
-patterns of y and of its round trip y' (almost always within an int8, so a quarter of an fp32 copy), and `train()`
-adds it back: y is restored bitwise, however often the two are alternated, and nothing is kept in train mode.
-
-For FSDP2 (DTensor) parameters the residual is a DTensor sharded like its parameter, so sharded and full state
-dicts save it whole. A loader that only fills keys its template already has (torch.distributed.checkpoint into a
-fresh optimizer) drops it; ``train()`` then rebuilds y from x and z by rounding (within an ulp or so, not bitwise).
+with ``state_dict()``, and so does the optimizer's name, which ``load_state_dict`` checks. How the weights are
+switched is each family's own (``_gpa_switch`` for GPA, ``diloco`` for DiLoCo).
 """
 
 from __future__ import annotations
@@ -22,99 +15,12 @@ from typing import Any
 import torch
 
 from ._checks import check_lr
+from ._loading import OPTIMIZER_KEY, describe_stock, restore_dtypes, same_optimizer, saved_optimizer_name
 
-__all__ = ["PrimalAveragingOptimizer", "local_tensor", "saved_optimizer_name", "state_dtype_for"]
-
-# The param-group key naming the optimizer that wrote a state dict ("GPAAdamW", "GPA(AdamW)", "DiLoCo(SGD)"): it
-# travels with ``state_dict()`` through torch.save, accelerate and torch.distributed.checkpoint alike.
-OPTIMIZER_KEY = "optimizer"
-
-_INT_VIEW = {
-    torch.float64: torch.int64,
-    torch.float32: torch.int32,
-    torch.bfloat16: torch.int16,
-    torch.float16: torch.int16,
-}
+__all__ = ["TrainEvalOptimizer"]
 
 
-def state_dtype_for(param: torch.Tensor) -> torch.dtype:
-    """The dtype of z and of the base optimizer's moments for a parameter.
-
-    Half-precision parameters (bf16, fp16) keep their optimizer state, z included, in float32: z is the only
-    unaveraged copy of the weights and small updates would vanish in bf16. fp32 and fp64 keep their own dtype.
-    """
-    return torch.float32 if param.dtype in (torch.bfloat16, torch.float16) else param.dtype
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The process-local shard of a DTensor (FSDP2), or the tensor itself: GPA's update is elementwise."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def real_view(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as its real view (``torch.view_as_real``), as torch's optimizers treat it; else itself."""
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``local`` as a DTensor sharded like ``param`` when ``param`` is one (so checkpoints gather and reshard it)."""
-    if not is_dtensor(param):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
-
-
-def encode_residual(target: torch.Tensor, approx: torch.Tensor, narrow: bool = True) -> torch.Tensor:
-    """Integer difference of the bit patterns, ``bits(target) - bits(approx)``, in the smallest integer dtype.
-
-    The subtraction wraps around in two's complement, so ``decode_residual`` restores ``target`` exactly whatever
-    the values; the narrowing to int8/int16 is taken only when every difference fits (and ``narrow`` is set: shards
-    of one DTensor must agree on a dtype without talking to each other, so they keep the full width).
-    """
-    int_dtype = _INT_VIEW[target.dtype]
-    diff = target.view(int_dtype) - approx.view(int_dtype)
-    for small in (torch.int8, torch.int16, torch.int32) if narrow else ():
-        if small.itemsize >= int_dtype.itemsize:
-            break
-        info = torch.iinfo(small)
-        if bool(((diff >= info.min) & (diff <= info.max)).all()):
-            return diff.to(small)
-    return diff
-
-
-def decode_residual(approx: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """Inverse of `encode_residual`: the exact target from its approximation and the stored residual."""
-    int_dtype = _INT_VIEW[approx.dtype]
-    return (approx.view(int_dtype) + residual.to(int_dtype)).view(approx.dtype)
-
-
-def saved_optimizer_name(state_dict: dict[str, Any]) -> str | None:
-    """The hf_gpa optimizer that saved ``state_dict`` ("GPAAdamW", "GPA(AdamW)", "DiLoCo(AdamW)"), else None.
-
-    State dicts written before the name was recorded are recognized by their keys ("GPA" or "DiLoCo", base unknown).
-    """
-    groups = state_dict.get("param_groups") or [{}]
-    group = groups[0]
-    if OPTIMIZER_KEY in group and "train_mode" in group:
-        return str(group[OPTIMIZER_KEY])
-    if "train_mode" not in group:
-        return None
-    return "DiLoCo" if "inner_steps" in group else "GPA"
-
-
-def _describe_stock(state_dict: dict[str, Any]) -> str:
-    keys = sorted({str(k) for s in state_dict.get("state", {}).values() for k in s})
-    return f"a torch.optim optimizer with per-parameter state {keys}" if keys else "a torch.optim optimizer"
-
-
-class PrimalAveragingOptimizer(torch.optim.Optimizer):
+class TrainEvalOptimizer(torch.optim.Optimizer):
     """Shared mode handling: ``train()``/``eval()``, the eval-mode guard on ``step()``, checked and dtype-safe loading.
 
     Subclasses implement ``_params_to_eval(group)`` and ``_params_to_train(group)``. The mode lives in each param
@@ -231,7 +137,7 @@ class PrimalAveragingOptimizer(torch.optim.Optimizer):
         if saved is None:
             self._load_stock_state_dict(state_dict)
             return
-        if not _same_optimizer(saved, self.optimizer_name):
+        if not same_optimizer(saved, self.optimizer_name):
             raise ValueError(self._mismatch(f"{saved} (an hf_gpa optimizer of another kind)"))
         super().load_state_dict(state_dict)
         saved_ids: Iterable[int] = (i for g in state_dict["param_groups"] for i in g["params"])
@@ -239,11 +145,11 @@ class PrimalAveragingOptimizer(torch.optim.Optimizer):
         for index, param in zip(saved_ids, params):
             saved = state_dict["state"].get(index)
             if saved:
-                _restore_dtypes(self.state[param], saved)
+                restore_dtypes(self.state[param], saved)
 
     def _load_stock_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A stock torch optimizer's state: refused here; subclasses that can continue such a run adopt it."""
-        raise ValueError(self._mismatch(_describe_stock(state_dict)))
+        raise ValueError(self._mismatch(describe_stock(state_dict)))
 
     def _mismatch(self, saved: str) -> str:
         return (
@@ -276,7 +182,7 @@ class PrimalAveragingOptimizer(torch.optim.Optimizer):
         amsgrad = any(g.get("amsgrad") for g in state_dict["param_groups"])
         if amsgrad or any(set(s) != keys for s in state_dict["state"].values() if s):
             raise ValueError(
-                self._mismatch(_describe_stock(state_dict) + (" with amsgrad" if amsgrad else ""))
+                self._mismatch(describe_stock(state_dict) + (" with amsgrad" if amsgrad else ""))
                 + f" {self.optimizer_name} continues only a run of {what} (per-parameter state {sorted(keys)})."
             )
 
@@ -298,20 +204,3 @@ class PrimalAveragingOptimizer(torch.optim.Optimizer):
 
     def _reset_state(self) -> None:
         self.state = defaultdict(dict)
-
-
-def _same_optimizer(saved: str, mine: str) -> bool:
-    """Same name, or a state dict from before names were recorded ("GPA" / "DiLoCo") of the same family."""
-    if saved in ("GPA", "DiLoCo"):
-        family = "DiLoCo" if mine.startswith("DiLoCo") else "GPA"
-        return saved == family
-    return saved == mine
-
-
-def _restore_dtypes(state: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Undo torch's cast of loaded state to the parameter dtype (fp32 z of a bf16 parameter must stay fp32)."""
-    for key, value in saved.items():
-        if isinstance(value, dict) and isinstance(state.get(key), dict):
-            _restore_dtypes(state[key], value)
-        elif torch.is_tensor(value) and key != "step" and value.dtype != state[key].dtype:
-            state[key] = value.to(device=state[key].device, copy=True)

@@ -10,17 +10,11 @@ from typing import Any
 
 import torch
 
-from ._modes import (
-    PrimalAveragingOptimizer,
-    decode_residual,
-    encode_residual,
-    is_dtensor,
-    local_tensor,
-    real_view,
-    shard_like,
-)
+from ._residual import decode_residual, encode_residual
+from ._tensors import is_dtensor, local_tensor, real_view, shard_like
+from ._train_eval import TrainEvalOptimizer
 
-__all__ = ["GPAModes"]
+__all__ = ["GPASwitch"]
 
 
 def _x_from_y(y: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
@@ -33,8 +27,8 @@ def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
     return torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
 
 
-class GPAModes(PrimalAveragingOptimizer):
-    """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_modes``)."""
+class GPASwitch(TrainEvalOptimizer):
+    """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
 
     def _params_to_eval(self, group: dict[str, Any]) -> None:
         mu_y = group["mu_y"]
@@ -64,5 +58,5 @@ class GPAModes(PrimalAveragingOptimizer):
             y = _y_from_x(x, z, mu_y)
             if "y_residual" in state:
                 y = decode_residual(y, local_tensor(state.pop("y_residual")))
-            # else: a loader dropped the residual (see _modes); y is rebuilt by rounding, not bitwise.
+            # else: a loader dropped the residual (see _residual); y is rebuilt by rounding, not bitwise.
             x.copy_(y)

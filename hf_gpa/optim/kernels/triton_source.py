@@ -1,10 +1,10 @@
 """The Triton kernels of GPA-AdamW's step and of the GPA wrapper's two passes (multi-tensor, one launch per bucket).
 
-Imported only by ``_triton`` (the launcher), when the Triton path is taken: this module needs ``triton``. Each
+Imported only by ``triton_launch`` (the launcher), when the Triton path is taken: this module needs ``triton``. Each
 program updates one block of one tensor: it finds the tensor in the block map, turns the tensor's int64 address from
 the table into a typed pointer, and reads and writes each element once. Arithmetic is float32 (the state dtype);
-divisions and square roots are correctly rounded, as in torch. ``_triton`` also loads a second copy of this source
-with Triton's interpreter on, for CPU tensors (tests).
+divisions and square roots are correctly rounded, as in torch. ``triton_launch`` also loads a second copy of this
+source with Triton's interpreter on, for CPU tensors (tests).
 """
 
 import triton

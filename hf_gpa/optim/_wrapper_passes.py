@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from ._kernels import load_cpu_kernel
+from .kernels.cpu import load_cpu_kernel
 
 __all__ = ["foreach_axpby_", "foreach_add_scaled_"]
 
@@ -55,7 +55,7 @@ def _kernel_for(y: torch.Tensor) -> str | None:
     if _backend["force"] == "foreach":
         return None
     if _backend["force"] == "triton" or y.device.type == "cuda":
-        from . import _triton
+        from .kernels import triton_launch as _triton
 
         ok = _triton.triton_available() and _triton.supports([y])
         return "triton" if ok else None
@@ -93,7 +93,7 @@ def _wrapper_pass(
         if kernel == "cpu":
             load_cpu_kernel().gpa_wrapper_pass(y_b, z_b, y32_b or [], alpha, scale, before)
         elif kernel == "triton":
-            from . import _triton
+            from .kernels import triton_launch as _triton
 
             _triton.wrapper_pass(y_b, z_b, y32_b, alpha, scale, before)
         else:

@@ -1,4 +1,4 @@
-"""Launching the multi-tensor Triton kernels (``_triton_kernels``): GPA-AdamW's step and the GPA wrapper's passes.
+"""Launching the multi-tensor Triton kernels (``triton_source``): GPA-AdamW's step and the GPA wrapper's passes.
 
 All tensors of a (device, dtype) bucket go through two launches, full blocks (unmasked: vector loads) and the
 partial last blocks (masked): the host passes tables of the tensors' addresses (int64) and sizes, plus a block ->
@@ -48,15 +48,15 @@ def triton_available() -> bool:
 def _kernels(interpret: bool) -> ModuleType:
     """The kernels module: compiled (CUDA tensors), or a second copy run by Triton's interpreter (CPU tensors)."""
     if not interpret:
-        from . import _triton_kernels
+        from . import triton_source
 
-        return _triton_kernels
+        return triton_source
     import importlib.util
 
     import triton
 
-    name = f"{__package__}._triton_kernels_interpreted"
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_triton_kernels.py"))
+    name = f"{__package__}.triton_source_interpreted"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("triton_source.py"))
     module = importlib.util.module_from_spec(spec)
     with triton.knobs.runtime.scope():  # triton.jit reads the knob when the module's kernels are defined
         triton.knobs.runtime.interpret = True
