@@ -144,3 +144,19 @@ def test_adopted_adamw_state_continues_when_the_parameters_have_no_grad() -> Non
         adamw.step()
     assert opt.state[w]["base"]["step"].item() == 8
     torch.testing.assert_close(w.detach(), ref.detach(), rtol=0, atol=1e-13)
+
+
+def test_bf16_outer_weights_written_in_eval_mode_are_kept() -> None:
+    """A write into the outer weights while in eval mode (bf16) becomes the float32 outer weights, as in fp32."""
+    w = torch.nn.Parameter(torch.randn(10, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16))
+    opt = DiLoCo([w], base=torch.optim.AdamW, inner_steps=2, lr=1e-2)
+    for t in range(3):
+        w.grad = _grad(w.detach().float(), t).to(torch.bfloat16)
+        opt.step()
+    inner, outer = w.detach().clone(), opt.state[w]["outer"].clone()
+    opt.eval()
+    with torch.no_grad():
+        w[:2] = 0.5
+    opt.train()
+    assert torch.equal(w.detach(), inner)
+    assert opt.state[w]["outer"][:2].tolist() == [0.5, 0.5] and torch.equal(opt.state[w]["outer"][2:], outer[2:])

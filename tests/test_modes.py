@@ -173,3 +173,64 @@ def test_init_state_after_an_early_eval_is_consistent() -> None:
     opt.init_state(eval_mode=True)
     assert not opt.train_mode
     assert all("y_residual" in opt.state[p] for p in params)
+
+
+WRITERS = {
+    "gpa_adamw_forloop": lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, mu_y=0.7, foreach=False),
+    "gpa_adamw_foreach": lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, mu_y=0.7, foreach=True),
+    "gpa_adamw_fused": lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, mu_y=0.7, fused=True),
+    "gpa(adamw)": lambda ps: GPA(ps, base=torch.optim.AdamW, lr=1e-2, mu_x=0.9, mu_y=0.7),
+    "gpa(sgd)": lambda ps: GPA(ps, base=torch.optim.SGD, lr=1e-2, momentum=0.9, mu_x=0.9, mu_y=0.7),
+}
+
+
+def _z(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    return opt.state[p]["z"].double()
+
+
+def _assert_rounded(actual: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor) -> None:
+    """``actual`` is ``exact`` rounded to its dtype, up to float32 roundings of terms of size ``scale``."""
+    tol = 2 * torch.finfo(actual.dtype).eps * exact.abs() + 8 * torch.finfo(torch.float32).eps * scale
+    assert bool(((actual.double() - exact).abs() <= tol).all()), (actual.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_weights_written_in_train_mode_are_kept_by_eval_and_train(name: str, dtype: torch.dtype) -> None:
+    """A write into y (a loaded/re-initialized/clipped weight): eval() gives x of the written y, train() that y."""
+    params = _params(dtype)
+    opt = WRITERS[name](params)
+    _steps(opt, params, 0, 5)
+    with torch.no_grad():
+        params[0].clamp_(-0.5, 0.5)  # clipping
+        params[1].normal_(generator=torch.Generator().manual_seed(9))  # re-initializing a head
+        params[2].copy_(torch.full_like(params[2], 0.25))  # model.load_state_dict
+    written = [p.detach().clone() for p in params]
+    # y in float64: y's float32 copy (bf16/fp16) where the parameter still equals it rounded, else the parameter
+    y32s = [opt.state[p].get("y_fp32") for p in params]
+    exact = [y.double() if y32 is None else torch.where(y32.to(dtype) == y, y32, y.float()).double()
+             for y, y32 in zip(written, y32s)]  # fmt: skip
+    opt.eval()
+    for p, y in zip(params, exact):
+        z = _z(opt, p)
+        _assert_rounded(p.detach(), (y - 0.3 * z) / 0.7, (y.abs() + z.abs()) / 0.7)
+    opt.train()
+    assert all(torch.equal(p, y) for p, y in zip(params, written))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["gpa_adamw_fused", "gpa(sgd)"])
+def test_weights_written_in_eval_mode_are_kept_by_train(name: str, dtype: torch.dtype) -> None:
+    """A write into x while in eval mode: train() gives y = mu_y x + (1 - mu_y) z there, the old y elsewhere."""
+    params = _params(dtype)
+    opt = WRITERS[name](params)
+    _steps(opt, params, 0, 5)
+    y_before = [p.detach().clone() for p in params]
+    opt.eval()
+    with torch.no_grad():
+        params[0][:3].fill_(0.125)
+    opt.train()
+    z = _z(opt, params[0])[:3]
+    _assert_rounded(params[0][:3].detach(), 0.7 * 0.125 + 0.3 * z, 0.125 + z.abs())
+    assert torch.equal(params[0][3:], y_before[0][3:])
+    assert all(torch.equal(p, b) for p, b in zip(params[1:], y_before[1:]))

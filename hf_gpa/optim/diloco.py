@@ -144,7 +144,11 @@ class DiLoCo(BaseOptimizerWrapper):
             inner, outer = local_tensor(p), local_tensor(state["outer"])
             if outer.dtype == inner.dtype:
                 _swap_(inner, outer)
-            elif "inner" in state:
+                continue
+            written = inner != outer.to(inner.dtype)  # the outer weights were written while in eval mode: they win
+            if bool(written.any()):
+                outer.copy_(torch.where(written, inner.to(outer.dtype), outer))
+            if "inner" in state:
                 inner.copy_(local_tensor(state.pop("inner")))
             else:  # a loader dropped the inner weights: they restart from the outer ones, as after an outer step
                 inner.copy_(outer)
