@@ -59,7 +59,48 @@ def test_residual_is_compact() -> None:
     opt.eval()
     assert all(opt.state[p]["y_residual"].dtype == torch.int8 for p in params)
     opt.train()
-    assert all("y_residual" not in opt.state[p] for p in params)
+    assert all("y_residual" not in opt.state[p] and "y_residual_overflow" not in opt.state[p] for p in params)
+
+
+def _with_tiny_y(dtype: torch.dtype = torch.float32) -> tuple[list[torch.nn.Parameter], GPAAdamW]:
+    """A run where a few y are tiny against z: the round trip's error there is far more than 127 units of y."""
+    params = _params(dtype)
+    opt = FACTORIES["gpa_adamw"](params)
+    _steps(opt, params, 0, 5)
+    with torch.no_grad():
+        params[0][0, :4] = torch.tensor([1e-6, -3e-7, 2e-8, 0.0])
+        opt.state[params[0]]["z"][0, :4] = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    return params, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)  # bf16/fp16: y_fp32, no residual
+def test_residual_stays_one_byte_per_weight_when_a_few_elements_overflow(dtype: torch.dtype) -> None:
+    """Elements whose difference needs more than int8 go to a sparse list; the rest stays int8; train() is bitwise."""
+    params, opt = _with_tiny_y(dtype)
+    y = [p.detach().clone() for p in params]
+    opt.eval()
+    residual, overflow = opt.state[params[0]]["y_residual"], opt.state[params[0]]["y_residual_overflow"]
+    assert residual.dtype == torch.int8 and residual.shape == params[0].shape
+    assert 1 <= len(overflow) <= 4 and set(overflow[:, 0].tolist()) <= {0, 1, 2, 3}
+    opt.train()
+    assert all(torch.equal(p, b) for p, b in zip(params, y))
+
+
+def test_dropped_overflow_list_falls_back_to_rounded_y_there() -> None:
+    """An eval-mode state loaded without the overflow list: y bitwise except the listed elements, which are close."""
+    params, opt = _with_tiny_y()
+    y = [p.detach().clone() for p in params]
+    opt.eval()
+    state = copy.deepcopy(opt.state_dict())
+    for s in state["state"].values():
+        del s["y_residual_overflow"]
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = FACTORIES["gpa_adamw"](fresh_params)
+    fresh.load_state_dict(state)
+    fresh.train()
+    assert torch.equal(fresh_params[0][1:], y[0][1:]) and torch.equal(fresh_params[0][0, 4:], y[0][0, 4:])
+    torch.testing.assert_close(fresh_params[0][0, :4], y[0][0, :4], rtol=0, atol=3 * 2**-23)
+    assert all(torch.equal(p, b) for p, b in zip(fresh_params[1:], y[1:]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -69,8 +110,14 @@ def test_residual_round_trip_for_arbitrary_values(dtype: torch.dtype) -> None:
     target = torch.randn(4096, generator=gen, dtype=torch.float64).to(dtype)
     target[:8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3e4, -3e4, 1.0, -1.0], dtype=torch.float64).to(dtype)
     for approx in (target.flip(0), -target, target * 1.0001, torch.zeros_like(target)):
-        restored = decode_residual(approx, encode_residual(target, approx))
-        assert torch.equal(restored.view(torch.uint8), target.view(torch.uint8))
+        for narrow in (True, False):
+            residual, overflow = encode_residual(target, approx, narrow=narrow)
+            assert residual.dtype == torch.int8 or not narrow
+            restored = decode_residual(approx, residual, overflow)
+            assert torch.equal(restored.view(torch.uint8), target.view(torch.uint8))
+    # not contiguous: the overflow's indices are into the flattened (logical) order
+    target2, approx2 = target.view(64, 64).t(), (target * 1.0001).view(64, 64).t()
+    assert torch.equal(decode_residual(approx2, *encode_residual(target2, approx2)), target2)
 
 
 @pytest.mark.parametrize("name", list(FACTORIES))
@@ -139,7 +186,7 @@ def test_dropped_residual_falls_back_to_rounded_y() -> None:
     opt.eval()
     state = copy.deepcopy(opt.state_dict())
     for s in state["state"].values():
-        del s["y_residual"]
+        del s["y_residual"], s["y_residual_overflow"]
     fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     fresh = FACTORIES["gpa_adamw"](fresh_params)
     fresh.load_state_dict(state)

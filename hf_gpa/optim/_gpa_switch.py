@@ -53,8 +53,10 @@ class GPASwitch(TrainEvalOptimizer):
                 y.copy_(_x_from_y(y32, z, mu_y))
                 continue
             x = _x_from_y(y, z, mu_y)
-            residual = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
+            residual, overflow = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
             state["y_residual"] = shard_like(residual, p)
+            if not is_dtensor(p):  # a DTensor's shards keep a full-width residual and no list (see _residual)
+                state["y_residual_overflow"] = overflow
             y.copy_(x)
 
     def _params_to_train(self, group: dict[str, Any]) -> None:
@@ -73,6 +75,6 @@ class GPASwitch(TrainEvalOptimizer):
                 continue
             y = _y_from_x(x, z, mu_y)
             if "y_residual" in state:
-                y = decode_residual(y, local_tensor(state.pop("y_residual")))
+                y = decode_residual(y, local_tensor(state.pop("y_residual")), state.pop("y_residual_overflow", None))
             # else: a loader dropped the residual (see _residual); y is rebuilt by rounding, not bitwise.
             x.copy_(y)
