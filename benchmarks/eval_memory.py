@@ -60,7 +60,11 @@ def main() -> None:
     params = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in llama_shapes(args.size)]
     n = sum(p.numel() for p in params)
     opt = GPAAdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    rows, done = [], 0
+    print(f"GPAAdamW, {n} fp32 weights in {len(params)} tensors ({args.size}), random gradients, seed {args.seed}")
+    print("| steps | state added by eval() (B/weight) | peak during eval() (B/weight) "
+          "| peak during train() (B/weight) | residual dtypes | overflow elements | train() bitwise |")
+    print("|---:|---:|---:|---:|---|---:|---|", flush=True)
+    done = 0
     for target in sorted(args.steps):
         for _ in range(done, target):
             for p in params:
@@ -76,14 +80,8 @@ def main() -> None:
         train_peak = peak_bytes(opt.train)
         bitwise = all(torch.equal(p, q) for p, q in zip(params, y))
         del y
-        rows.append((target, added / n, eval_peak / n, train_peak / n, ",".join(widths), overflow, bitwise))
-        logger.info("measured after %d steps", target)
-    print(f"GPAAdamW, {n} fp32 weights in {len(params)} tensors ({args.size}), random gradients, seed {args.seed}")
-    print("| steps | state added by eval() (B/weight) | peak during eval() (B/weight) "
-          "| peak during train() (B/weight) | residual dtypes | overflow elements | train() bitwise |")
-    print("|---:|---:|---:|---:|---|---:|---|")
-    for steps, added, ev, tr, widths, overflow, bitwise in rows:
-        print(f"| {steps} | {added:.4f} | {ev:.4f} | {tr:.4f} | {widths} | {overflow} | {bitwise} |")
+        print(f"| {target} | {added / n:.4f} | {eval_peak / n:.4f} | {train_peak / n:.4f} | {','.join(widths)} "
+              f"| {overflow} | {bitwise} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
