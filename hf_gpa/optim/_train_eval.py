@@ -185,6 +185,17 @@ class TrainEvalOptimizer(torch.optim.Optimizer):
                 self._mismatch(describe_stock(state_dict) + (" with amsgrad" if amsgrad else ""))
                 + f" {self.optimizer_name} continues only a run of {what} (per-parameter state {sorted(keys)})."
             )
+        saved_ids = [(g, i, index) for g, group in enumerate(state_dict["param_groups"]) for i, index in
+                     enumerate(group["params"])]  # fmt: skip
+        params = [p for group in self.param_groups for p in group["params"]]
+        for (g, i, index), param in zip(saved_ids, params):
+            for key, value in (state_dict["state"].get(index) or {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(
+                        f"{self.optimizer_name}.load_state_dict(): the saved {key} of parameter {index} "
+                        f"(param_groups[{g}]['params'][{i}]) has shape {tuple(value.shape)}, the parameter "
+                        f"{tuple(param.shape)}: the state belongs to another model"
+                    )
 
     def _adopt_schedule(self, state_dict: dict[str, Any]) -> None:
         """After adopting a stock state: the saved lr schedule position (``lr``, ``initial_lr``), train mode.
