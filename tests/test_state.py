@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -78,19 +79,25 @@ FACTORIES = {
 }
 
 
-@pytest.mark.parametrize("name", list(FACTORIES))
-def test_a_python_float_step_loads_and_steps(name: str) -> None:
-    """A state dict whose step counts are Python floats loads, and the next steps equal the original run's."""
+def _assert_resumes_bitwise(name: str, as_saved_then: Callable[[dict], dict]) -> None:
+    """Three steps, the state dict rewritten by ``as_saved_then`` and loaded by a new optimizer: its next two steps
+    equal the original run's."""
     params = _params()
     opt = FACTORIES[name](params)
     _steps(opt, params, 0, 3)
-    saved, saved_params = _float_steps(opt.state_dict()), [p.detach().clone() for p in params]
+    saved, saved_params = as_saved_then(opt.state_dict()), [p.detach().clone() for p in params]
     _steps(opt, params, 3, 5)
     resumed_params = [torch.nn.Parameter(p) for p in saved_params]
     resumed = FACTORIES[name](resumed_params)
     resumed.load_state_dict(saved)
     _steps(resumed, resumed_params, 3, 5)
     assert all(torch.equal(p, q) for p, q in zip(params, resumed_params))
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_a_python_float_step_loads_and_steps(name: str) -> None:
+    """A state dict whose step counts are Python floats loads, and the next steps equal the original run's."""
+    _assert_resumes_bitwise(name, _float_steps)
 
 
 def _nameless(state_dict: dict) -> dict:
@@ -130,13 +137,4 @@ def test_nameless_state_of_another_family_is_refused_by_its_keys(saver: str, loa
 @pytest.mark.parametrize("name", ["gpa_adamw", "gpa(adamw)", "diloco(adamw)"])
 def test_nameless_state_of_the_same_family_still_loads(name: str) -> None:
     """An old state dict of the same family loads and continues bitwise."""
-    params = _params()
-    opt = FACTORIES[name](params)
-    _steps(opt, params, 0, 3)
-    saved, saved_params = _nameless(opt.state_dict()), [p.detach().clone() for p in params]
-    _steps(opt, params, 3, 5)
-    resumed_params = [torch.nn.Parameter(p) for p in saved_params]
-    resumed = FACTORIES[name](resumed_params)
-    resumed.load_state_dict(saved)
-    _steps(resumed, resumed_params, 3, 5)
-    assert all(torch.equal(p, q) for p, q in zip(params, resumed_params))
+    _assert_resumes_bitwise(name, _nameless)

@@ -14,11 +14,4 @@ from .gpa import GPA
 from .gpa_adamw import GPAAdamW
 from .reference import ReferenceGPA
 
-__all__ = [
-    "GPA",
-    "GPAAdamW",
-    "DiLoCo",
-    "ReferenceGPA",
-    "mu_x_from_inner_steps",
-    "inner_steps_from_mu_x",
-]
+__all__ = ["GPA", "GPAAdamW", "DiLoCo", "ReferenceGPA", "mu_x_from_inner_steps", "inner_steps_from_mu_x"]
