@@ -12,7 +12,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from hf_gpa import GPA, DiLoCo, GPAAdamW
+from hf_gpa import GPA, DiLoCo, GPAAdamW, mu_x_from_inner_steps
 from hf_gpa.training_args import DEFAULT_MU_X, DEFAULT_MU_Y, GPAOptimizerNames, GPATrainingArguments
 
 
@@ -40,7 +40,7 @@ def test_defaults(tmp_path):
     args = make(tmp_path)
     assert args.optim == TrainingArguments(output_dir=str(tmp_path), report_to="none").optim
     assert isinstance(args.optim, OptimizerNames)
-    assert args.gpa_mu_x == DEFAULT_MU_X == 0.9967
+    assert args.gpa_mu_x == DEFAULT_MU_X == mu_x_from_inner_steps(32)  # H = 32 exactly (0.99671...)
     assert args.gpa_mu_y == DEFAULT_MU_Y == 0.7
     assert args.gpa_averaging == "gpa"
     assert args.gpa_inner_steps is None and args.gpa_base_optim is None
@@ -89,11 +89,9 @@ def test_inner_steps_sets_mu_x(tmp_path):
 
 
 def test_effective_inner_steps_of_default_mu_x(tmp_path):
-    """The default mu_x = 0.9967 corresponds to H = log 0.9 / log 0.9967, about 31.9 inner steps."""
-    import math
-
+    """The default mu_x is derived from H = 32 inner steps, so its effective H is 32 (not 31.87 as for 0.9967)."""
     args = make(tmp_path, optim="gpa_adamw")
-    assert args.gpa_effective_inner_steps == pytest.approx(math.log(0.9) / math.log(0.9967), rel=1e-12)
+    assert args.gpa_effective_inner_steps == pytest.approx(32, rel=1e-12)
 
 
 def test_conflicting_inner_steps_and_mu_x(tmp_path):

@@ -72,7 +72,7 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
         params: iterable of parameters or dicts defining parameter groups.
         base: the base optimizer class, e.g. ``torch.optim.SGD``, ``torch.optim.AdamW``, ``torch.optim.Adafactor``,
             ``torch.optim.Muon`` (2-D parameters) (default: ``torch.optim.AdamW``).
-        mu_x: averaging constant of x in [0, 1) (default: 0.9967).
+        mu_x: averaging constant of x in [0, 1) (default: ``mu_x_from_inner_steps(32)`` = 0.996713).
         mu_y: interpolation constant of the gradient point y in (0, 1] (default: 0.7).
         averaging: ``"gpa"`` or ``"schedule_free"`` (Schedule-Free's lr^2-weighted uniform average) (default: "gpa").
         **base_kwargs: the base optimizer's own arguments (lr, momentum, betas, weight_decay, ...).

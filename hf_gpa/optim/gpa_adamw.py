@@ -98,7 +98,7 @@ class GPAAdamW(GPASwitch):
         eps: term added to the denominator (default: 1e-8).
         weight_decay: decoupled weight decay on z (default: 0).
         mu_x: averaging constant of x in [0, 1); ``mu_x_from_inner_steps(H)`` maps DiLoCo's H (default:
-            ``mu_x_from_inner_steps(32)`` = 0.9967).
+            ``mu_x_from_inner_steps(32)`` = 0.996713).
         mu_y: interpolation constant of the gradient point y in (0, 1] (default: 0.7).
         averaging: ``"gpa"`` (exponential average with ``mu_x``) or ``"schedule_free"`` (Schedule-Free's average
             weighted by lr_t^2, paper eq. 5; ``mu_x`` is then unused; it reads lr on the host) (default: "gpa").
