@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_gpa import MuonWithAuxAdam, muon_param_groups
+from hf_gpa import GPA, DiLoCo, MuonWithAuxAdam, mu_x_from_inner_steps, muon_param_groups
 
 
 def _matrices(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[nn.Parameter]:
@@ -232,3 +232,173 @@ def test_rejects_non_matrices_in_muon_groups_and_bad_defaults() -> None:
         MuonWithAuxAdam([{"params": _matrices(), "use_muon": True}], momentum=-0.5)
     with pytest.raises(ValueError, match="use_muon"):
         MuonWithAuxAdam(_matrices())  # a plain parameter list says nothing about use_muon
+
+
+# ---- GPA and DiLoCo over MuonWithAuxAdam ----
+
+BASE = dict(lr=2e-2, weight_decay=0.1, betas=(0.9, 0.95))
+WRAPPERS = {
+    "gpa": lambda groups, **kw: GPA(groups, base=MuonWithAuxAdam, mu_x=0.9, mu_y=0.7, **BASE, **kw),
+    "diloco": lambda groups, **kw: DiLoCo(groups, base=MuonWithAuxAdam, inner_steps=4, outer_lr=0.75, **BASE, **kw),
+}
+
+
+def test_wrappers_check_the_groups_up_front() -> None:
+    """GPA/DiLoCo(base=MuonWithAuxAdam) reject a group without use_muon, or a 1-D Muon parameter, at construction."""
+    for wrapper in (GPA, DiLoCo):
+        with pytest.raises(ValueError, match="use_muon"):
+            wrapper(_matrices(), base=MuonWithAuxAdam)
+        with pytest.raises(ValueError, match="2-D"):
+            wrapper([{"params": _others(), "use_muon": True}], base=MuonWithAuxAdam)
+        opt = wrapper(muon_groups(_matrices() + _others()), base=MuonWithAuxAdam)
+        with pytest.raises(ValueError, match="use_muon"):
+            opt.add_param_group({"params": _matrices(seed=5)})
+        assert len(opt.param_groups) == 2
+        assert opt.optimizer_name == f"{wrapper.__name__}(MuonWithAuxAdam)"
+
+
+def test_gpa_with_mu_x_zero_is_the_base_bitwise() -> None:
+    """GPA(MuonWithAuxAdam, mu_x=0) reproduces MuonWithAuxAdam bit for bit, Muon and AdamW groups alike."""
+    ref_params, params = _matrices() + _others(), _matrices() + _others()
+    ref = MuonWithAuxAdam(muon_groups(ref_params), **BASE)
+    opt = GPA(muon_groups(params), base=MuonWithAuxAdam, mu_x=0.0, mu_y=0.7, **BASE)
+    _steps([ref], ref_params, 0, 10)
+    _steps([opt], params, 0, 10)
+    _assert_equal(params, ref_params)
+
+
+def test_gpa_matches_the_three_sequences_over_muon() -> None:
+    """GPA(MuonWithAuxAdam) follows Algorithm 1 written out (z by the base at y, x averaged, y interpolated)."""
+    mu_x, mu_y, steps = 0.9, 0.7, 12
+    init = [p.detach().double() for p in _matrices() + _others()]
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = GPA(muon_groups(params), base=MuonWithAuxAdam, mu_x=mu_x, mu_y=mu_y, **BASE)
+    zs = [nn.Parameter(t.clone()) for t in init]
+    xs, ys = [t.clone() for t in init], [t.clone() for t in init]
+    base = MuonWithAuxAdam(muon_groups(zs), **BASE)
+    for t in range(steps):
+        _fake_grads(params, t)
+        opt.step()
+        for i, (z, y) in enumerate(zip(zs, ys)):
+            z.grad = torch.sin(3 * y + t) + 0.3 * y - 0.1 * i
+        base.step()
+        with torch.no_grad():
+            xs = [mu_x * x + (1 - mu_x) * z for x, z in zip(xs, zs)]
+            ys = [mu_y * x + (1 - mu_y) * z for x, z in zip(xs, zs)]
+    for p, y in zip(params, ys):
+        torch.testing.assert_close(p.detach(), y, rtol=0, atol=1e-12)
+    opt.eval()
+    for p, x in zip(params, xs):
+        torch.testing.assert_close(p.detach(), x, rtol=0, atol=1e-12)
+
+
+def test_diloco_matches_algorithm_2_over_muon() -> None:
+    """DiLoCo(MuonWithAuxAdam): inner steps are the base's, every H-th step torch's Nesterov SGD on outer - inner."""
+    h, steps, outer_lr, mu = 4, 14, 0.75, 0.9
+    init = _matrices() + _others()
+    params, inner = _clone(init), _clone(init)
+    opt = DiLoCo(muon_groups(params), base=MuonWithAuxAdam, inner_steps=h, outer_lr=outer_lr, outer_momentum=mu,
+                 **BASE)  # fmt: skip
+    base = MuonWithAuxAdam(muon_groups(inner), **BASE)
+    slow = _clone(init)
+    outer = torch.optim.SGD(slow, lr=outer_lr, momentum=mu, nesterov=True)
+    for t in range(steps):
+        _fake_grads(params, t)
+        opt.step()
+        _fake_grads(inner, t)
+        base.step()
+        if (t + 1) % h == 0:
+            for s, w in zip(slow, inner):
+                s.grad = s.detach() - w.detach()
+            outer.step()
+            with torch.no_grad():
+                for s, w in zip(slow, inner):
+                    w.copy_(s)
+        _assert_equal(params, inner)
+    opt.eval()
+    for p, s in zip(params, slow):
+        torch.testing.assert_close(p.detach(), s.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_eval_train_is_exact(name: str, dtype: torch.dtype) -> None:
+    """eval() then train() (100 times) gives the training weights back bit for bit, and eval() is idempotent."""
+    params = _matrices(dtype) + _others(dtype)
+    opt = WRAPPERS[name](muon_groups(params))
+    _steps([opt], params, 0, 7)
+    before = [p.detach().clone() for p in params]
+    opt.eval()
+    at_eval = [p.detach().clone() for p in params]
+    opt.eval()
+    _assert_equal(params, at_eval)
+    assert any(not torch.equal(a, b) for a, b in zip(at_eval, before))
+    for _ in range(100):
+        opt.train()
+        opt.eval()
+    opt.train()
+    _assert_equal(params, before)
+
+
+@pytest.mark.parametrize("eval_mode_save", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_state_dict_round_trip_resumes_bitwise(name: str, dtype: torch.dtype, eval_mode_save: bool) -> None:
+    """Saved mid-run (train or eval mode) and loaded into a fresh optimizer, the run continues bit for bit."""
+    ref_params = _matrices(dtype) + _others(dtype)
+    ref = WRAPPERS[name](muon_groups(ref_params))
+    _steps([ref], ref_params, 0, 14)
+
+    params = _matrices(dtype) + _others(dtype)
+    opt = WRAPPERS[name](muon_groups(params))
+    _steps([opt], params, 0, 6)
+    if eval_mode_save:
+        opt.eval()
+    saved_weights = [p.detach().clone() for p in params]
+    saved_state = copy.deepcopy(opt.state_dict())
+    assert saved_state["param_groups"][0]["use_muon"] is True and saved_state["param_groups"][1]["use_muon"] is False
+
+    params = [nn.Parameter(w.clone()) for w in saved_weights]
+    opt = WRAPPERS[name](muon_groups(params))
+    opt.load_state_dict(saved_state)
+    opt.train()
+    if name == "gpa":  # GPA's z and the base's state of z stay float32 for bf16 parameters
+        for p in params:
+            tensors = [opt.state[p]["z"], *(v for k, v in opt.state[p]["base"].items() if k != "step")]
+            assert all(v.dtype == torch.float32 for v in tensors)
+    _steps([opt], params, 6, 14)
+    _assert_equal(params, ref_params)
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_bf16_parameters_track_the_fp32_run(name: str) -> None:
+    """With bf16 parameters the base runs on float32 tensors (z, or the inner weights' state): the evaluation weights
+    stay within a few bf16 roundings of the fp32 run's."""
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        params = _matrices(dtype) + _others(dtype)
+        opt = WRAPPERS[name](muon_groups(params))
+        _steps([opt], params, 0, 12)
+        opt.eval()
+        results[dtype] = [p.detach().float() for p in params]
+    for x16, x32 in zip(results[torch.bfloat16], results[torch.float32]):
+        rel = (x16 - x32).norm() / x32.norm()
+        assert rel < 0.02, rel
+
+
+def test_gpa_over_muon_trains_a_tiny_llama() -> None:
+    """GPA(MuonWithAuxAdam) on muon_param_groups(llama) lowers the loss of a fixed batch; x is what eval() holds."""
+    model = _tiny_llama(tie=True)
+    batch = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    opt = GPA(muon_param_groups(model), base=MuonWithAuxAdam, lr=1e-2, mu_x=mu_x_from_inner_steps(8))
+    losses = []
+    for _ in range(15):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt.eval()
+    with torch.no_grad():
+        at_x = model(input_ids=batch, labels=batch).loss.item()
+    assert losses[-1] < losses[0] - 0.5 and at_x < losses[0] - 0.5
