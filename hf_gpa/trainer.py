@@ -54,7 +54,7 @@ from hf_gpa.batchnorm import (
     recalibrate_norm_statistics,
 )
 from hf_gpa.checkpoint import unwrap_gpa_optimizer
-from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
+from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, MuonWithAuxAdam, muon_param_groups
 from hf_gpa.optim._loading import saved_optimizer_name
 from hf_gpa.optim._train_eval import TrainEvalOptimizer
 from hf_gpa.training_args import DEEPSPEED_REFUSAL, GPAOptimizerNames, GPATrainingArguments
@@ -87,7 +87,28 @@ def _get_gpa_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple
     return GPAAdamW, {**_adam_kwargs(args), **_gpa_kwargs(args)}
 
 
+def _get_muon(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    # The groups come with the kwargs ("params", as the stock GaLore handler does): Muon takes the hidden weight
+    # matrices, AdamW the rest, each split by the stock Trainer's weight-decay rule (no decay on biases and norms).
+    if model is None:
+        raise ValueError("--optim muon needs the model to build its groups (hidden matrices vs the rest)")
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # the stock rule; it does not use the trainer
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for group in muon_param_groups(model):
+        for weight_decay, params in (
+            (args.weight_decay, [p for p in group["params"] if names[id(p)] in decay]),
+            (0.0, [p for p in group["params"] if names[id(p)] not in decay]),
+        ):
+            if params:
+                groups.append({**group, "params": params, "weight_decay": weight_decay})
+    return MuonWithAuxAdam, {"params": groups, **_adam_kwargs(args)}
+
+
 def _get_gpa(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    if args.gpa_base_optim == GPAOptimizerNames.MUON.value:
+        base_cls, base_kwargs = _get_muon(args, model)
+        return GPA, {"base": base_cls, **_gpa_kwargs(args), **base_kwargs}
     # Whatever the stock Trainer builds for `--optim <base>`, with the same flags, becomes GPA's base optimizer.
     base_args = copy.copy(args)
     base_args.optim = OptimizerNames(args.gpa_base_optim)
@@ -113,11 +134,25 @@ def _get_diloco_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tu
     }
 
 
+def _get_diloco_muon(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    base_cls, base_kwargs = _get_muon(args, model)
+    _, diloco_kwargs = _get_diloco_adamw(args, model)
+    return DiLoCo, {**diloco_kwargs, **base_kwargs, "base": base_cls}
+
+
 _GPA_OPTIMIZER_HANDLERS = {
     GPAOptimizerNames.GPA_ADAMW: _get_gpa_adamw,
     GPAOptimizerNames.GPA: _get_gpa,
     GPAOptimizerNames.DILOCO_ADAMW: _get_diloco_adamw,
+    GPAOptimizerNames.MUON: _get_muon,
+    GPAOptimizerNames.DILOCO_MUON: _get_diloco_muon,
 }
+
+#: How the model card names Muon (``--optim muon``, and as the base of GPA and DiLoCo).
+_MUON_CARD_NAME = (
+    "Muon (hf_gpa.MuonWithAuxAdam: Muon on the hidden weight matrices, AdamW on embeddings, output head, norms and "
+    "biases)"
+)
 
 
 def gpa_model_card_section(args: TrainingArguments) -> str:
@@ -125,14 +160,19 @@ def gpa_model_card_section(args: TrainingArguments) -> str:
     if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
         return ""
     name = args.optim.value
-    if args.optim == GPAOptimizerNames.DILOCO_ADAMW:
+    if args.optim == GPAOptimizerNames.MUON:
+        return f"## Optimizer: Muon (hf_gpa)\n\nTrained with `--optim {name}`: {_MUON_CARD_NAME}.\n"
+    if args.optim in (GPAOptimizerNames.DILOCO_ADAMW, GPAOptimizerNames.DILOCO_MUON):
+        inner = "AdamW" if args.optim == GPAOptimizerNames.DILOCO_ADAMW else _MUON_CARD_NAME
         return (
             "## Optimizer: single-worker DiLoCo (hf_gpa)\n\n"
-            f"Trained with `--optim {name}`: AdamW inner steps with H = {args.diloco_inner_steps} inner steps, "
+            f"Trained with `--optim {name}`: {inner} inner steps with H = {args.diloco_inner_steps} inner steps, "
             f"outer learning rate {args.diloco_outer_lr} and outer Nesterov momentum {args.diloco_outer_momentum}. "
             "The weights in this repository are the outer (slow) weights.\n"
         )
     base = "AdamW" if args.optim == GPAOptimizerNames.GPA_ADAMW else f"`{args.gpa_base_optim}`"
+    if args.gpa_base_optim == GPAOptimizerNames.MUON.value:
+        base = _MUON_CARD_NAME
     if args.gpa_averaging == "schedule_free":
         # Schedule-Free's average has no mu_x, hence no H either.
         constants = f"mu_y = {args.gpa_mu_y:.6g}, averaging = schedule_free (x is the lr**2-weighted average of z)"
@@ -336,7 +376,7 @@ class GPATrainer(Trainer):
     def _uses_gpa_optimizer(self) -> bool:
         given = getattr(self, "optimizer_cls_and_kwargs", None)
         return (
-            isinstance(getattr(self.args, "optim", None), GPAOptimizerNames)
+            getattr(self.args, "optim", None) in set(GPAOptimizerNames) - {GPAOptimizerNames.MUON}
             or unwrap_gpa_optimizer(self.optimizer) is not None
             or (given is not None and isinstance(given[0], type) and issubclass(given[0], TrainEvalOptimizer))
         )

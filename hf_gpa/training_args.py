@@ -64,10 +64,16 @@ class GPAOptimizerNames(ExplicitEnum):
     GPA_ADAMW = "gpa_adamw"
     GPA = "gpa"
     DILOCO_ADAMW = "diloco_adamw"
+    # Muon on the hidden weight matrices, AdamW on the rest (hf_gpa.MuonWithAuxAdam): the baseline (no x), and DiLoCo
+    # around it; GPA around it is --optim gpa --gpa_base_optim muon.
+    MUON = "muon"
+    DILOCO_MUON = "diloco_muon"
 
 
 STOCK_OPTIM_NAMES: tuple[str, ...] = tuple(name.value for name in OptimizerNames)
 GPA_OPTIM_NAMES: tuple[str, ...] = tuple(name.value for name in GPAOptimizerNames)
+#: The hf_gpa names that `--optim gpa --gpa_base_optim` takes besides the stock ones.
+HF_GPA_BASE_NAMES: tuple[str, ...] = (GPAOptimizerNames.MUON.value,)
 
 # Stock optimizers that `--optim gpa` cannot wrap: LOMO fuses its update into backward, the layer-wise variants
 # step inside hooks (the Trainer only sees a dummy optimizer), and Schedule-Free already averages its iterates.
@@ -98,7 +104,9 @@ class GPATrainingArguments(TrainingArguments):
         metadata={
             "help": (
                 "The optimizer to use: gpa_adamw (GPA around AdamW), gpa (GPA around --gpa_base_optim), "
-                "diloco_adamw (single-worker DiLoCo around AdamW), or any stock transformers name (OptimizerNames)."
+                "diloco_adamw (single-worker DiLoCo around AdamW), muon (Muon on the hidden weight matrices, AdamW on "
+                "embeddings, heads, norms and biases), diloco_muon (DiLoCo around muon), or any stock transformers "
+                "name (OptimizerNames)."
             ),
             "choices": GPA_OPTIM_NAMES + STOCK_OPTIM_NAMES,
         },
@@ -108,7 +116,7 @@ class GPATrainingArguments(TrainingArguments):
         metadata={
             "help": (
                 "With --optim gpa: the stock --optim name of the base optimizer GPA wraps (e.g. adamw_torch_fused, "
-                "sgd, adafactor, lion_32bit). Required with --optim gpa and only valid with it."
+                "sgd, adafactor, lion_32bit), or muon. Required with --optim gpa and only valid with it."
             ),
         },
     )
@@ -148,15 +156,15 @@ class GPATrainingArguments(TrainingArguments):
     )
     diloco_inner_steps: int = field(
         default=DEFAULT_INNER_STEPS,
-        metadata={"help": "With --optim diloco_adamw: inner AdamW steps H between outer steps (>= 1)."},
+        metadata={"help": "With --optim diloco_adamw / diloco_muon: inner steps H between outer steps (>= 1)."},
     )
     diloco_outer_lr: float = field(
         default=DEFAULT_OUTER_LR,
-        metadata={"help": "With --optim diloco_adamw: the outer (Nesterov) learning rate (finite, > 0)."},
+        metadata={"help": "With --optim diloco_adamw / diloco_muon: the outer (Nesterov) lr (finite, > 0)."},
     )
     diloco_outer_momentum: float = field(
         default=DEFAULT_OUTER_MOMENTUM,
-        metadata={"help": "With --optim diloco_adamw: the outer Nesterov momentum in [0, 1)."},
+        metadata={"help": "With --optim diloco_adamw / diloco_muon: the outer Nesterov momentum in [0, 1)."},
     )
     gpa_bn_recalibration_batches: int = field(
         default=DEFAULT_RECALIBRATION_BATCHES,
@@ -228,7 +236,7 @@ class GPATrainingArguments(TrainingArguments):
 
     def _refuse_deepspeed(self, optim: str) -> None:
         """DeepSpeed hides the parameters from a GPA optimizer: refuse the combination, without importing it."""
-        if optim not in GPA_OPTIM_NAMES:
+        if optim not in GPA_OPTIM_NAMES or optim == GPAOptimizerNames.MUON.value:  # muon has no x to switch to
             return
         if self.deepspeed:
             route = f"--deepspeed {self.deepspeed!r}" if isinstance(self.deepspeed, str) else "--deepspeed (a dict)"
@@ -243,15 +251,15 @@ class GPATrainingArguments(TrainingArguments):
             if optim != GPAOptimizerNames.GPA.value:
                 raise ValueError(
                     f"--gpa_base_optim {self.gpa_base_optim} only applies to --optim gpa (got --optim {optim}); "
-                    "--optim gpa_adamw and diloco_adamw always use AdamW"
+                    "--optim gpa_adamw and diloco_adamw always use AdamW, muon and diloco_muon Muon"
                 )
             base = (
                 self.gpa_base_optim.value if isinstance(self.gpa_base_optim, OptimizerNames) else self.gpa_base_optim
             )
-            if base not in STOCK_OPTIM_NAMES:
+            if base not in STOCK_OPTIM_NAMES and base not in HF_GPA_BASE_NAMES:
                 raise ValueError(
-                    f"--gpa_base_optim {base!r} is not a stock transformers optimizer name; use one of "
-                    f"{', '.join(n for n in STOCK_OPTIM_NAMES if n not in _UNWRAPPABLE_BASES)}"
+                    f"--gpa_base_optim {base!r} is not a stock transformers optimizer name or muon; use one of "
+                    f"{', '.join(n for n in (*STOCK_OPTIM_NAMES, *HF_GPA_BASE_NAMES) if n not in _UNWRAPPABLE_BASES)}"
                 )
             if base in _UNWRAPPABLE_BASES:
                 raise ValueError(
@@ -324,8 +332,8 @@ class GPATrainingArguments(TrainingArguments):
 
     @property
     def uses_gpa(self) -> bool:
-        """True when `--optim` is one of hf_gpa's optimizers (gpa_adamw, gpa or diloco_adamw)."""
-        return isinstance(self.optim, GPAOptimizerNames)
+        """True when `--optim` is one of hf_gpa's averaging optimizers (gpa_adamw, gpa, diloco_adamw, diloco_muon)."""
+        return isinstance(self.optim, GPAOptimizerNames) and self.optim != GPAOptimizerNames.MUON
 
     @property
     def gpa_effective_inner_steps(self) -> float | None:

@@ -49,12 +49,13 @@ def test_defaults(tmp_path):
 
 @pytest.mark.parametrize("name", [n.value for n in GPAOptimizerNames])
 def test_gpa_optim_names_parse_from_command_line(name, tmp_path):
-    """--optim gpa_adamw|gpa|diloco_adamw passes HfArgumentParser's choices and the stock __post_init__."""
+    """--optim gpa_adamw|gpa|diloco_adamw|muon|diloco_muon passes HfArgumentParser's choices and the stock
+    __post_init__."""
     extra = ["--gpa_base_optim", "sgd"] if name == "gpa" else []
     args = parse(["--optim", name, *extra], tmp_path)
     assert args.optim is GPAOptimizerNames(name)
     assert args.optim == name  # a str enum: comparisons with the plain name keep working
-    assert args.uses_gpa
+    assert args.uses_gpa is (name != "muon")  # the Muon baseline has no x
 
 
 @pytest.mark.parametrize("name", [n.value for n in OptimizerNames])
