@@ -506,7 +506,8 @@ class ResultsFile:
         if path.is_file():
             previous = json.loads(path.read_text())
             if previous.get("workload") == self.data["workload"]:
-                self.data["runs"] = previous["runs"]
+                # everything recorded before (runs, the selections, notes) is kept; the plan is this call's
+                self.data = {**previous, **self.data, "runs": previous["runs"]}
             else:
                 logger.warning("%s holds another workload; starting a new record", path)
         self.data["environment"] = {"torch": torch.__version__, "num_threads": 1}

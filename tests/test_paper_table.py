@@ -163,3 +163,17 @@ def test_committed_results_still_render(paper_table):
     table = paper_table.markdown_table(data)
     assert table.startswith("| Method | H = 8 | H = 16 | H = 32 | H = 64 |")
     assert "| GPA-AdamW | 8 | 0.02 | 0.5 | 3 |" in table
+
+
+def test_results_file_keeps_what_was_recorded(paper_table, tmp_path):
+    """Reopening a record of the same workload (e.g. for --extra runs) keeps its runs, selections and notes."""
+    workload, plan = paper_table.Workload(steps=10), paper_table.Plan()
+    path = tmp_path / "results.json"
+    first = paper_table.ResultsFile(path, workload, plan)
+    first.data.update(selected={"adamw": {"lr": 0.01}}, notes=["by hand"])
+    first.add({"key": "a", "spec": {}})
+    again = paper_table.ResultsFile(path, workload, plan)
+    again.write()
+    data = json.loads(path.read_text())
+    assert data["notes"] == ["by hand"] and data["selected"] == {"adamw": {"lr": 0.01}}
+    assert [run["key"] for run in data["runs"]] == ["a"]
