@@ -42,15 +42,25 @@ import torch
 
 logger = logging.getLogger("paper_table")
 
-#: The families, in table order.
-METHODS = ("adamw", "sf", "sf_ref", "diloco", "gpa")
+#: The families, in table order. The Muon ones run ``MuonWithAuxAdam`` on ``muon_param_groups(model)``: Muon (lr
+#: adjusted to AdamW's RMS, torch's other defaults) on the attention and MLP matrices, AdamW on the tied embedding
+#: and the norms, one lr and one schedule for both; GPA and DiLoCo wrap it as their base.
+METHODS = ("adamw", "sf", "sf_ref", "diloco", "gpa", "muon", "diloco_muon", "gpa_muon")
 LABELS = {
     "adamw": "AdamW",
     "sf": "SF-AdamW (hf_gpa)",
     "sf_ref": "SF-AdamW (schedulefree)",
     "diloco": "DiLoCo-AdamW",
     "gpa": "GPA-AdamW",
+    "muon": "Muon",
+    "diloco_muon": "DiLoCo-Muon",
+    "gpa_muon": "GPA-Muon",
 }
+#: Families with an H (DiLoCo's inner steps, GPA's mu_x = mu_x_from_inner_steps(H)), and GPA's (with a mu_y).
+WITH_H = ("diloco", "gpa", "diloco_muon", "gpa_muon")
+GPA_FAMILIES = ("gpa", "gpa_muon")
+#: The base optimizer's family of each method: the baseline its speedup is also measured against.
+BASELINE = {method: "muon" if method.endswith("muon") else "adamw" for method in METHODS}
 #: Adam's (beta1, beta2): (0.9, 0.95), from the paper's beta grid (appendix, Table 3) and the recipe of its Llama-8B
 #: runs, for every method. The bold Llama-160M choice (0.975, 0.9), tuned at 262K-token batches, fails at our 1K-token
 #: batches: in a 500-step pilot AdamW ended at 4.78 with it and at 4.08 with (0.9, 0.95), while Schedule-Free reached
@@ -63,6 +73,10 @@ BETAS = {
     "sf_ref": (0.9, 0.95),
     "diloco": (0.9, 0.95),
     "gpa": (0.9, 0.95),
+    # AdamW's betas in the AdamW groups (embedding, norms); Muon's momentum is torch's 0.95.
+    "muon": (0.9, 0.95),
+    "diloco_muon": (0.9, 0.95),
+    "gpa_muon": (0.9, 0.95),
 }
 #: DiLoCo's outer Nesterov step, the paper's best (Table 3): outer lr 0.75, outer momentum 0.75.
 DILOCO_OUTER_LR = 0.75
@@ -147,7 +161,8 @@ QUICK_WORKLOAD = Workload(
     val_windows=4, max_train_chars=100_000,
 )  # fmt: skip
 QUICK_PLAN = Plan(
-    lrs={"adamw": (5e-3, 2e-2), "sf": (2e-2,), "sf_ref": (2e-2,), "diloco": (2e-2,), "gpa": (5e-3, 2e-2)},
+    lrs={"adamw": (5e-3, 2e-2), "sf": (2e-2,), "sf_ref": (2e-2,), "diloco": (2e-2,), "gpa": (5e-3, 2e-2),
+         "muon": (2e-2,), "diloco_muon": (2e-2,), "gpa_muon": (2e-2,)},
     inner_steps=(4, 8), mu_ys=(0.7, 0.9), sweep_inner_steps=8,
     sweep_fraction=0.5, seeds=(0, 1), all_h_seeds=(0,),
 )  # fmt: skip
@@ -259,13 +274,32 @@ def lr_factor(step: int, steps: int, warmup_fraction: float, schedule: str) -> f
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_optimizer(spec: RunSpec, params: list[torch.nn.Parameter], workload: Workload) -> torch.optim.Optimizer:
-    """The optimizer of ``spec.method``, with the paper's betas and weight decay."""
-    from hf_gpa import GPAAdamW, mu_x_from_inner_steps
+def build_optimizer(
+    spec: RunSpec, params: list[torch.nn.Parameter], workload: Workload, model: torch.nn.Module | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer of ``spec.method``, with the paper's betas and weight decay (the Muon families need ``model``)."""
+    from hf_gpa import GPA, GPAAdamW, MuonWithAuxAdam, mu_x_from_inner_steps, muon_param_groups
     from hf_gpa.optim import DiLoCo
 
     betas = tuple(spec.betas) if spec.betas is not None else BETAS[spec.method]
     common = dict(lr=spec.lr, betas=betas, eps=1e-8, weight_decay=workload.weight_decay)
+    if spec.method in ("muon", "diloco_muon", "gpa_muon"):
+        if model is None:
+            raise ValueError(f"Invalid build_optimizer call: {spec.method!r} needs the model (for its groups)")
+        groups = muon_param_groups(model)
+        if spec.method == "muon":
+            return MuonWithAuxAdam(groups, **common)
+        if spec.method == "diloco_muon":
+            return DiLoCo(
+                groups,
+                base=MuonWithAuxAdam,
+                inner_steps=spec.inner_steps,
+                outer_lr=DILOCO_OUTER_LR,
+                outer_momentum=DILOCO_OUTER_MOMENTUM,
+                **common,
+            )
+        mu_x = mu_x_from_inner_steps(spec.inner_steps)
+        return GPA(groups, base=MuonWithAuxAdam, mu_x=mu_x, mu_y=spec.mu_y, **common)
     if spec.method == "adamw":
         return torch.optim.AdamW(params, **common)
     if spec.method == "diloco":
@@ -329,12 +363,12 @@ def train_run(spec: RunSpec, workload: Workload, data: tuple[torch.Tensor, torch
     model = build_model(workload, spec.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(spec, params, workload)
+    optimizer = build_optimizer(spec, params, workload, model)
     schedule = _schedule_of(spec.method)
     # schedulefree warms up internally (and its lr is the peak lr); every other optimizer gets the schedule here.
     scheduled = spec.method != "sf_ref"
     order = batch_order(train.shape[0], workload, spec.steps, spec.seed)
-    averaged = hasattr(optimizer, "eval") and spec.method != "adamw"
+    averaged = hasattr(optimizer, "eval") and spec.method not in ("adamw", "muon")
     if averaged:
         optimizer.train()  # schedulefree starts in eval mode; ours start in train mode (idempotent)
     record: dict[str, Any] = {"steps": [], "val": [], "val_train": [], "train_loss": []}
@@ -395,10 +429,10 @@ def sweep_specs(workload: Workload, plan: Plan) -> list[RunSpec]:
     inner = max(1, round(plan.sweep_inner_steps * plan.sweep_fraction))
     specs = []
     for method in METHODS:
-        for lr in plan.lrs[method]:
-            if method == "gpa":
+        for lr in plan.lrs.get(method, ()):  # the Muon families are tuned at the full budget only (--extra)
+            if method in GPA_FAMILIES:
                 specs += [RunSpec(method, lr, plan.sweep_seed, steps, "sweep", inner, mu_y) for mu_y in plan.mu_ys]
-            elif method == "diloco":
+            elif method in WITH_H:
                 specs.append(RunSpec(method, lr, plan.sweep_seed, steps, "sweep", inner))
             else:
                 specs.append(RunSpec(method, lr, plan.sweep_seed, steps, "sweep"))
@@ -432,7 +466,7 @@ def full_specs(
             if method not in best:
                 continue
             lr = best[method]["lr"]
-            if method in ("diloco", "gpa"):
+            if method in WITH_H:
                 mu_y = best[method]["mu_y"]
                 if seed in plan.all_h_seeds:
                     hs: Sequence[int] = plan.inner_steps
@@ -472,7 +506,8 @@ class ResultsFile:
         if path.is_file():
             previous = json.loads(path.read_text())
             if previous.get("workload") == self.data["workload"]:
-                self.data["runs"] = previous["runs"]
+                # everything recorded before (runs, the selections, notes) is kept; the plan is this call's
+                self.data = {**previous, **self.data, "runs": previous["runs"]}
             else:
                 logger.warning("%s holds another workload; starting a new record", path)
         self.data["environment"] = {"torch": torch.__version__, "num_threads": 1}
@@ -624,6 +659,8 @@ def markdown_table(data: dict[str, Any]) -> str:
     """The paper's Table 1 at our scale (final val loss per method and H), then speedup and settings per run."""
     summary = summarize(data)
     rows = summary["rows"]
+    if not rows:  # a budget run with --extras-only: no pipeline, every configuration in the table of them all
+        return "\n".join(all_configurations_table(data)) + "\n"
     hs = sorted({row["inner_steps"] for row in rows if row["inner_steps"] is not None})
     lines = ["| Method | " + " | ".join(f"H = {h}" for h in hs) + " |", "|---" * (len(hs) + 1) + "|"]
     for method in METHODS:
@@ -675,12 +712,16 @@ def all_configurations_table(data: dict[str, Any]) -> list[str]:
     reference = _reference_adamw(configs)
     by_seed = {run["spec"]["seed"]: run for run in reference}
     ref_lr = reference[0]["spec"]["lr"] if reference else None
+    muon_reference = _reference(configs, "muon")
+    muon_lr = muon_reference[0]["spec"]["lr"] if muon_reference else None
+    vs_muon = f" The last column: the Muon families' mean curve against Muon at lr {muon_lr}."
     lines = [
-        f"All full-budget configurations (pipeline and extra runs); speedup against AdamW at lr {ref_lr}:",
+        f"All full-budget configurations (pipeline and extra runs); speedup against AdamW at lr {ref_lr}:"
+        + (vs_muon if muon_reference else ""),
         "",
         "| Method | H | lr | mu_y | seeds | final val loss | at y / inner | speedup vs AdamW (%) | seeds reaching "
-        "| speedup of mean curve (%) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| speedup of mean curve (%) |" + (" vs Muon: speedup of mean curve (%) |" if muon_reference else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if muon_reference else ""),
     ]
     order = sorted(configs, key=lambda key: (METHODS.index(key[0]), key[1] or 0, key[2], key[3] or 0))
     for method, inner, lr, mu_y in order:
@@ -700,6 +741,11 @@ def all_configurations_table(data: dict[str, Any]) -> list[str]:
             f"{_fmt(_mean_std(at_y), seeds=len(at_y)) if at_y else '—'} | "
             f"{_fmt(_mean_std(reached), 2, seeds=len(reached)) if reached and method != 'adamw' else '—'} | "
             f"{f'{len(reached)}/{len(gains)}' if method != 'adamw' else '—'} | {_fmt_gain(mean_gain)} |"
+            + (
+                f" {_fmt_gain(mean_curve_speedup(runs, muon_reference) if method in WITH_H else None)} |"
+                if muon_reference and BASELINE[method] == "muon"
+                else (" — |" if muon_reference else "")
+            )
         )
     return lines
 
@@ -781,10 +827,12 @@ def plot_val_loss(data: dict[str, Any], path: Path) -> None:
         method: groups[(method, row["inner_steps"])] for method, row in _best_rows(summarize(data)["rows"]).items()
     }
     has_extra = any(run["spec"]["phase"] == "extra" for run in data["runs"])
-    fig, axes = plt.subplots(1, 2 if has_extra else 1, figsize=(13 if has_extra else 7, 4.8), squeeze=False)
-    _plot_curves(axes[0][0], pipeline, "Pipeline: lr picked by the short-budget sweep (mean over seeds)")
+    panels = [(pipeline, "Pipeline: lr picked by the short-budget sweep (mean over seeds)")] if pipeline else []
     if has_extra:
-        _plot_curves(axes[0][1], best_configurations(data), "Best full-budget configuration (mean over seeds)")
+        panels.append((best_configurations(data), "Best full-budget configuration (mean over seeds)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 0.5, 4.8), squeeze=False)
+    for ax, (chosen, title) in zip(axes[0], panels):
+        _plot_curves(ax, chosen, title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -800,8 +848,13 @@ def mean_curve_speedup(runs: Sequence[dict[str, Any]], reference: Sequence[dict[
 
 
 def _reference_adamw(configs: dict[tuple[Any, ...], list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    adamw = [runs for key, runs in configs.items() if key[0] == "adamw"]
-    return min(adamw, key=lambda runs: (-len(runs), statistics.fmean(r["final_val"] for r in runs)), default=[])
+    return _reference(configs, "adamw")
+
+
+def _reference(configs: dict[tuple[Any, ...], list[dict[str, Any]]], family: str) -> list[dict[str, Any]]:
+    """The runs of ``family``'s configuration with the most seeds and, among those, the lowest mean final loss."""
+    mine = [runs for key, runs in configs.items() if key[0] == family]
+    return min(mine, key=lambda runs: (-len(runs), statistics.fmean(r["final_val"] for r in runs)), default=[])
 
 
 def plot_speedup(data: dict[str, Any], path: Path) -> None:
@@ -816,15 +869,13 @@ def plot_speedup(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     groups = _group_full(data["runs"])
-    hs = sorted({h for (method, h) in groups if h is not None})
-    panels = [
-        (
-            "Pipeline settings vs the pipeline's AdamW",
-            {k: v for k, v in groups.items()},
-            groups.get(("adamw", None), []),
-        )
-    ]
     configs = _config_groups(data)
+    hs = sorted({key[1] for key in configs if key[1] is not None})
+    panels = (
+        [("Pipeline settings vs the pipeline's AdamW", dict(groups), groups.get(("adamw", None), []))]
+        if groups
+        else []
+    )
     if any(run["spec"]["phase"] == "extra" for run in data["runs"]):
         best: dict[tuple[str, int | None], list[dict[str, Any]]] = {}
         for (method, inner, *_), runs in configs.items():
@@ -836,24 +887,106 @@ def plot_speedup(data: dict[str, Any], path: Path) -> None:
         title = f"Best configuration per H vs the best AdamW (lr {reference[0]['spec']['lr']:g})" if reference else ""
         panels.append((title, best, reference))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-    width = 0.38
+    muon_reference = _reference(configs, "muon")
+    families = [m for m in WITH_H if any(key[0] == m for key in configs)]
+    width = 0.8 / max(1, len(families))
     for ax, (title, chosen, reference) in zip(axes[0], panels):
-        for offset, method in ((-width / 2, "diloco"), (width / 2, "gpa")):
+        for k, method in enumerate(families):
+            base = muon_reference if BASELINE[method] == "muon" else reference
             values = []
             for h in hs:
-                gain = mean_curve_speedup(chosen.get((method, h), []), reference)
+                gain = mean_curve_speedup(chosen.get((method, h), []), base)
                 values.append(0.0 if gain is None else gain)
-            ax.bar([i + offset for i in range(len(hs))], values, width, label=LABELS[method])
+            offset = (k - (len(families) - 1) / 2) * width
+            label = LABELS[method] + (" vs Muon" if BASELINE[method] == "muon" else "")
+            ax.bar([i + offset for i in range(len(hs))], values, width, label=label)
         ax.axhline(0.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(hs)), [str(h) for h in hs])
         ax.set_xlabel("(effective) number of inner steps H")
-        ax.set_ylabel("fewer steps to AdamW's final loss (%)")
+        ax.set_ylabel("fewer steps to the base's final loss (%)")
         ax.set_title(title + "\n(seed-mean curves; 0: never reaches it)", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _config_text(spec: dict[str, Any]) -> str:
+    text = f"lr {spec['lr']:g}"
+    text += f", H {spec['inner_steps']}" if spec["inner_steps"] is not None else ""
+    return text + (f", mu_y {spec['mu_y']:g}" if spec["mu_y"] is not None else "")
+
+
+def budgets_table(records: Sequence[dict[str, Any]]) -> str:
+    """The families at several budgets side by side (one results.json each, shortest first).
+
+    Per budget and family: its best configuration there (most seeds, then lowest mean final loss), the final
+    validation loss, and the speedup of its seed-mean curve against the best AdamW of that budget (and, for the
+    Muon families, against the best Muon). Then each family's best setting of the shortest budget, run at the
+    longer ones (seed 0): whether the shorter budget's choice, and the ordering of the methods, still holds.
+    """
+    budgets = [record["workload"]["steps"] for record in records]
+    best = [best_configurations(record) for record in records]
+    configs = [_config_groups(record) for record in records]
+    head = " | ".join(f"{b} steps: setting | seeds | final val loss | vs AdamW (%) | vs Muon (%)" for b in budgets)
+    lines = [
+        "Each family's best configuration at each budget (learning rate tuned at that budget; speedups of the "
+        "seed-mean curve against the best AdamW / Muon of the same budget):",
+        "",
+        f"| Method | {head} |",
+        "|---|" + "---|---|---|---|---|" * len(budgets),
+    ]
+    for method in METHODS:
+        if not any(method in b for b in best):
+            continue
+        cells = []
+        for chosen, groups in zip(best, configs):
+            runs = chosen.get(method)
+            if not runs:
+                cells.append("— | — | — | — | —")
+                continue
+            finals = [run["final_val"] for run in runs]
+            vs_adamw = mean_curve_speedup(runs, _reference(groups, "adamw")) if method != "adamw" else None
+            vs_muon = (
+                mean_curve_speedup(runs, _reference(groups, "muon"))
+                if BASELINE[method] == "muon" and method != "muon"
+                else None
+            )
+            cells.append(
+                f"{_config_text(runs[0]['spec'])} | {len(runs)} | {_fmt(_mean_std(finals), seeds=len(runs))} | "
+                f"{_fmt_gain(vs_adamw)} | {_fmt_gain(vs_muon)}"
+            )
+        lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
+    if len(records) > 1:
+        lines += [
+            "",
+            f"The best setting at {budgets[0]} steps run for longer (seed 0; rank among the families at that budget):",
+            "",
+            "| Method | setting | " + " | ".join(f"{b} steps: final val loss (rank)" for b in budgets) + " |",
+            "|---|---|" + "---|" * len(budgets),
+        ]
+        rows: dict[str, list[float | None]] = {}
+        settings: dict[str, str] = {}
+        for method, runs in best[0].items():
+            key = (method, runs[0]["spec"]["inner_steps"], runs[0]["spec"]["lr"], runs[0]["spec"]["mu_y"])
+            settings[method] = _config_text(runs[0]["spec"])
+            rows[method] = [
+                next((run["final_val"] for run in groups.get(key, []) if run["spec"]["seed"] == 0), None)
+                for groups in configs
+            ]
+        for method in METHODS:
+            if method not in rows:
+                continue
+            cells = []
+            for i, value in enumerate(rows[method]):
+                if value is None:
+                    cells.append("—")
+                    continue
+                rank = 1 + sum(1 for other in rows.values() if other[i] is not None and other[i] < value)
+                cells.append(f"{value:.4f} ({rank})")
+            lines.append(f"| {LABELS[method]} | {settings[method]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def write_report(json_path: Path, out_dir: Path | None = None) -> str:
@@ -870,6 +1003,10 @@ def write_report(json_path: Path, out_dir: Path | None = None) -> str:
         f"eval every {workload['eval_every']} steps on {workload['val_windows']} fixed windows.\n\n"
     )
     table = header + markdown_table(data)
+    longer = sorted(json_path.parent.glob("steps*/results.json"), key=lambda path: int(path.parent.name[5:]))
+    if longer:  # the longer budgets (--extras-only runs written to steps<N>/), side by side with this one
+        records = [data, *(json.loads(path.read_text()) for path in longer)]
+        table += "\n## Budgets side by side\n\n" + budgets_table(records)
     (out_dir / "table.md").write_text(table)
     plot_val_loss(data, out_dir / "val_loss.png")
     plot_speedup(data, out_dir / "speedup.png")
@@ -901,8 +1038,20 @@ def parse_extra(text: str, workload: Workload) -> RunSpec:
     )
 
 
-def run_pipeline(out: Path, workload: Workload, plan: Plan, workers: int = 1, extras: Sequence[RunSpec] = ()) -> str:
-    """Sweep, select, run the full budget (then any extra runs), write the report; resumes from the JSON."""
+def run_pipeline(
+    out: Path,
+    workload: Workload,
+    plan: Plan,
+    workers: int = 1,
+    extras: Sequence[RunSpec] = (),
+    pipeline: bool = True,
+    report: bool = True,
+) -> str:
+    """Sweep, select, run the full budget (then any extra runs), write the report; resumes from the JSON.
+
+    ``pipeline=False`` runs only ``extras`` (a budget whose learning rates are chosen by hand, e.g. around the
+    best of a shorter budget); ``report=False`` leaves the report to a later ``--report-only`` (and returns "").
+    """
     results = ResultsFile(out / "results.json", workload, plan)
     total, non_embedding = count_parameters(build_model(workload, 0))
     results.data["parameters"] = total
@@ -910,6 +1059,9 @@ def run_pipeline(out: Path, workload: Workload, plan: Plan, workers: int = 1, ex
     tokens = workload.steps * workload.batch_size * workload.seq_len
     logger.info("Model: %d parameters (%d non-embedding); %d tokens per full run", total, non_embedding, tokens)
     results.write()
+    if not pipeline:
+        run_specs(extras, workload, results, workers)
+        return write_report(out / "results.json", out) if report else ""
     run_specs(sweep_specs(workload, plan), workload, results, workers)
     best = best_settings(results.runs)
     results.data["selected"] = best
@@ -945,6 +1097,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=[],
         help="an extra full-budget run after the pipeline, e.g. gpa,lr=0.02,H=8,mu_y=0.7,seed=0 (repeatable)",
     )
+    parser.add_argument(
+        "--extras-only", action="store_true", help="skip the sweep-then-select pipeline; run only the --extra runs"
+    )
+    parser.add_argument("--no-report", action="store_true", help="with --extras-only: record the runs, no report")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.report_only:
@@ -961,7 +1117,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.all_h_seeds is not None:
         plan = dataclasses.replace(plan, all_h_seeds=tuple(args.all_h_seeds))
     extras = [parse_extra(text, workload) for text in args.extra]
-    print(run_pipeline(args.out, workload, plan, args.workers, extras))
+    print(
+        run_pipeline(
+            args.out, workload, plan, args.workers, extras, pipeline=not args.extras_only, report=not args.no_report
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """hf_gpa: Generalized Primal Averaging for PyTorch, the transformers Trainer and accelerate.
 
-The optimizers (``GPAAdamW``, ``GPA``, ``DiLoCo``) need only torch. The transformers-side names
+The optimizers (``GPAAdamW``, ``GPA``, ``DiLoCo``, ``MuonWithAuxAdam``) need only torch. The transformers-side names
 (``GPATrainingArguments``, ``GPATrainer``) and the TRL classes (``GPASFTTrainer``, ``GPADPOTrainer``, ... from
 ``hf_gpa.trl``) are imported on first access, so ``import hf_gpa`` stays light.
 """
@@ -10,7 +10,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .optim import GPA, DiLoCo, GPAAdamW, ReferenceGPA, inner_steps_from_mu_x, mu_x_from_inner_steps
+from .optim import (
+    GPA,
+    DiLoCo,
+    GPAAdamW,
+    MuonWithAuxAdam,
+    ReferenceGPA,
+    inner_steps_from_mu_x,
+    mu_x_from_inner_steps,
+    muon_param_groups,
+)
 
 __version__ = "0.1.0"
 
@@ -31,6 +40,8 @@ __all__ = [
     "GPAAdamW",
     "DiLoCo",
     "ReferenceGPA",
+    "MuonWithAuxAdam",
+    "muon_param_groups",
     "mu_x_from_inner_steps",
     "inner_steps_from_mu_x",
     *_LAZY,

@@ -71,19 +71,31 @@ logger = logging.getLogger(__name__)
 NORM_STATISTICS_Y_NAME = "norm_statistics_y.safetensors"
 
 
+#: How the model card names Muon (``--optim muon``, and as the base of GPA and DiLoCo).
+_MUON_CARD_NAME = (
+    "Muon (hf_gpa.MuonWithAuxAdam: Muon on the hidden weight matrices, AdamW on embeddings, output head, norms and "
+    "biases)"
+)
+
+
 def gpa_model_card_section(args: TrainingArguments) -> str:
     """The model-card paragraph naming the optimizer and its constants (empty for a stock ``--optim``)."""
     if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
         return ""
     name = args.optim.value
-    if args.optim == GPAOptimizerNames.DILOCO_ADAMW:
+    if args.optim == GPAOptimizerNames.MUON:
+        return f"## Optimizer: Muon (hf_gpa)\n\nTrained with `--optim {name}`: {_MUON_CARD_NAME}.\n"
+    if args.optim in (GPAOptimizerNames.DILOCO_ADAMW, GPAOptimizerNames.DILOCO_MUON):
+        inner = "AdamW" if args.optim == GPAOptimizerNames.DILOCO_ADAMW else _MUON_CARD_NAME
         return (
             "## Optimizer: single-worker DiLoCo (hf_gpa)\n\n"
-            f"Trained with `--optim {name}`: AdamW inner steps with H = {args.diloco_inner_steps} inner steps, "
+            f"Trained with `--optim {name}`: {inner} inner steps with H = {args.diloco_inner_steps} inner steps, "
             f"outer learning rate {args.diloco_outer_lr} and outer Nesterov momentum {args.diloco_outer_momentum}. "
             "The weights in this repository are the outer (slow) weights.\n"
         )
     base = "AdamW" if args.optim == GPAOptimizerNames.GPA_ADAMW else f"`{args.gpa_base_optim}`"
+    if args.gpa_base_optim == GPAOptimizerNames.MUON.value:
+        base = _MUON_CARD_NAME
     if args.gpa_averaging == "schedule_free":
         # Schedule-Free's average has no mu_x, hence no H either.
         constants = f"mu_y = {args.gpa_mu_y:.6g}, averaging = schedule_free (x is the lr**2-weighted average of z)"
@@ -141,7 +153,7 @@ def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArgumen
 def _optim_that_saved(saved: str) -> str:
     """The --optim name whose optimizer records ``saved`` (``"GPA(SGD)"`` -> ``gpa``) in its checkpoints."""
     by_class = {spec.optimizer_name: name for name, spec in HF_GPA_OPTIMIZERS.items()}
-    return by_class.get(saved.split("(")[0], "gpa_adamw")
+    return by_class.get(saved, by_class.get(saved.split("(")[0], "gpa_adamw"))  # "DiLoCo(MuonWithAuxAdam)" is its own
 
 
 #: What transformers' model card says of a model whose config names no base model (trained from scratch).
@@ -295,7 +307,7 @@ class GPATrainer(Trainer):
     def _uses_gpa_optimizer(self) -> bool:
         given = getattr(self, "optimizer_cls_and_kwargs", None)
         return (
-            isinstance(getattr(self.args, "optim", None), GPAOptimizerNames)
+            getattr(self.args, "uses_gpa", False)
             or unwrap_gpa_optimizer(self.optimizer) is not None
             or (given is not None and isinstance(given[0], type) and issubclass(given[0], TrainEvalOptimizer))
         )

@@ -37,7 +37,15 @@ from transformers.utils import ExplicitEnum
 from transformers.utils.generic import strtobool
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches
-from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, inner_steps_from_mu_x, mu_x_from_inner_steps
+from hf_gpa.optim import (
+    GPA,
+    DiLoCo,
+    GPAAdamW,
+    MuonWithAuxAdam,
+    inner_steps_from_mu_x,
+    mu_x_from_inner_steps,
+    muon_param_groups,
+)
 
 # The defaults, ranges and checks are the optimizers' own: one source of truth, called here with the flag's name.
 from hf_gpa.optim._checks import (
@@ -107,6 +115,8 @@ class OptimizerSpec:
     optimizer_name: str
     #: Whether ``--optim gpa --gpa_base_optim NAME`` may wrap it.
     gpa_base: bool = False
+    #: Whether it keeps evaluation weights x apart from the training weights (False: a plain optimizer, muon).
+    evaluation_weights: bool = True
 
 
 def _adam_kwargs(args: TrainingArguments) -> dict[str, Any]:
@@ -151,6 +161,32 @@ def _build_diloco_adamw(args: GPATrainingArguments, model: nn.Module | None) -> 
     }
 
 
+def _build_muon(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    # The groups come with the kwargs ("params", as the stock GaLore handler does): Muon takes the hidden weight
+    # matrices, AdamW the rest, each split by the stock Trainer's weight-decay rule (no decay on biases and norms).
+    from transformers import Trainer
+
+    if model is None:
+        raise ValueError(f"--optim {args.optim} needs the model to build its groups (hidden matrices vs the rest)")
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # the stock rule; it does not use the trainer
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for group in muon_param_groups(model):
+        for weight_decay, params in (
+            (args.weight_decay, [p for p in group["params"] if names[id(p)] in decay]),
+            (0.0, [p for p in group["params"] if names[id(p)] not in decay]),
+        ):
+            if params:
+                groups.append({**group, "params": params, "weight_decay": weight_decay})
+    return MuonWithAuxAdam, {"params": groups, **_adam_kwargs(args)}
+
+
+def _build_diloco_muon(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    base_cls, base_kwargs = _build_muon(args, model)
+    _, diloco_kwargs = _build_diloco_adamw(args, model)
+    return DiLoCo, {**diloco_kwargs, **base_kwargs, "base": base_cls}
+
+
 #: GPA's averaging flags (read by every optimizer that keeps GPA's x, y and z).
 _GPA_AVERAGING_FLAGS = ("gpa_mu_x", "gpa_inner_steps", "gpa_mu_y", "gpa_averaging")
 #: Read by the Trainer for any hf_gpa optimizer with evaluation weights x.
@@ -172,6 +208,20 @@ HF_GPA_OPTIMIZERS: dict[str, OptimizerSpec] = {
         _build_diloco_adamw,
         ("diloco_inner_steps", "diloco_outer_lr", "diloco_outer_momentum", *_EVALUATION_FLAGS),
         "DiLoCo",
+    ),
+    "muon": OptimizerSpec(
+        "Muon on the hidden weight matrices, AdamW on embeddings, heads, norms and biases: hf_gpa.MuonWithAuxAdam",
+        _build_muon,
+        (),
+        "MuonWithAuxAdam",
+        gpa_base=True,
+        evaluation_weights=False,
+    ),
+    "diloco_muon": OptimizerSpec(
+        "single-worker DiLoCo around muon",
+        _build_diloco_muon,
+        ("diloco_inner_steps", "diloco_outer_lr", "diloco_outer_momentum", *_EVALUATION_FLAGS),
+        "DiLoCo(MuonWithAuxAdam)",
     ),
 }
 
@@ -391,7 +441,7 @@ class GPATrainingArguments(TrainingArguments):
 
     def _refuse_deepspeed(self, optim: str) -> None:
         """DeepSpeed hides the parameters from a GPA optimizer: refuse the combination, without importing it."""
-        if optim not in GPA_OPTIM_NAMES:
+        if optim not in GPA_OPTIM_NAMES or not HF_GPA_OPTIMIZERS[optim].evaluation_weights:
             return
         if self.deepspeed:
             route = f"--deepspeed {self.deepspeed!r}" if isinstance(self.deepspeed, str) else "--deepspeed (a dict)"
@@ -491,8 +541,8 @@ class GPATrainingArguments(TrainingArguments):
 
     @property
     def uses_gpa(self) -> bool:
-        """True when `--optim` is one of hf_gpa's optimizers (gpa_adamw, gpa or diloco_adamw)."""
-        return isinstance(self.optim, GPAOptimizerNames)
+        """True when `--optim` is one of hf_gpa's optimizers with evaluation weights x (all but muon)."""
+        return isinstance(self.optim, GPAOptimizerNames) and HF_GPA_OPTIMIZERS[self.optim.value].evaluation_weights
 
     @property
     def gpa_effective_inner_steps(self) -> float | None:

@@ -80,7 +80,7 @@ def test_quick_pipeline_writes_every_method_and_sane_numbers(paper_table, tmp_pa
         paper_table.METHODS
     )
     plan = paper_table.QUICK_PLAN
-    for method in ("diloco", "gpa"):
+    for method in paper_table.WITH_H:
         hs = {run["spec"]["inner_steps"] for run in full if run["spec"]["method"] == method}
         assert hs == set(plan.inner_steps)
     log_vocab = math.log(paper_table.QUICK_WORKLOAD.vocab_size)
@@ -89,7 +89,7 @@ def test_quick_pipeline_writes_every_method_and_sane_numbers(paper_table, tmp_pa
         assert len(run["val"]) == len(run["steps"])
         # trained for a few steps from a near-uniform start: finite, below chance level + margin
         assert all(math.isfinite(v) and 0.0 < v < log_vocab + 0.5 for v in run["val"])
-        if run["spec"]["method"] in ("gpa", "sf", "diloco"):
+        if run["spec"]["method"] in ("gpa", "sf", "diloco", "gpa_muon", "diloco_muon"):
             assert all(v is not None and math.isfinite(v) for v in run["val_train"])
     # every seed of every full-budget configuration is present
     seeds = {run["spec"]["seed"] for run in full}
@@ -98,6 +98,7 @@ def test_quick_pipeline_writes_every_method_and_sane_numbers(paper_table, tmp_pa
         assert (tmp_path / name).stat().st_size > 0
     table = (tmp_path / "table.md").read_text()
     assert "GPA-AdamW" in table and "DiLoCo-AdamW" in table and "H = 4" in table
+    assert "GPA-Muon" in table and "DiLoCo-Muon" in table and "| Muon |" in table
 
     # the report is regenerated from the JSON alone, identically
     before = table
@@ -113,3 +114,66 @@ def test_parse_extra_builds_a_full_budget_spec(paper_table):
     assert spec == paper_table.RunSpec("gpa", 0.02, 1, 123, "extra", 8, 0.7)
     with pytest.raises(ValueError, match="Invalid"):
         paper_table.parse_extra("gpa,H=8", workload)
+
+
+def test_longer_budget_with_extras_only_is_reported_side_by_side(paper_table, tmp_path):
+    """--extras-only --steps N into steps<N>/ runs just those runs; the report puts both budgets side by side."""
+    run = ["--quick", "--workers", "1", "--extras-only", "--no-report"]
+    paper_table.main([*run, "--out", str(tmp_path), "--extra", "adamw,lr=0.02", "--extra", "muon,lr=0.02",
+                      "--extra", "gpa_muon,lr=0.02,H=4,mu_y=0.5"])  # fmt: skip
+    assert not (tmp_path / "table.md").exists()
+    paper_table.main([*run, "--out", str(tmp_path / "steps24"), "--steps", "24", "--extra", "adamw,lr=0.02",
+                      "--extra", "muon,lr=0.02", "--extra", "gpa_muon,lr=0.02,H=4,mu_y=0.5"])  # fmt: skip
+    long = json.loads((tmp_path / "steps24" / "results.json").read_text())
+    assert [r["spec"]["steps"] for r in long["runs"]] == [24, 24, 24] and long["workload"]["steps"] == 24
+    paper_table.main(["--out", str(tmp_path), "--report-only"])
+    table = (tmp_path / "table.md").read_text()
+    assert "## Budgets side by side" in table and "12 steps: setting" in table and "24 steps: setting" in table
+    rows = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| GPA-Muon | lr 0.02, H 4")}
+    assert rows, table
+    assert "vs Muon: speedup of mean curve (%)" in table
+
+
+def test_budgets_table_ranks_the_short_budget_settings_at_the_long_budget(paper_table):
+    """The second budgets table runs each family's short-budget best at the long budget and ranks them there."""
+
+    def record(steps, finals):
+        runs = []
+        for (method, lr), final in finals.items():
+            spec = {"method": method, "lr": lr, "seed": 0, "steps": steps, "phase": "extra", "inner_steps": None,
+                    "mu_y": None, "betas": None}  # fmt: skip
+            runs.append({"key": f"{method}{lr}", "spec": spec, "steps": [steps // 2, steps], "val": [9.0, final],
+                         "val_train": [None, None], "final_val": final})  # fmt: skip
+        return {"workload": {"steps": steps}, "runs": runs}
+
+    short = record(10, {("adamw", 0.02): 3.0, ("muon", 0.02): 2.9, ("muon", 0.04): 3.1})
+    long = record(30, {("adamw", 0.02): 2.5, ("muon", 0.02): 2.6, ("muon", 0.04): 2.4})
+    table = paper_table.budgets_table([short, long])
+    # Muon's curve (9 at mid-run, then its final loss) crosses AdamW's final loss at 5 + 5 * 6 / 6.1 of 10 steps
+    # (0.82% fewer) and, at 30 steps, at 15 + 15 * 6.5 / 6.6 (0.76% fewer)
+    assert "| Muon | lr 0.02 | 1 | 2.9000 (1 seed) | 0.82 | — | lr 0.04 | 1 | 2.4000 (1 seed) | 0.76 | — |" in table
+    assert "| AdamW | lr 0.02 | 3.0000 (2) | 2.5000 (1) |" in table
+    assert "| Muon | lr 0.02 | 2.9000 (1) | 2.6000 (2) |" in table
+
+
+def test_committed_results_still_render(paper_table):
+    """The committed results.json (written before the Muon families existed, and since) renders as before."""
+    path = _PATH.parent / "results" / "paper_table" / "results.json"
+    data = json.loads(path.read_text())
+    table = paper_table.markdown_table(data)
+    assert table.startswith("| Method | H = 8 | H = 16 | H = 32 | H = 64 |")
+    assert "| GPA-AdamW | 8 | 0.02 | 0.5 | 3 |" in table
+
+
+def test_results_file_keeps_what_was_recorded(paper_table, tmp_path):
+    """Reopening a record of the same workload (e.g. for --extra runs) keeps its runs, selections and notes."""
+    workload, plan = paper_table.Workload(steps=10), paper_table.Plan()
+    path = tmp_path / "results.json"
+    first = paper_table.ResultsFile(path, workload, plan)
+    first.data.update(selected={"adamw": {"lr": 0.01}}, notes=["by hand"])
+    first.add({"key": "a", "spec": {}})
+    again = paper_table.ResultsFile(path, workload, plan)
+    again.write()
+    data = json.loads(path.read_text())
+    assert data["notes"] == ["by hand"] and data["selected"] == {"adamw": {"lr": 0.01}}
+    assert [run["key"] for run in data["runs"]] == ["a"]

@@ -49,12 +49,13 @@ def test_defaults(tmp_path):
 
 @pytest.mark.parametrize("name", [n.value for n in GPAOptimizerNames])
 def test_gpa_optim_names_parse_from_command_line(name, tmp_path):
-    """--optim gpa_adamw|gpa|diloco_adamw passes HfArgumentParser's choices and the stock __post_init__."""
+    """--optim gpa_adamw|gpa|diloco_adamw|muon|diloco_muon passes HfArgumentParser's choices and the stock
+    __post_init__."""
     extra = ["--gpa_base_optim", "sgd"] if name == "gpa" else []
     args = parse(["--optim", name, *extra], tmp_path)
     assert args.optim is GPAOptimizerNames(name)
     assert args.optim == name  # a str enum: comparisons with the plain name keep working
-    assert args.uses_gpa
+    assert args.uses_gpa is (name != "muon")  # the Muon baseline has no x
 
 
 @pytest.mark.parametrize("name", [n.value for n in OptimizerNames])
@@ -381,12 +382,13 @@ def test_schedule_free_arguments_carry_no_mu_x(tmp_path):
         ("adamw_torch", "gpa_inner_steps", "8", "gpa_adamw or gpa"),
         ("adamw_torch", "gpa_mu_y", "0.5", "gpa_adamw or gpa"),
         ("adamw_torch", "gpa_averaging", "schedule_free", "gpa_adamw or gpa"),
-        ("sgd", "diloco_outer_lr", "0.5", "diloco_adamw"),
-        ("adamw_torch", "gpa_bn_recalibration_batches", "4", "gpa_adamw or gpa or diloco_adamw"),
+        ("sgd", "diloco_outer_lr", "0.5", "diloco_adamw or diloco_muon"),
+        ("adamw_torch", "gpa_bn_recalibration_batches", "4", "gpa_adamw or gpa or diloco_adamw or diloco_muon"),
         ("diloco_adamw", "gpa_mu_x", "0.99", "gpa_adamw or gpa"),
         ("diloco_adamw", "gpa_mu_y", "0.5", "gpa_adamw or gpa"),
-        ("gpa_adamw", "diloco_inner_steps", "8", "diloco_adamw"),
-        ("gpa_adamw", "diloco_outer_momentum", "0.5", "diloco_adamw"),
+        ("gpa_adamw", "diloco_inner_steps", "8", "diloco_adamw or diloco_muon"),
+        ("gpa_adamw", "diloco_outer_momentum", "0.5", "diloco_adamw or diloco_muon"),
+        ("muon", "gpa_mu_y", "0.5", "gpa_adamw or gpa"),
     ],
 )
 def test_flag_the_optimizer_does_not_read_is_refused(optim, flag, value, readers, tmp_path):

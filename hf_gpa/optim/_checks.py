@@ -173,7 +173,8 @@ def base_defaults(base: Any, base_kwargs: dict[str, Any], reserved: tuple[str, .
     """The defaults of a base optimizer class with ``base_kwargs`` applied, checked by the base itself.
 
     Instantiating the base on a dummy tensor runs its own argument checks now, before any work, and yields its
-    hyper-parameter names (lr, betas, ...), which the wrapper then carries in its own param groups.
+    hyper-parameter names (lr, betas, ...), which the wrapper then carries in its own param groups. A base whose
+    groups must say something (``MuonWithAuxAdam``'s ``use_muon``) names it in its class attribute ``probe_group``.
     """
     if not (isinstance(base, type) and issubclass(base, torch.optim.Optimizer)):
         raise ValueError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass)")
@@ -182,10 +183,15 @@ def base_defaults(base: Any, base_kwargs: dict[str, Any], reserved: tuple[str, .
     if "weight_decay" in base_kwargs:
         check_weight_decay(base_kwargs["weight_decay"])
     try:
-        defaults = dict(base([torch.zeros(2, 2, requires_grad=True)], **base_kwargs).defaults)
+        defaults = dict(base([probe_group(base, torch.zeros(2, 2, requires_grad=True))], **base_kwargs).defaults)
     except TypeError as err:  # e.g. eps="x": torch compares it with a number; say which argument, as a ValueError
         raise ValueError(f"Invalid argument for {base.__name__}({', '.join(base_kwargs)}): {err}") from err
     overlap = sorted(set(defaults) & set(reserved))
     if overlap:
         raise ValueError(f"Invalid base: {base.__name__} uses hyper-parameter names reserved by {owner}: {overlap}")
     return defaults
+
+
+def probe_group(base: Any, tensor: torch.Tensor) -> dict[str, Any]:
+    """A param group of ``tensor`` that ``base`` accepts: with the keys of ``base.probe_group``, if it has one."""
+    return {"params": [tensor], **getattr(base, "probe_group", {})}

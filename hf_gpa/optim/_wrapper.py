@@ -7,6 +7,8 @@ its step. Everything about holding that base lives here, once:
   tensor is the very dict ``state[p]["base"]`` of this optimizer, so ``state_dict()`` carries it;
 * the per-group hyper-parameters (``lr``, ``weight_decay``, the base's own) are forwarded to it before every step,
   so LR schedulers attached to the wrapper drive it;
+* a base whose groups carry keys of their own (``MuonWithAuxAdam``'s ``use_muon``) names them in ``probe_group``
+  and checks a group in its static ``check_group(group)``: the wrapper's groups are checked by it too, up front;
 * ``add_param_group``, ``load_state_dict``, ``copy.deepcopy`` and ``pickle`` drop it, and it is rebuilt on the
   current (added, loaded, copied) tensors at the next step;
 * its step runs without torch's step hooks, so global optimizer hooks fire once per wrapper step, around it;
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._checks import base_defaults
+from ._checks import base_defaults, probe_group
 from ._loading import OPTIMIZER_KEY
 from ._train_eval import TrainEvalOptimizer
 
@@ -112,6 +114,12 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
             self._link_base_state(base, pairs)
             self._base, self._base_pairs = base, pairs
         return self._base
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        check = getattr(self.base_class, "check_group", None)
+        if check is not None:  # the base's own group checks (MuonWithAuxAdam: use_muon, 2-D Muon parameters), now
+            check({**self._base_hypers(group), "params": group["params"]})
 
     def _base_hypers(self, group: dict[str, Any]) -> dict[str, Any]:
         return {k: group[k] for k in self._base_keys if k in group}
@@ -216,7 +224,8 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
     def _probe_base_state_keys(self) -> set[str]:
         """The per-parameter state keys the base creates, from one step on a 2x2 probe tensor."""
         probe = torch.zeros(2, 2, requires_grad=True)
-        optimizer = self.base_class([{"params": [probe], **self._base_hypers(self.defaults)}])
+        group = probe_group(self.base_class, probe)
+        optimizer = self.base_class([{**group, **self._base_hypers(self.defaults), **group}])
         probe.grad = torch.ones_like(probe)
         unhooked_step(optimizer)
         return {str(k) for k in optimizer.state[probe]}
