@@ -35,6 +35,15 @@ from .kernels.cpu import load_cpu_kernel
 __all__ = ["GPAAdamW"]
 
 _HALF = (torch.bfloat16, torch.float16)
+#: ``state_dtype``: what bf16/fp16 parameters keep their state in. "float32": z, m, v and a float32 copy of y (16 bytes
+#: per weight, x as exact as float32 allows); "param": z, m and v in the parameter's dtype, no copy of y (6 bytes, as
+#: torch's AdamW keeps m and v; the update is computed in float32 and rounded once per step).
+STATE_DTYPES = ("float32", "param")
+
+
+def _check_state_dtype(state_dtype: Any) -> None:
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"Invalid state_dtype: {state_dtype!r} (must be one of {', '.join(STATE_DTYPES)})")
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -56,7 +65,9 @@ class GPAAdamW(GPASwitch):
     as float32 allows (rounding y to bf16 at every step would accumulate in x, amplified by 1 / mu_y). That is 16
     bytes of state per parameter, 8.0x the bytes of a bf16 parameter (4 bytes, a third, more than without the copy).
     The parameter stays authoritative: where it no longer equals ``y_fp32`` rounded (something else wrote it), the
-    step starts from the parameter. Weight decay is decoupled and acts on z, as in Algorithm 1 of the paper.
+    step starts from the parameter. ``state_dtype="param"`` trades that accuracy for memory: z, m and v in the
+    parameter's dtype and no copy of y, 6 bytes per bf16 weight (torch's AdamW: 4, GPA-AdamW's default: 16).
+    Weight decay is decoupled and acts on z, as in Algorithm 1 of the paper.
     ``mu_x = 0`` is AdamW; ``mu_y = 1`` is stochastic primal averaging. Call ``eval()`` before evaluating or saving
     (the parameters then hold x) and ``train()`` before the next step (y comes back bitwise).
 
@@ -81,6 +92,10 @@ class GPAAdamW(GPASwitch):
             where it is available; tensors a kernel cannot take (other dtypes or devices, parameters whose
             tensors differ in layout) use foreach (default: None).
         maximize: maximize the objective instead of minimizing it (default: False).
+        state_dtype: the state of bf16/fp16 parameters: ``"float32"`` (z, m, v and y's float32 copy) or ``"param"``
+            (z, m, v in the parameter's dtype, no copy of y; computed in float32, rounded once per step; the fused
+            kernels take float32 state only, so these parameters take the foreach path). fp32/fp64 parameters are
+            not affected (default: "float32").
 
     Paper: Defazio, Mishchenko, Raman, Shi, Xiao, "Smoothing DiLoCo with Primal Averaging for Faster Training of
     LLMs" (Generalized Primal Averaging).
@@ -104,8 +119,10 @@ class GPAAdamW(GPASwitch):
         foreach: bool | None = None,
         fused: bool | None = None,
         maximize: bool = False,
+        state_dtype: str = "float32",
     ) -> None:
         check_lr(lr)
+        _check_state_dtype(state_dtype)
         check_adam(betas, eps, weight_decay)
         check_mu(mu_x, mu_y)
         check_averaging(averaging)
@@ -123,6 +140,7 @@ class GPAAdamW(GPASwitch):
             foreach=foreach,
             fused=fused,
             maximize=maximize,
+            state_dtype=state_dtype,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -130,6 +148,12 @@ class GPAAdamW(GPASwitch):
             check_adam(group["betas"], group["eps"], group["weight_decay"])
             check_mu(group["mu_x"], group["mu_y"])
             check_averaging(group["averaging"])
+            _check_state_dtype(group["state_dtype"])
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("state_dtype", "float32")
 
     def _init_group(self, group: dict[str, Any]) -> tuple[list[Any], ...]:
         """The local (real-valued) tensors of every parameter with a gradient; state is created on first use."""
@@ -140,14 +164,15 @@ class GPAAdamW(GPASwitch):
             if p.grad.is_sparse:
                 raise RuntimeError("GPAAdamW does not support sparse gradients")
             state = self.state[p]
+            in_param_dtype = group.get("state_dtype", "float32") == "param"
             if "z" not in state:
                 # Created lazily, after any wrapping (FSDP2 replaces parameters by DTensor shards in prepare()).
-                dtype = state_dtype_for(p)
+                dtype = p.dtype if in_param_dtype else state_dtype_for(p)
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["z"] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
                 state["exp_avg"] = torch.zeros_like(state["z"], memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(state["z"], memory_format=torch.preserve_format)
-            if p.dtype in _HALF and "y_fp32" not in state:
+            if p.dtype in _HALF and "y_fp32" not in state and state["z"].dtype == torch.float32:
                 # Also for state saved before this copy existed: the parameter holds y rounded, a fine start.
                 state["y_fp32"] = p.detach().to(dtype=torch.float32, copy=True, memory_format=torch.preserve_format)
             tensors = [local_tensor(t) for t in (p, p.grad, state["z"], state["exp_avg"], state["exp_avg_sq"])]
@@ -258,7 +283,7 @@ class GPAAdamW(GPASwitch):
         for i, y in enumerate(ys):
             kernel = self._fused_kernel(y)
             layout_ok = all(_same_dense_layout(y, t) for t in (gs[i], zs[i], ms[i], vs[i], y32s[i]) if t is not None)
-            if kernel is None or not layout_ok or gs[i].dtype != y.dtype:
+            if kernel is None or not layout_ok or gs[i].dtype != y.dtype or zs[i].dtype in _HALF:
                 rest.append(i)
             elif kernel == "cpu":  # the C++ kernel takes a step size per tensor
                 buckets[("cpu", None, None, y32s[i] is not None, None)].append(i)
@@ -324,7 +349,18 @@ def _single_tensor_gpa_adamw(
     mu_y: float,
     maximize: bool,
 ) -> None:
-    """The ground truth: one tensor, plain ops, in the state dtype (``y32``: y's float32 copy, or None)."""
+    """The ground truth: one tensor, plain ops, in the state dtype (``y32``: y's float32 copy, or None).
+
+    State in a half-precision dtype (``state_dtype="param"``) is computed in float32 and rounded once at the end.
+    """
+    if z.dtype in _HALF:
+        wide = [t.float() for t in (z, m, v)]
+        _single_tensor_gpa_adamw(
+            y, g, *wide, y32, lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            mu_x=mu_x, mu_y=mu_y, maximize=maximize,
+        )  # fmt: skip
+        torch._foreach_copy_([z, m, v], wide)
+        return
     g = g.to(z.dtype)
     if maximize:
         g = -g
@@ -368,6 +404,10 @@ def _foreach_gpa_adamw(
     """The same update as `_single_tensor_gpa_adamw` with foreach ops, one call per (device, dtype) bucket."""
     grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype([ys, gs, zs, ms, vs], with_indices=True)
     for (y_b, g_b, z_b, m_b, v_b), indices in grouped.values():
+        stored = None
+        if z_b[0].dtype in _HALF:  # state_dtype="param": computed in float32, rounded once at the end
+            stored = z_b + m_b + v_b
+            z_b, m_b, v_b = ([t.float() for t in lst] for lst in (z_b, m_b, v_b))
         state_dtype = z_b[0].dtype
         g_acc = [g.to(state_dtype) for g in g_b]
         if maximize:
@@ -392,3 +432,5 @@ def _foreach_gpa_adamw(
         copied = [k for k, ip in enumerate(in_place) if not ip]
         if copied:
             torch._foreach_copy_([y_b[k] for k in copied], [y_acc[k] for k in copied])
+        if stored is not None:
+            torch._foreach_copy_(stored, z_b + m_b + v_b)
