@@ -11,7 +11,9 @@ three seeds. Only the optimizer changes between the rows:
   only tensors of at least 4096 elements (as bitsandbytes does), which on this 37K-parameter model is the embedding
   alone (44% of the parameters);
 * ``8bit-all`` / ``4bit-all``: the same optimizers with every tensor whose size is a multiple of the block size
-  quantized (all matrices; only the norm weights stay float32), the regime of a large model.
+  quantized (all matrices; only the norm weights stay float32), the regime of a large model;
+* ``torchao-fp32``: torchao's AdamW8bit with no tensor quantized (its step, float32 m and v): a control that
+  separates torchao's step from torch's AdamW's and from the quantization.
 
     nice -n 10 python benchmarks/lowbit_quality.py                        # 15 runs, one process, one thread
     python benchmarks/lowbit_quality.py --report-only
@@ -39,7 +41,7 @@ import paper_table as pt  # noqa: E402  (the workload's data, model, schedule an
 
 logger = logging.getLogger("lowbit_quality")
 
-VARIANTS = ("fp32", "8bit", "4bit", "8bit-all", "4bit-all")
+VARIANTS = ("fp32", "8bit", "4bit", "8bit-all", "4bit-all", "torchao-fp32")
 #: The paper bench's best full-budget GPA configuration (benchmarks/results/paper_table/table.md).
 INNER_STEPS, LR, MU_Y = 8, 0.02, 0.5
 SEEDS = (0, 1, 2)
@@ -58,10 +60,24 @@ def _quantize_all(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimize
     return QuantizeAll
 
 
+def _quantize_none(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` with float32 m and v for every tensor: its own step without quantization."""
+
+    class QuantizeNone(cls):  # type: ignore[misc, valid-type]
+        def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+            return torch.zeros_like(p)
+
+    QuantizeNone.__name__ = f"{cls.__name__}None"
+    return QuantizeNone
+
+
 def base_class(variant: str) -> type[torch.optim.Optimizer]:
     if variant == "fp32":
         return torch.optim.AdamW
     from torchao.optim import AdamW4bit, AdamW8bit
+
+    if variant == "torchao-fp32":
+        return _quantize_none(AdamW8bit)
 
     cls = AdamW8bit if variant.startswith("8bit") else AdamW4bit
     return _quantize_all(cls) if variant.endswith("-all") else cls
@@ -166,6 +182,7 @@ def _label(variant: str) -> str:
         "4bit": "torchao AdamW4bit",
         "8bit-all": "AdamW8bit, every matrix quantized",
         "4bit-all": "AdamW4bit, every matrix quantized",
+        "torchao-fp32": "AdamW8bit's step, nothing quantized (control)",
     }[variant]
 
 
