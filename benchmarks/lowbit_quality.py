@@ -30,6 +30,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,13 +111,21 @@ def quantized_fraction(optimizer: torch.optim.Optimizer) -> float:
     return quantized / max(total, 1)
 
 
-def train_run(variant: str, seed: int, workload: pt.Workload, data: tuple[torch.Tensor, torch.Tensor]) -> dict:
-    """One run of ``paper_table.train_run``'s loop (same batches, schedule, clipping, evaluation) with GPA(base)."""
+def train_run(
+    variant: str,
+    seed: int,
+    workload: pt.Workload,
+    data: tuple[torch.Tensor, torch.Tensor],
+    make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """One run of ``paper_table.train_run``'s loop (same batches, schedule, clipping, evaluation): GPA(base of
+    ``variant``), or the optimizer ``make_optimizer`` builds; the model in ``dtype``."""
     train, val = data
-    model = pt.build_model(workload, seed)
+    model = pt.build_model(workload, seed).to(dtype)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(variant, params, workload)
+    optimizer = make_optimizer(params) if make_optimizer else build_optimizer(variant, params, workload)
     order = pt.batch_order(train.shape[0], workload, workload.steps, seed)
     record: dict[str, Any] = {"steps": [], "val": [], "val_train": []}
     start = time.perf_counter()
@@ -134,10 +143,13 @@ def train_run(variant: str, seed: int, workload: pt.Workload, data: tuple[torch.
             record["diverged_at"] = step + 1
             break
         if (step + 1) % workload.eval_every == 0 or step + 1 == workload.steps:
+            averaged = hasattr(optimizer, "train_mode")
             record["val_train"].append(pt.evaluate(model, val, workload.batch_size))
-            optimizer.eval()
+            if averaged:
+                optimizer.eval()
             record["val"].append(pt.evaluate(model, val, workload.batch_size))
-            optimizer.train()
+            if averaged:
+                optimizer.train()
             record["steps"].append(step + 1)
     record["wall_s"] = time.perf_counter() - start
     record["final_val"] = record["val"][-1] if record["val"] and "diverged_at" not in record else math.inf
