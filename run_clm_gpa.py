@@ -60,7 +60,7 @@ from transformers.testing_utils import CaptureLogger
 
 from hf_gpa import GPATrainer, GPATrainingArguments
 from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
-from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging
+from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging, size_in_parameters
 from hf_gpa.metrics import ACCURACY
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ _COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
     "gpa_inner_steps": ("gpa_mu_x", "gpa_averaging"),
 }
 
-#: The default model: a 4-layer Llama (about 2.5M parameters with the default 4096-token vocabulary).
+#: The default model: a 4-layer Llama (2,557,632 parameters with the default 4096-token vocabulary).
 DEFAULT_LLAMA_CONFIG: dict[str, Any] = {
     "hidden_size": 192,
     "intermediate_size": 512,
@@ -109,6 +109,12 @@ DEFAULT_LLAMA_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": True,
 }
+#: How --help names the default model.
+DEFAULT_MODEL_TEXT = (
+    f"a small Llama ({DEFAULT_LLAMA_CONFIG['num_hidden_layers']} layers, hidden size "
+    f"{DEFAULT_LLAMA_CONFIG['hidden_size']}, {DEFAULT_LLAMA_CONFIG['num_attention_heads']} attention heads, tied "
+    "embeddings) with the tokenizer's vocabulary"
+)
 
 
 @dataclass
@@ -120,7 +126,7 @@ class ModelArguments:
         metadata={
             "help": (
                 "The model checkpoint for weights initialization. Leave unset to train a model from scratch "
-                "(by default the small Llama of DEFAULT_LLAMA_CONFIG)."
+                f"(by default {DEFAULT_MODEL_TEXT})."
             )
         },
     )
@@ -130,7 +136,7 @@ class ModelArguments:
             "help": (
                 "If training from scratch, the model type whose default config to use, one of: "
                 + ", ".join(MODEL_TYPES)
-                + ". Unset: a small Llama (DEFAULT_LLAMA_CONFIG)."
+                + f". Unset: {DEFAULT_MODEL_TEXT}."
             )
         },
     )
@@ -468,8 +474,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         )
     else:
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_args.trust_remote_code)
-        n_params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
-        logger.info(f"Training new model from scratch - Total size={n_params / 2**20:.2f}M params")
+        logger.info(f"Training new model from scratch - {size_in_parameters(model)}")
 
     # We resize the embeddings only when necessary to avoid index errors.
     embedding_size = model.get_input_embeddings().weight.shape[0]

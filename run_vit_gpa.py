@@ -71,7 +71,7 @@ from transformers.image_processing_utils import BaseImageProcessor
 
 from hf_gpa import GPATrainer, GPATrainingArguments
 from hf_gpa.data import load_digits_dataset
-from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging
+from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging, size_in_parameters
 from hf_gpa.metrics import ACCURACY
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,17 @@ DEFAULT_RESNET_CONFIG: dict[str, Any] = {
 
 #: Model types that train from scratch with a small config of the script's rather than the type's stock default.
 SMALL_CONFIGS: dict[str, dict[str, Any]] = {"resnet": DEFAULT_RESNET_CONFIG}
+
+#: How --help names the default models.
+DEFAULT_VIT_TEXT = (
+    f"a small ViT ({DEFAULT_VIT_CONFIG['num_hidden_layers']} layers, hidden size {DEFAULT_VIT_CONFIG['hidden_size']}, "
+    f"{DEFAULT_VIT_CONFIG['image_size']}x{DEFAULT_VIT_CONFIG['image_size']} inputs in "
+    f"{DEFAULT_VIT_CONFIG['patch_size']}x{DEFAULT_VIT_CONFIG['patch_size']} patches)"
+)
+DEFAULT_RESNET_TEXT = (
+    f"a small ResNet with BatchNorm (widths {'/'.join(map(str, DEFAULT_RESNET_CONFIG['hidden_sizes']))}, "
+    f"{DEFAULT_RESNET_CONFIG['image_size']}x{DEFAULT_RESNET_CONFIG['image_size']} inputs)"
+)
 
 
 @dataclass
@@ -227,7 +238,7 @@ class ModelArguments:
         metadata={
             "help": (
                 "Path to pretrained model or model identifier from huggingface.co/models. Unset: train a model from "
-                "scratch (by default the small ViT of DEFAULT_VIT_CONFIG)."
+                f"scratch (by default {DEFAULT_VIT_TEXT})."
             )
         },
     )
@@ -237,7 +248,7 @@ class ModelArguments:
             "help": (
                 "If training from scratch, the model type whose default config to use, one of: "
                 + ", ".join(MODEL_TYPES)
-                + ". Unset: a small ViT (DEFAULT_VIT_CONFIG); resnet: a small ResNet (DEFAULT_RESNET_CONFIG)."
+                + f". Unset: {DEFAULT_VIT_TEXT}; resnet: {DEFAULT_RESNET_TEXT}."
             )
         },
     )
@@ -477,8 +488,7 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback]
         )
     else:
         model = AutoModelForImageClassification.from_config(config, trust_remote_code=model_args.trust_remote_code)
-        n_params = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
-        logger.info(f"Training new model from scratch - Total size={n_params / 2**20:.2f}M params")
+        logger.info(f"Training new model from scratch - {size_in_parameters(model)}")
     image_processor = build_image_processor(model_args, config)
 
     # Augmentation draws from Python's global generator: seeded by set_seed(--seed) above and isolated from

@@ -282,11 +282,22 @@ def build_optimizer(spec: RunSpec, params: list[torch.nn.Parameter], workload: W
     if spec.method == "sf":
         return GPAAdamW(params, mu_y=SF_MU_Y, averaging="schedule_free", **common)
     if spec.method == "sf_ref":
-        import schedulefree
-
+        schedulefree = import_schedulefree()
         warmup = max(1, round(workload.warmup_fraction * spec.steps))
         return schedulefree.AdamWScheduleFree(params, warmup_steps=warmup, **common)
     raise ValueError(f"Invalid method: {spec.method!r} (expected one of {METHODS})")
+
+
+def import_schedulefree() -> Any:
+    """The `schedulefree` package (the reference SF-AdamW), or an ImportError that says how to install it."""
+    try:
+        import schedulefree
+    except ImportError as error:
+        raise ImportError(
+            "benchmarks/paper_table.py runs the reference Schedule-Free AdamW, which needs schedulefree: "
+            'pip install "hf_gpa[bench]"'
+        ) from error
+    return schedulefree
 
 
 def _schedule_of(method: str) -> str:
@@ -939,6 +950,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.report_only:
         print(write_report(args.out / "results.json", args.out))
         return
+    import_schedulefree()  # before any run, not when the pipeline reaches sf_ref
     workload, plan = (QUICK_WORKLOAD, QUICK_PLAN) if args.quick else (Workload(), Plan())
     if args.steps is not None:
         workload = dataclasses.replace(workload, steps=args.steps)

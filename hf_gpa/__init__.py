@@ -37,7 +37,21 @@ __all__ = [
 ]
 
 
+#: The distributions of the `hf` extra: a missing one makes a transformers-side name unavailable.
+_HF_EXTRA = frozenset({"transformers", "accelerate", "safetensors", "huggingface_hub"})
+
+
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hf_gpa' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hf_gpa' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(_LAZY[name])
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if missing not in _HF_EXTRA:
+            raise
+        raise ImportError(
+            f"hf_gpa.{name} needs {missing}, which is not installed: pip install \"hf_gpa[hf]\" (the optimizers in "
+            "hf_gpa.optim need only torch)"
+        ) from error
+    return getattr(module, name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -27,7 +28,14 @@ from torch import nn
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches, recalibrated_norm_statistics
 from hf_gpa.optim._train_eval import TrainEvalOptimizer
 
-__all__ = ["SAFE_WEIGHTS_NAME", "evaluation_weights", "save_x_weights", "unwrap_gpa_optimizer", "x_state_dict"]
+__all__ = [
+    "SAFE_WEIGHTS_NAME",
+    "evaluation_weights",
+    "random_state_kept",
+    "save_x_weights",
+    "unwrap_gpa_optimizer",
+    "x_state_dict",
+]
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 _MAX_WRAPPER_DEPTH = 8  # accelerate wraps once; DeepSpeed/SMP-style wrappers add a level or two at most
@@ -43,6 +51,31 @@ def unwrap_gpa_optimizer(optimizer: Any) -> TrainEvalOptimizer | None:
 
 
 @contextlib.contextmanager
+def random_state_kept(device: torch.device | str | None = None) -> Iterator[None]:
+    """On exit (also by an exception) Python's, NumPy's and torch's global random generators are as on entry.
+
+    Evaluating or saving in the middle of training must not change what training draws next: an evaluation's
+    DataLoader takes a number from torch's generator to seed itself, which would shift every later dropout mask and
+    shuffle. ``device``: an accelerator whose generator is kept too (the CPU's always is).
+    """
+    try:
+        import numpy as np
+    except ImportError:  # NumPy is optional here
+        np = None
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    accelerator = [] if device.type in ("cpu", "meta") else [device]
+    python_state = random.getstate()
+    numpy_state = np.random.get_state() if np is not None else None
+    with torch.random.fork_rng(devices=accelerator, device_type=device.type if accelerator else "cuda"):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            if np is not None:
+                np.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
 def evaluation_weights(
     optimizer: Any,
     model: nn.Module | None = None,
@@ -50,10 +83,11 @@ def evaluation_weights(
     bn_batches: Iterable[Any] | None = None,
     bn_num_batches: int = DEFAULT_RECALIBRATION_BATCHES,
     bn_forward: Callable[[nn.Module, Any], Any] | None = None,
-) -> Iterator[None]:
+) -> Iterator[bool]:
     """Inside the block the parameters hold x; on exit (also by an exception) the mode found on entry is restored.
 
-    A no-op for optimizers without an x/y split (stock torch ones, None) and when already in eval mode. With
+    A no-op for optimizers without an x/y split (stock torch ones, None) and when already in eval mode. The block
+    receives whether this call switched to x (``with evaluation_weights(opt) as switched:``). With
     ``model`` and ``bn_batches`` (an iterable of training batches: a DataLoader may be passed as it is), the running
     statistics of ``model``'s norm layers are recomputed at x from at most ``bn_num_batches`` of them for the block
     and y's statistics restored exactly on exit; the global random generators are left as they were, so passing the
@@ -68,17 +102,17 @@ def evaluation_weights(
         raise ValueError("evaluation_weights: bn_batches needs the model whose statistics to recompute (model=...)")
     inner = unwrap_gpa_optimizer(optimizer)
     if inner is None:
-        yield
+        yield False
         return
     switch = inner.train_mode
     if switch:
         inner.eval()
     try:
         if model is None or bn_batches is None:
-            yield
+            yield switch
         else:
             with recalibrated_norm_statistics(model, bn_batches, bn_num_batches, forward=bn_forward):
-                yield
+                yield switch
     finally:
         if switch:
             inner.train()

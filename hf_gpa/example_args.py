@@ -7,6 +7,7 @@ as transformers' examples do, and fill in a default only for the flags that were
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -20,13 +21,18 @@ import transformers
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
+from hf_gpa.training_args import unused_flags
+
 __all__ = [
     "given_flag_names",
+    "given_value",
     "defaults_for",
+    "show_script_defaults",
     "device_defaults",
     "parse_with_defaults",
     "setup_logging",
     "detect_last_checkpoint",
+    "size_in_parameters",
 ]
 
 
@@ -51,24 +57,40 @@ def device_defaults() -> dict[str, Any]:
     return {} if torch.accelerator.is_available() else {"dataloader_pin_memory": False}
 
 
+def given_value(argv: Sequence[str], name: str) -> str | None:
+    """The value of ``--name`` in argv (``--name V`` or ``--name=V``, dashes or underscores), else None."""
+    for i, arg in enumerate(argv):
+        flag, equals, value = arg.partition("=")
+        if flag.startswith("--") and flag[2:].replace("-", "_") == name:
+            if equals:
+                return value
+            return argv[i + 1] if i + 1 < len(argv) else None
+    return None
+
+
 def defaults_for(
     given: set[str],
     recipe: Mapping[str, Any],
     embedded: Mapping[str, Any] | None,
     coupled: Mapping[str, Sequence[str]],
+    optim: str | None = None,
 ) -> dict[str, Any]:
     """The defaults for every flag not given; ``embedded`` (None when a dataset is named) adds the data sizing.
 
     A default is also left out when the user gives a flag it is coupled to (``--num_train_epochs`` drops a default
-    ``--max_steps``). ``--do_train --do_eval`` is the default when none of the ``--do_*`` flags is given.
+    ``--max_steps``), and when the chosen ``--optim`` (``optim``: the given one, else the recipe's) does not read it
+    (``--optim adamw_torch`` drops a default ``--gpa_inner_steps``). ``--do_train --do_eval`` is the default when none
+    of the ``--do_*`` flags is given.
     """
     defaults = {**recipe, **(embedded or {})}
     if not given & {"do_train", "do_eval", "do_predict"}:
         defaults.update(do_train=True, do_eval=True)
+    chosen = optim if optim is not None else defaults.get("optim")
+    unused = set(unused_flags(chosen)) if chosen is not None else set()
     return {
         name: value
         for name, value in defaults.items()
-        if name not in given and not given & set(coupled.get(name, ()))
+        if name not in given and not given & set(coupled.get(name, ())) and name not in unused
     }
 
 
@@ -92,20 +114,56 @@ def parse_with_defaults(
     if len(argv) == 1 and argv[0].endswith(".json"):
         given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
         uses_embedded = not any(given_dict.get(flag) for flag in data_source_flags)
-        defaults = defaults_for(set(given_dict), recipe, embedded if uses_embedded else None, coupled)
+        defaults = defaults_for(
+            set(given_dict), recipe, embedded if uses_embedded else None, coupled, given_dict.get("optim")
+        )
         return parser.parse_dict({**defaults, **given_dict})
     if "-h" in argv or "--help" in argv:
+        show_script_defaults(parser, recipe, embedded, data_source_flags)
         return parser.parse_args_into_dataclasses(args=argv)  # prints the help of every dataclass and exits
     # A first pass over the data flags only, to learn whether the embedded data is used.
     (data_args, _) = HfArgumentParser(data_args_type).parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True
     )
     uses_embedded = not any(getattr(data_args, flag) for flag in data_source_flags)
-    defaults = defaults_for(given_flag_names(argv), recipe, embedded if uses_embedded else None, coupled)
+    defaults = defaults_for(
+        given_flag_names(argv), recipe, embedded if uses_embedded else None, coupled, given_value(argv, "optim")
+    )
     prefix: list[str] = []
     for name, value in defaults.items():
         prefix += [f"--{name}", str(value)]
     return parser.parse_args_into_dataclasses(args=prefix + argv)
+
+
+def show_script_defaults(
+    parser: argparse.ArgumentParser,
+    recipe: Mapping[str, Any],
+    embedded: Mapping[str, Any],
+    data_source_flags: Sequence[str],
+) -> None:
+    """Make ``parser``'s --help show the defaults the script applies rather than the dataclasses' own.
+
+    A recipe default replaces the shown default; an embedded-data default is shown beside the one that holds when a
+    dataset is named. A default that the chosen ``--optim`` ignores is still shown: it applies with the script's
+    default ``--optim``.
+    """
+    data_flags = "/".join(f"--{flag}" for flag in data_source_flags)
+    do_flags = {"do_train", "do_eval"}
+    for action in parser._actions:  # argparse has no public iterator over its actions
+        dest = action.dest
+        if dest in recipe:
+            action.default = recipe[dest]
+        elif dest in embedded:
+            # "%(default)s" in the help text keeps argparse from appending its own "(default: ...)".
+            action.help = (
+                f"{action.help or ''} (default: {embedded[dest]} without {data_flags}; "
+                "%(default)s with one of them)"
+            ).strip()
+        elif dest in do_flags and action.option_strings and action.option_strings[0].startswith("--do"):
+            action.help = (
+                f"{action.help or ''} (default: true when none of --do_train/--do_eval/--do_predict is given, "
+                "else %(default)s)"
+            ).strip()
 
 
 def setup_logging(training_args: TrainingArguments, logger: logging.Logger) -> None:
@@ -130,7 +188,19 @@ def setup_logging(training_args: TrainingArguments, logger: logging.Logger) -> N
         f"n_gpu: {training_args.n_gpu}, distributed training: {training_args.parallel_mode.value == 'distributed'}, "
         f"16-bits training: {training_args.fp16 or training_args.bf16}"
     )
+    # CPU results depend on the thread count (torch splits some reductions by thread): a figure needs it stated.
+    import torch
+
+    logger.info(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     logger.info(f"Training/evaluation parameters {training_args}")
+
+
+def size_in_parameters(model: Any) -> str:
+    """``"2,557,632 parameters (2.56M)"``: counted as the Trainer's log counts them (tied weights once)."""
+    from transformers.trainer_pt_utils import get_model_param_count
+
+    count = get_model_param_count(model)
+    return f"{count:,} parameters ({count / 1e6:.2f}M)"
 
 
 def detect_last_checkpoint(training_args: TrainingArguments, logger: logging.Logger) -> str | None:

@@ -7,12 +7,15 @@ but it never switches back after evaluating, and it saves whatever the parameter
 happened to run just before the save. This subclass fixes the places that read or write weights:
 
 * `evaluate()` / `predict()` run at x and restore the mode they found, so training continues from the same y.
+  They, and every save, also leave the global random generators as they found them (an evaluation's DataLoader
+  draws a seed from torch's), so training draws the same dropout masks and shuffles with or without them.
 * `_save_checkpoint()` and `save_model()` run at x: every `model.safetensors` holds x, and `optimizer.pt` is the
   eval-mode state, which carries the integer residual that restores y exactly. The switch sits in try/finally, so
   the live weights are y again even when the save raises half-way.
 * `_load_optimizer_and_scheduler()` (resume) loads x weights and the eval-mode state, then calls `train()`: y is
   back bitwise and the resumed run matches the uninterrupted one.
-* `_load_best_model()` loads the best checkpoint's x together with its optimizer state, so the two agree.
+* `_load_best_model()` loads the best checkpoint's x together with its optimizer state and scheduler (through the
+  Trainer's own loader, as a resume does), so the two agree.
 * When training ends, the model holds x (the weights to use) before any `on_train_end` callback runs, so that
   logging integrations that save or upload the model there (W&B with `WANDB_LOG_MODEL=end`, DVCLive with
   `log_model=True`) get x: `GPATrainer` puts its own callback first in the callback list. The next training step
@@ -28,7 +31,6 @@ Only overrides; transformers and accelerate are not patched. With a stock `--opt
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import os
@@ -41,9 +43,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
-from transformers.trainer_optimizer import is_optimizer_factory
 from transformers.trainer_utils import HubStrategy
-from transformers.training_args import OptimizerNames, TrainingArguments
+from transformers.training_args import TrainingArguments
 from transformers.utils import is_datasets_available
 
 from hf_gpa.batchnorm import (
@@ -53,11 +54,10 @@ from hf_gpa.batchnorm import (
     norm_statistics,
     recalibrate_norm_statistics,
 )
-from hf_gpa.checkpoint import unwrap_gpa_optimizer
-from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
+from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
 from hf_gpa.optim._loading import saved_optimizer_name
 from hf_gpa.optim._train_eval import TrainEvalOptimizer
-from hf_gpa.training_args import DEEPSPEED_REFUSAL, GPAOptimizerNames, GPATrainingArguments
+from hf_gpa.training_args import DEEPSPEED_REFUSAL, HF_GPA_OPTIMIZERS, GPAOptimizerNames, optimizer_cls_and_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -69,55 +69,6 @@ logger = logging.getLogger(__name__)
 
 #: In a checkpoint, beside optimizer.pt: the norm layers' running statistics of y (model.safetensors has x's).
 NORM_STATISTICS_Y_NAME = "norm_statistics_y.safetensors"
-
-
-def _adam_kwargs(args: TrainingArguments) -> dict[str, Any]:
-    # The same keys, from the same flags, as the stock `--optim adamw_torch` handler.
-    return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
-
-
-def _gpa_kwargs(args: GPATrainingArguments) -> dict[str, Any]:
-    kwargs = {"mu_y": args.gpa_mu_y, "averaging": args.gpa_averaging}
-    if args.gpa_mu_x is not None:  # None with schedule_free averaging, which has no averaging constant
-        kwargs["mu_x"] = args.gpa_mu_x
-    return kwargs
-
-
-def _get_gpa_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    return GPAAdamW, {**_adam_kwargs(args), **_gpa_kwargs(args)}
-
-
-def _get_gpa(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    # Whatever the stock Trainer builds for `--optim <base>`, with the same flags, becomes GPA's base optimizer.
-    base_args = copy.copy(args)
-    base_args.optim = OptimizerNames(args.gpa_base_optim)
-    base_cls, base_kwargs = Trainer.get_optimizer_cls_and_kwargs(base_args, model)
-    if is_optimizer_factory(base_cls) or "model" in base_kwargs or "optimizer_dict" in base_kwargs:
-        raise ValueError(
-            f"--gpa_base_optim {args.gpa_base_optim} does not build a plain torch.optim.Optimizer in this "
-            "transformers version, so GPA cannot wrap it"
-        )
-    clashes = {"base", "mu_x", "mu_y", "averaging"} & set(base_kwargs)
-    if clashes:
-        raise ValueError(f"--gpa_base_optim {args.gpa_base_optim} takes arguments GPA uses itself: {sorted(clashes)}")
-    return GPA, {"base": base_cls, **_gpa_kwargs(args), **base_kwargs}
-
-
-def _get_diloco_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    return DiLoCo, {
-        "base": torch.optim.AdamW,
-        "inner_steps": args.diloco_inner_steps,
-        "outer_lr": args.diloco_outer_lr,
-        "outer_momentum": args.diloco_outer_momentum,
-        **_adam_kwargs(args),
-    }
-
-
-_GPA_OPTIMIZER_HANDLERS = {
-    GPAOptimizerNames.GPA_ADAMW: _get_gpa_adamw,
-    GPAOptimizerNames.GPA: _get_gpa,
-    GPAOptimizerNames.DILOCO_ADAMW: _get_diloco_adamw,
-}
 
 
 def gpa_model_card_section(args: TrainingArguments) -> str:
@@ -182,12 +133,19 @@ def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArgumen
         raise ValueError(
             f"{optimizer_file} was written by hf_gpa's {saved}, which --optim {optim} cannot resume (its state holds "
             "GPA's z and the weights beside it are the averaged x). Resume with the hf_gpa optimizer that wrote it "
-            f"(e.g. --optim {_GPA_OPTIM_OF.get(saved.split('(')[0], 'gpa_adamw')}), or start a new run from the "
-            "checkpoint's weights (--model_name_or_path / from_pretrained) without resume_from_checkpoint."
+            f"(e.g. --optim {_optim_that_saved(saved)}), or start a new run from the checkpoint's weights "
+            "(--model_name_or_path / from_pretrained) without resume_from_checkpoint."
         )
 
 
-_GPA_OPTIM_OF = {"GPAAdamW": "gpa_adamw", "GPA": "gpa", "DiLoCo": "diloco_adamw"}
+def _optim_that_saved(saved: str) -> str:
+    """The --optim name whose optimizer records ``saved`` (``"GPA(SGD)"`` -> ``gpa``) in its checkpoints."""
+    by_class = {spec.optimizer_name: name for name, spec in HF_GPA_OPTIMIZERS.items()}
+    return by_class.get(saved.split("(")[0], "gpa_adamw")
+
+
+#: What transformers' model card says of a model whose config names no base model (trained from scratch).
+_EMPTY_BASE_MODEL = "This model is a fine-tuned version of [](https://huggingface.co/) on "
 
 
 class EvaluationWeightsAtTrainEnd(TrainerCallback):
@@ -219,10 +177,9 @@ class GPATrainer(Trainer):
         cls, args: TrainingArguments, model: PreTrainedModel | nn.Module | None = None, *more: Any, **kwargs: Any
     ) -> tuple[Any, dict[str, Any]]:
         """The optimizer class and keyword arguments for ``args.optim`` (hf_gpa names first, then the next class's)."""
-        handler = _GPA_OPTIMIZER_HANDLERS.get(getattr(args, "optim", None))
-        if handler is None:
+        if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
             return super().get_optimizer_cls_and_kwargs(args, model, *more, **kwargs)
-        return handler(args, model)
+        return optimizer_cls_and_kwargs(args, model)
 
     # ---- the weights x and their norm statistics ----
 
@@ -231,21 +188,23 @@ class GPATrainer(Trainer):
 
     @contextlib.contextmanager
     def _at_x(self) -> Iterator[None]:
-        """Inside: parameters at x with x's norm statistics; on exit (also by an exception) y and y's statistics.
+        """Inside: parameters at x with x's norm statistics; on exit (also by an exception) y and y's statistics, and
+        the global random generators as they were on entry.
 
-        A no-op when the optimizer has no x/y split or is already at x (after `train()`).
+        The switch of weights is `evaluation_weights`'s, a no-op when the optimizer has no x/y split or is already at
+        x (after `train()`). Whatever runs inside (an evaluation's DataLoader seeds itself from torch's generator)
+        leaves training's random draws (dropout masks, shuffles, augmentation) as they would be without it, with
+        any optimizer.
         """
-        inner = unwrap_gpa_optimizer(self.optimizer)
-        if inner is None or not inner.train_mode:
-            yield
-            return
-        inner.eval()
-        try:
-            self._norm_statistics_to_x()
-            yield
-        finally:
-            self._norm_statistics_to_y()
-            inner.train()
+        with random_state_kept(self.args.device), evaluation_weights(self.optimizer) as switched:
+            if not switched:
+                yield
+                return
+            try:
+                self._norm_statistics_to_x()
+                yield
+            finally:
+                self._norm_statistics_to_y()
 
     def _hold_x(self) -> None:
         """Leave the model at x with x's norm statistics (until the next training step switches back to y)."""
@@ -415,11 +374,7 @@ class GPATrainer(Trainer):
         inner = unwrap_gpa_optimizer(self.optimizer)
         if checkpoint is not None and inner is None:
             _refuse_gpa_state_for_stock_optimizer(checkpoint, self.args)
-        if checkpoint is not None and inner is not None and self.is_fsdp_enabled:
-            # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
-            # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.
-            inner.init_state(eval_mode=True)
-        super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+        self._load_eval_mode_state(checkpoint, *args, **kwargs)
         if checkpoint is None or inner is None:
             return
         # The model holds the checkpoint's weights and norm statistics (x's, when recomputed): any statistics held
@@ -438,6 +393,25 @@ class GPATrainer(Trainer):
         # The model holds the checkpoint's x and the optimizer its eval-mode state: train() restores y bitwise.
         inner.train()
 
+    def _load_eval_mode_state(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> bool:
+        """The next class's `_load_optimizer_and_scheduler` (FSDP, devices, SageMaker: the Trainer's own loader);
+        True when it loaded an optimizer state."""
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        if inner is None:
+            super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+            return False
+        if checkpoint is not None and self.is_fsdp_enabled:
+            # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
+            # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.
+            inner.init_state(eval_mode=True)
+        loaded: list[bool] = []
+        handle = inner.register_load_state_dict_post_hook(lambda optimizer: loaded.append(True))
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+        finally:
+            handle.remove()
+        return bool(loaded)
+
     def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         inner = unwrap_gpa_optimizer(self.optimizer)
         if inner is None:
@@ -448,12 +422,9 @@ class GPATrainer(Trainer):
         super()._load_best_model(*args, **kwargs)
         # The model holds the best checkpoint's x and its norm statistics; y's (if kept) come back with y.
         self._norm_statistics_y = self._load_norm_statistics_y(self.state.best_model_checkpoint)
-        optimizer_file = os.path.join(self.state.best_model_checkpoint, OPTIMIZER_NAME)
-        if os.path.isfile(optimizer_file):
-            # The best checkpoint's eval-mode state matches the x just loaded: optimizer.train() would give its y.
-            state = torch.load(optimizer_file, map_location="cpu", weights_only=True)
-            self.optimizer.load_state_dict(state)
-        else:
+        # The best checkpoint's eval-mode state (and its scheduler) matches the x just loaded: optimizer.train()
+        # would give its y. Loaded as a resume loads it, so FSDP's sharded states and devices are handled alike.
+        if not self._load_eval_mode_state(self.state.best_model_checkpoint):
             logger.warning(
                 "%s has no %s (save_only_model?): the model holds the best x, but the optimizer state is the last "
                 "step's; do not continue training from it.",
@@ -480,9 +451,16 @@ class GPATrainer(Trainer):
         if section:
             args, kwargs = _with_gpa_tags(super().create_model_card, args, kwargs, ("hf_gpa", self.args.optim.value))
         super().create_model_card(*args, **kwargs)
-        if section and self.is_world_process_zero():
-            with open(os.path.join(self.args.output_dir, "README.md"), "a", encoding="utf-8") as f:
-                f.write("\n" + section)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not (self.is_world_process_zero() and os.path.isfile(path)):
+            return
+        with open(path, encoding="utf-8") as f:
+            card = f.read()
+        # transformers names the base model from config._name_or_path, which is "" for a model built from a config:
+        # its card would say "a fine-tuned version of [](https://huggingface.co/)".
+        card = card.replace(_EMPTY_BASE_MODEL, "This model was trained from scratch on ")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(card + ("\n" + section if section else ""))
 
     def _push_from_checkpoint(self, checkpoint_folder: str, *args: Any, **kwargs: Any) -> None:
         # The stock checkpoint push uploads output_dir without a model card: write one, so that a repo pushed only

@@ -1,9 +1,13 @@
-"""hf_gpa.example_args: the example scripts' device-dependent dataloader defaults (and that a given flag wins)."""
+"""hf_gpa.example_args: the example scripts' defaults (device-dependent, per --optim) and what --help shows."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from unittest import mock
 
 import pytest
@@ -64,3 +68,80 @@ def test_default_run_emits_no_pin_memory_warning(tmp_path) -> None:
         warnings.simplefilter("always")
         next(iter(trainer.get_train_dataloader()))
     assert not [w for w in caught if "pin_memory" in str(w.message)]
+
+
+# ---- what --help shows, and defaults of flags the chosen --optim does not read ----
+
+
+def _load_script(name: str) -> ModuleType:
+    """Import a top-level example script as a module (the scripts are not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _help(script: str, capsys) -> str:
+    """The --help text of an example script, with its line wrapping undone."""
+    module = _load_script(script)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("script", "shown"),
+    [
+        (
+            "run_clm_gpa",
+            [
+                "(default: gpa_adamw)",
+                "(default: 400 without --dataset_name/--train_file/--validation_file; -1 with one of them)",
+                "(default: 0.003 without --dataset_name/--train_file/--validation_file; 5e-05 with one of them)",
+                "(default: 4 without --dataset_name/--train_file/--validation_file; None with one of them)",
+                "(default: cosine)",
+            ],
+        ),
+        (
+            "run_vit_gpa",
+            [
+                "(default: gpa_adamw)",
+                "(default: 30 without --dataset_name/--train_dir/--validation_dir; 3.0 with one of them)",
+                "(default: 8 without --dataset_name/--train_dir/--validation_dir; None with one of them)",
+            ],
+        ),
+    ],
+)
+def test_help_shows_the_defaults_the_script_applies(script: str, shown: list[str], capsys) -> None:
+    """--help shows the script's own defaults (not transformers'), each once, and names no code constant."""
+    text = _help(script, capsys)
+    for default in shown:
+        assert default in text, default
+    assert "(default: adamw_torch" not in text and "DEFAULT_" not in text
+    assert ". (default: 0.7). (default: 0.7)" not in text and "i.e. H = 32" not in text
+    pin = "(default: False)" if not torch.accelerator.is_available() else "(default: True)"
+    assert f"Whether or not to pin memory for DataLoader. {pin}" in text
+
+
+def test_default_of_a_flag_the_given_optim_ignores_is_left_out(tmp_path) -> None:
+    """The script's default --gpa_inner_steps is dropped for --optim adamw_torch (which refuses it), kept for gpa."""
+    module = _load_script("run_clm_gpa")
+    _, _, args = module.parse_args(["--output_dir", str(tmp_path), "--optim", "adamw_torch"])
+    assert args.optim.value == "adamw_torch" and args.gpa_inner_steps is None
+    _, _, args = module.parse_args(["--output_dir", str(tmp_path), "--optim=gpa", "--gpa_base_optim", "sgd"])
+    assert args.gpa_inner_steps == 4
+    _, _, args = module.parse_args(["--output_dir", str(tmp_path), "--optim", "diloco_adamw"])
+    assert args.gpa_inner_steps is None
+
+
+def test_logged_size_counts_parameters_as_the_trainer_does() -> None:
+    """The scripts log the size of a new model as the Trainer counts it (tied weights once), not in units of 2**20."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.trainer_pt_utils import get_model_param_count
+
+    from hf_gpa.example_args import size_in_parameters
+
+    model = LlamaForCausalLM(LlamaConfig(**_load_script("run_clm_gpa").DEFAULT_LLAMA_CONFIG, vocab_size=4096))
+    assert get_model_param_count(model, trainable_only=True) == 2_557_632
+    assert size_in_parameters(model) == "2,557,632 parameters (2.56M)"

@@ -174,11 +174,13 @@ def test_clm_defaults_yield_to_user_flags(run_clm: ModuleType) -> None:
     assert (args.max_steps, args.learning_rate, data_args.block_size) == (400, 3e-3, 256)
     _, data_args, args = run_clm.parse_args(
         ["--output_dir", "unused", "--optim", "adamw_torch", "--weight_decay", "0", "--num_train_epochs", "2",
-         "--do_eval", "--gpa_mu_x", "0.9"]
+         "--do_eval"]
     )  # fmt: skip
     assert args.optim.value == "adamw_torch" and args.weight_decay == 0.0
     assert args.max_steps == -1 and args.num_train_epochs == 2
-    assert args.do_eval and not args.do_train and args.gpa_mu_x == 0.9
+    assert args.do_eval and not args.do_train and args.gpa_inner_steps is None  # AdamW reads no H
+    with pytest.raises(ValueError, match="--gpa_mu_x 0.9 only applies to --optim gpa_adamw or gpa"):
+        run_clm.parse_args(["--output_dir", "unused", "--optim", "adamw_torch", "--gpa_mu_x", "0.9"])
     _, data_args, args = run_clm.parse_args(["--output_dir", "unused", "--train_file", "data.txt"])
     assert args.optim.value == "gpa_adamw" and args.lr_scheduler_type.value == "cosine"
     assert args.max_steps == -1 and data_args.block_size is None  # the embedded sizing applies to stdlib only

@@ -160,6 +160,8 @@ def test_proposition_1_nesterov() -> None:
 
 def test_fused_matches_forloop_in_fp32_and_bf16() -> None:
     """The fused CPU kernel agrees with the for-loop ground truth: fp32 to rounding, bf16 parameters bitwise."""
+    if _kernels.load_cpu_kernel() is None:
+        pytest.skip("the C++ kernel cannot be built here")
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.0)):
         a, b = _params(dtype), _params(dtype)
         opt_a = GPAAdamW(_groups(a), weight_decay=0.1, foreach=False)

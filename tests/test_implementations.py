@@ -8,12 +8,14 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 from hf_gpa import GPAAdamW
 from hf_gpa.optim import _wrapper_passes as _passes
+from hf_gpa.optim import kernels
 from hf_gpa.optim.kernels import cpu as _kernels
 from hf_gpa.optim.kernels import triton_launch as _triton
 
@@ -23,7 +25,8 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
 def _impl_kwargs(impl: str) -> dict:
-    return {"forloop": {"foreach": False}, "foreach": {"foreach": True}}.get(impl, {"fused": True})
+    kwargs = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "triton_default": {}}
+    return kwargs.get(impl, {"fused": True})
 
 
 def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -46,8 +49,12 @@ def _groups(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[dict]:
 def _train(impl: str, dtype: torch.dtype, steps: int = 4) -> tuple[list[torch.Tensor], GPAAdamW]:
     params = _params(dtype)
     opt = GPAAdamW(_groups(params, dtype), lr=1e-2, mu_x=0.9, mu_y=0.7, **_impl_kwargs(impl))
-    if impl == "triton":
-        opt._fused_backend = "triton"
+    with mock.patch.dict(kernels.FORCE, backend="triton" if impl.startswith("triton") else None):
+        _steps(opt, params, dtype, steps)
+    return params, opt
+
+
+def _steps(opt: GPAAdamW, params: list[torch.nn.Parameter], dtype: torch.dtype, steps: int) -> None:
     for t in range(steps):
         for i, p in enumerate(params):
             y = p.detach().double()
@@ -59,7 +66,6 @@ def _train(impl: str, dtype: torch.dtype, steps: int = 4) -> tuple[list[torch.Te
             else:
                 group["lr"] = lr
         opt.step()
-    return params, opt
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -87,7 +93,8 @@ def test_every_implementation_matches_the_forloop(impl: str, dtype: torch.dtype)
     ref, ref_opt = _train("forloop", dtype)
     params, opt = _train(impl, dtype)
     if impl in ("cpu_kernel", "triton"):  # the kernel itself ran, not the foreach fallback
-        assert {opt._fused_kernel(p) for p in params} == {"cpu" if impl == "cpu_kernel" else "triton"}
+        with mock.patch.dict(kernels.FORCE, backend="triton" if impl == "triton" else None):
+            assert {kernels.kernel_for(p) for p in params} == {"cpu" if impl == "cpu_kernel" else "triton"}
     for p, r in zip(params, ref):
         _close(p.detach(), r.detach(), dtype)
         for key, value in ref_opt.state[r].items():
@@ -129,7 +136,7 @@ def test_wrapper_passes_match_their_closed_form(
         pytest.skip("the C++ kernel cannot be built here")
     if impl == "triton" and (not _triton.triton_available() or dtype == torch.float64):
         pytest.skip("triton is not installed, or fp64 (not taken by the Triton kernel)")
-    monkeypatch.setitem(_passes._backend, "force", {"foreach": "foreach", "triton": "triton"}.get(impl))
+    monkeypatch.setitem(kernels.FORCE, "backend", {"foreach": "foreach", "triton": "triton"}.get(impl))
     gen = torch.Generator().manual_seed(1)
     state_dtype = torch.float32 if half else dtype
 
@@ -170,15 +177,18 @@ def test_wrapper_passes_match_their_closed_form(
 
 def test_without_triton_the_triton_buckets_take_foreach(monkeypatch: pytest.MonkeyPatch) -> None:
     """triton is optional: where it cannot be imported, what would go to the Triton kernel takes the foreach path
-    (bitwise the foreach result), for GPAAdamW's step and for the wrapper's passes."""
+    (bitwise the foreach result), for GPAAdamW's default step and for the wrapper's passes; fused=True raises, as
+    torch's optimizers do where no fused kernel applies."""
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
     _triton.triton_available.cache_clear()
     try:
         assert not _triton.triton_available()
-        params, opt = _train("triton", torch.float32)
+        with pytest.raises(RuntimeError, match="fused=True"):
+            _train("triton", torch.float32)
+        params, opt = _train("triton_default", torch.float32)
         ref, _ = _train("foreach", torch.float32)
         assert all(torch.equal(p, r) for p, r in zip(params, ref))
-        monkeypatch.setitem(_passes._backend, "force", "triton")
+        monkeypatch.setitem(kernels.FORCE, "backend", "triton")
         ys, zs = [torch.ones(5)], [torch.full((5,), 2.0)]
         _passes.foreach_axpby_(ys, zs, 0.5, 2.0)
         assert torch.equal(ys[0], torch.zeros(5))

@@ -59,7 +59,48 @@ def test_residual_is_compact() -> None:
     opt.eval()
     assert all(opt.state[p]["y_residual"].dtype == torch.int8 for p in params)
     opt.train()
-    assert all("y_residual" not in opt.state[p] for p in params)
+    assert all("y_residual" not in opt.state[p] and "y_residual_overflow" not in opt.state[p] for p in params)
+
+
+def _with_tiny_y(dtype: torch.dtype = torch.float32) -> tuple[list[torch.nn.Parameter], GPAAdamW]:
+    """A run where a few y are tiny against z: the round trip's error there is far more than 127 units of y."""
+    params = _params(dtype)
+    opt = FACTORIES["gpa_adamw"](params)
+    _steps(opt, params, 0, 5)
+    with torch.no_grad():
+        params[0][0, :4] = torch.tensor([1e-6, -3e-7, 2e-8, 0.0])
+        opt.state[params[0]]["z"][0, :4] = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    return params, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)  # bf16/fp16: y_fp32, no residual
+def test_residual_stays_one_byte_per_weight_when_a_few_elements_overflow(dtype: torch.dtype) -> None:
+    """Elements whose difference needs more than int8 go to a sparse list; the rest stays int8; train() is bitwise."""
+    params, opt = _with_tiny_y(dtype)
+    y = [p.detach().clone() for p in params]
+    opt.eval()
+    residual, overflow = opt.state[params[0]]["y_residual"], opt.state[params[0]]["y_residual_overflow"]
+    assert residual.dtype == torch.int8 and residual.shape == params[0].shape
+    assert 1 <= len(overflow) <= 4 and set(overflow[:, 0].tolist()) <= {0, 1, 2, 3}
+    opt.train()
+    assert all(torch.equal(p, b) for p, b in zip(params, y))
+
+
+def test_dropped_overflow_list_falls_back_to_rounded_y_there() -> None:
+    """An eval-mode state loaded without the overflow list: y bitwise except the listed elements, which are close."""
+    params, opt = _with_tiny_y()
+    y = [p.detach().clone() for p in params]
+    opt.eval()
+    state = copy.deepcopy(opt.state_dict())
+    for s in state["state"].values():
+        del s["y_residual_overflow"]
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = FACTORIES["gpa_adamw"](fresh_params)
+    fresh.load_state_dict(state)
+    fresh.train()
+    assert torch.equal(fresh_params[0][1:], y[0][1:]) and torch.equal(fresh_params[0][0, 4:], y[0][0, 4:])
+    torch.testing.assert_close(fresh_params[0][0, :4], y[0][0, :4], rtol=0, atol=3 * 2**-23)
+    assert all(torch.equal(p, b) for p, b in zip(fresh_params[1:], y[1:]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -69,8 +110,14 @@ def test_residual_round_trip_for_arbitrary_values(dtype: torch.dtype) -> None:
     target = torch.randn(4096, generator=gen, dtype=torch.float64).to(dtype)
     target[:8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3e4, -3e4, 1.0, -1.0], dtype=torch.float64).to(dtype)
     for approx in (target.flip(0), -target, target * 1.0001, torch.zeros_like(target)):
-        restored = decode_residual(approx, encode_residual(target, approx))
-        assert torch.equal(restored.view(torch.uint8), target.view(torch.uint8))
+        for narrow in (True, False):
+            residual, overflow = encode_residual(target, approx, narrow=narrow)
+            assert residual.dtype == torch.int8 or not narrow
+            restored = decode_residual(approx, residual, overflow)
+            assert torch.equal(restored.view(torch.uint8), target.view(torch.uint8))
+    # not contiguous: the overflow's indices are into the flattened (logical) order
+    target2, approx2 = target.view(64, 64).t(), (target * 1.0001).view(64, 64).t()
+    assert torch.equal(decode_residual(approx2, *encode_residual(target2, approx2)), target2)
 
 
 @pytest.mark.parametrize("name", list(FACTORIES))
@@ -139,7 +186,7 @@ def test_dropped_residual_falls_back_to_rounded_y() -> None:
     opt.eval()
     state = copy.deepcopy(opt.state_dict())
     for s in state["state"].values():
-        del s["y_residual"]
+        del s["y_residual"], s["y_residual_overflow"]
     fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     fresh = FACTORIES["gpa_adamw"](fresh_params)
     fresh.load_state_dict(state)
@@ -173,3 +220,64 @@ def test_init_state_after_an_early_eval_is_consistent() -> None:
     opt.init_state(eval_mode=True)
     assert not opt.train_mode
     assert all("y_residual" in opt.state[p] for p in params)
+
+
+WRITERS = {
+    "gpa_adamw_forloop": lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, mu_y=0.7, foreach=False),
+    "gpa_adamw_foreach": lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, mu_y=0.7, foreach=True),
+    "gpa_adamw_fused": lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, mu_y=0.7, fused=True),
+    "gpa(adamw)": lambda ps: GPA(ps, base=torch.optim.AdamW, lr=1e-2, mu_x=0.9, mu_y=0.7),
+    "gpa(sgd)": lambda ps: GPA(ps, base=torch.optim.SGD, lr=1e-2, momentum=0.9, mu_x=0.9, mu_y=0.7),
+}
+
+
+def _z(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    return opt.state[p]["z"].double()
+
+
+def _assert_rounded(actual: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor) -> None:
+    """``actual`` is ``exact`` rounded to its dtype, up to float32 roundings of terms of size ``scale``."""
+    tol = 2 * torch.finfo(actual.dtype).eps * exact.abs() + 8 * torch.finfo(torch.float32).eps * scale
+    assert bool(((actual.double() - exact).abs() <= tol).all()), (actual.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_weights_written_in_train_mode_are_kept_by_eval_and_train(name: str, dtype: torch.dtype) -> None:
+    """A write into y (a loaded/re-initialized/clipped weight): eval() gives x of the written y, train() that y."""
+    params = _params(dtype)
+    opt = WRITERS[name](params)
+    _steps(opt, params, 0, 5)
+    with torch.no_grad():
+        params[0].clamp_(-0.5, 0.5)  # clipping
+        params[1].normal_(generator=torch.Generator().manual_seed(9))  # re-initializing a head
+        params[2].copy_(torch.full_like(params[2], 0.25))  # model.load_state_dict
+    written = [p.detach().clone() for p in params]
+    # y in float64: y's float32 copy (bf16/fp16) where the parameter still equals it rounded, else the parameter
+    y32s = [opt.state[p].get("y_fp32") for p in params]
+    exact = [y.double() if y32 is None else torch.where(y32.to(dtype) == y, y32, y.float()).double()
+             for y, y32 in zip(written, y32s)]  # fmt: skip
+    opt.eval()
+    for p, y in zip(params, exact):
+        z = _z(opt, p)
+        _assert_rounded(p.detach(), (y - 0.3 * z) / 0.7, (y.abs() + z.abs()) / 0.7)
+    opt.train()
+    assert all(torch.equal(p, y) for p, y in zip(params, written))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["gpa_adamw_fused", "gpa(sgd)"])
+def test_weights_written_in_eval_mode_are_kept_by_train(name: str, dtype: torch.dtype) -> None:
+    """A write into x while in eval mode: train() gives y = mu_y x + (1 - mu_y) z there, the old y elsewhere."""
+    params = _params(dtype)
+    opt = WRITERS[name](params)
+    _steps(opt, params, 0, 5)
+    y_before = [p.detach().clone() for p in params]
+    opt.eval()
+    with torch.no_grad():
+        params[0][:3].fill_(0.125)
+    opt.train()
+    z = _z(opt, params[0])[:3]
+    _assert_rounded(params[0][:3].detach(), 0.7 * 0.125 + 0.3 * z, 0.125 + z.abs())
+    assert torch.equal(params[0][3:], y_before[0][3:])
+    assert all(torch.equal(p, b) for p, b in zip(params[1:], y_before[1:]))

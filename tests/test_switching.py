@@ -241,3 +241,21 @@ def test_a_gpa_checkpoint_resumed_with_a_stock_optim_is_refused_by_name(tmp_path
     with pytest.raises(ValueError, match=r"GPAAdamW.*--optim adamw_torch.*--optim gpa_adamw"):
         trainer.train(resume_from_checkpoint=str(checkpoint))
     assert probe.seen is None  # no optimizer step was taken
+
+
+@pytest.mark.parametrize("name", [*ADOPTERS, "diloco(adamw)"])
+def test_an_adamw_state_of_another_shape_is_refused_naming_the_parameter(name: str) -> None:
+    """A saved moment whose shape differs from its parameter's raises a ValueError naming it; nothing changes."""
+    params, adamw = _adamw_run()
+    saved = copy.deepcopy(adamw.state_dict())
+    saved["state"][1]["exp_avg"] = torch.zeros(5, dtype=torch.float64)  # parameter 1 has shape (4,)
+    factory = ADOPTERS.get(name, lambda ps, **kw: DiLoCo(ps, base=torch.optim.AdamW, **kw))
+    loader_params = _clone(params)
+    loader = factory(_groups(loader_params), lr=1.0)
+    _steps(loader, loader_params, 0, 2)
+    before = copy.deepcopy(loader.state_dict())
+    with pytest.raises(ValueError, match=r"exp_avg.*\(5,\).*\(4,\)"):
+        loader.load_state_dict(saved)
+    after = loader.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert before["state"].keys() == after["state"].keys()

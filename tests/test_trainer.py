@@ -102,6 +102,8 @@ def make_args(output_dir, **overrides) -> GPATrainingArguments:
     )
     if overrides.get("gpa_averaging") == "schedule_free":
         del kwargs["gpa_mu_x"]  # Schedule-Free's average has no mu_x: giving one is an error
+    if overrides.get("optim", kwargs["optim"]) not in ("gpa_adamw", "gpa"):
+        del kwargs["gpa_mu_x"], kwargs["gpa_mu_y"]  # an optimizer that does not read them refuses them
     kwargs.update(overrides)
     return GPATrainingArguments(**kwargs)
 
@@ -513,8 +515,14 @@ def test_load_best_model_at_end_loads_best_x(tmp_path):
     )
     # A score that peaks at step 2, so that the best checkpoint is neither the first nor the last.
     trainer.compute_metrics = lambda prediction: {"score": -abs(trainer.state.global_step - 2)}
-    trainer.train()
+    with mock.patch.object(
+        Trainer, "_load_optimizer_and_scheduler", autospec=True, side_effect=Trainer._load_optimizer_and_scheduler
+    ) as loader:
+        trainer.train()
     assert trainer.state.best_model_checkpoint == os.path.join(str(tmp_path), "checkpoint-2")
+    # The optimizer state came through the Trainer's own loader (FSDP, devices), with its scheduler.
+    assert loader.call_args_list[-1].args[1:] == (trainer.state.best_model_checkpoint,)
+    assert trainer.lr_scheduler.last_epoch == 2
     assert_equal_dicts(
         params_of(trainer.model), load_file(os.path.join(tmp_path, "checkpoint-2", "model.safetensors"))
     )
@@ -777,3 +785,77 @@ def test_on_train_end_callbacks_see_x(tmp_path):
     assert_equal_dicts(added.saved, x)
     unwrap_gpa_optimizer(trainer.optimizer).train()
     assert max_abs_diff(params_of(trainer.model), x) > 1e-3  # y is far from x: the test tells them apart
+
+
+# ---- evaluation and saving leave training's random state alone ----
+
+
+class DropoutRegressor(TinyRegressor):
+    """TinyRegressor with dropout: every training step draws its mask from torch's global generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = self.fc2(self.dropout(torch.tanh(self.norm(self.fc1(features))))).squeeze(-1)
+        loss = None if labels is None else nn.functional.mse_loss(out, labels)
+        return {"loss": loss, "logits": out}
+
+
+def dropout_run(output_dir, **overrides) -> dict[str, torch.Tensor]:
+    """Ten steps over two and a half epochs of a dropout model; its weights y after the last step."""
+    torch.manual_seed(0)
+    trainer = GPATrainer(
+        model=DropoutRegressor().double(),
+        args=make_args(output_dir, max_steps=10, **overrides),
+        train_dataset=RegressionDataset(16, seed=1),
+        eval_dataset=RegressionDataset(8, seed=2),
+    )
+    snapshots = Snapshots()
+    trainer.add_callback(snapshots)
+    trainer.train()
+    return snapshots.y[10]
+
+
+@pytest.mark.parametrize("optim", ["gpa_adamw", "adamw_torch"])
+def test_evaluation_and_saving_leave_the_random_state_alone(optim, tmp_path):
+    """With dropout, evaluating and saving every 2 steps trains on the same masks as neither: bitwise equal y."""
+    quiet = dropout_run(tmp_path / "quiet", optim=optim)
+    busy = dropout_run(
+        tmp_path / "busy", optim=optim, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2
+    )
+    assert_equal_dicts(busy, quiet)
+
+
+def test_evaluate_leaves_the_global_generators_as_found(tmp_path):
+    """evaluate() called by the user draws nothing from Python's, NumPy's or torch's global generators."""
+    import random
+
+    import numpy as np
+
+    trainer = GPATrainer(
+        model=DropoutRegressor().double(),
+        args=make_args(tmp_path, max_steps=2),
+        train_dataset=RegressionDataset(16, seed=1),
+        eval_dataset=RegressionDataset(8, seed=2),
+    )
+    trainer.train()
+    states = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    trainer.evaluate()
+    trainer.save_model(str(tmp_path / "model"))
+    assert random.getstate() == states[0]
+    assert np.array_equal(np.random.get_state()[1], states[1])
+    assert torch.equal(torch.get_rng_state(), states[2])
+
+
+def test_model_card_of_a_model_trained_from_scratch(tmp_path):
+    """The card of a model built from a config says "trained from scratch" and names the optimizer as typed."""
+    trainer = GPATrainer(model=tiny_llama(), args=make_args(tmp_path, max_steps=1), train_dataset=TokenDataset(8, 1))
+    trainer.train()
+    trainer.create_model_card(dataset="tokens")
+    card = (tmp_path / "README.md").read_text()
+    assert "This model was trained from scratch on the tokens dataset." in card
+    assert "[](https://huggingface.co/)" not in card
+    assert "GPAOptimizerNames" not in card and "Use gpa_adamw with betas=(0.9,0.999)" in card
+    assert card.count("## Optimizer: GPA (hf_gpa)") == 1

@@ -12,7 +12,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from hf_gpa import GPA, DiLoCo, GPAAdamW
+from hf_gpa import GPA, DiLoCo, GPAAdamW, mu_x_from_inner_steps
 from hf_gpa.training_args import DEFAULT_MU_X, DEFAULT_MU_Y, GPAOptimizerNames, GPATrainingArguments
 
 
@@ -40,7 +40,7 @@ def test_defaults(tmp_path):
     args = make(tmp_path)
     assert args.optim == TrainingArguments(output_dir=str(tmp_path), report_to="none").optim
     assert isinstance(args.optim, OptimizerNames)
-    assert args.gpa_mu_x == DEFAULT_MU_X == 0.9967
+    assert args.gpa_mu_x == DEFAULT_MU_X == mu_x_from_inner_steps(32)  # H = 32 exactly (0.99671...)
     assert args.gpa_mu_y == DEFAULT_MU_Y == 0.7
     assert args.gpa_averaging == "gpa"
     assert args.gpa_inner_steps is None and args.gpa_base_optim is None
@@ -89,11 +89,9 @@ def test_inner_steps_sets_mu_x(tmp_path):
 
 
 def test_effective_inner_steps_of_default_mu_x(tmp_path):
-    """The default mu_x = 0.9967 corresponds to H = log 0.9 / log 0.9967, about 31.9 inner steps."""
-    import math
-
+    """The default mu_x is derived from H = 32 inner steps, so its effective H is 32 (not 31.87 as for 0.9967)."""
     args = make(tmp_path, optim="gpa_adamw")
-    assert args.gpa_effective_inner_steps == pytest.approx(math.log(0.9) / math.log(0.9967), rel=1e-12)
+    assert args.gpa_effective_inner_steps == pytest.approx(32, rel=1e-12)
 
 
 def test_conflicting_inner_steps_and_mu_x(tmp_path):
@@ -371,3 +369,83 @@ def test_schedule_free_arguments_carry_no_mu_x(tmp_path):
     card = gpa_model_card_section(args)
     assert "schedule_free" in card and "mu_y = 0.9" in card
     assert "mu_x" not in card and "H =" not in card
+
+
+# ---------------------------------------------------------------- flags the chosen --optim does not read
+
+
+@pytest.mark.parametrize(
+    ("optim", "flag", "value", "readers"),
+    [
+        ("adamw_torch", "gpa_mu_x", "0.99", "gpa_adamw or gpa"),
+        ("adamw_torch", "gpa_inner_steps", "8", "gpa_adamw or gpa"),
+        ("adamw_torch", "gpa_mu_y", "0.5", "gpa_adamw or gpa"),
+        ("adamw_torch", "gpa_averaging", "schedule_free", "gpa_adamw or gpa"),
+        ("sgd", "diloco_outer_lr", "0.5", "diloco_adamw"),
+        ("adamw_torch", "gpa_bn_recalibration_batches", "4", "gpa_adamw or gpa or diloco_adamw"),
+        ("diloco_adamw", "gpa_mu_x", "0.99", "gpa_adamw or gpa"),
+        ("diloco_adamw", "gpa_mu_y", "0.5", "gpa_adamw or gpa"),
+        ("gpa_adamw", "diloco_inner_steps", "8", "diloco_adamw"),
+        ("gpa_adamw", "diloco_outer_momentum", "0.5", "diloco_adamw"),
+    ],
+)
+def test_flag_the_optimizer_does_not_read_is_refused(optim, flag, value, readers, tmp_path):
+    """A GPA/DiLoCo flag away from its default with an --optim that ignores it names the flag and its --optim."""
+    message = f"--{flag} {value} only applies to --optim {readers} \\(got --optim {optim}\\)"
+    with pytest.raises(ValueError, match=message):
+        parse(["--optim", optim, f"--{flag}", value], tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("optim", "argv"),
+    [
+        ("adamw_torch", ["--gpa_mu_x", str(DEFAULT_MU_X), "--gpa_mu_y", str(DEFAULT_MU_Y)]),
+        ("diloco_adamw", ["--gpa_averaging", "gpa", "--gpa_bn_recalibration_batches", "0"]),
+        ("gpa_adamw", ["--diloco_inner_steps", "32", "--diloco_outer_lr", "0.7"]),
+    ],
+)
+def test_flags_at_their_defaults_are_accepted_with_any_optim(optim, argv, tmp_path):
+    """A flag given at its default (as a saved configuration holds every flag) is fine with any --optim."""
+    args = parse(["--optim", optim, *argv], tmp_path)
+    (again,) = HfArgumentParser(GPATrainingArguments).parse_dict(json.loads(args.to_json_string()))
+    assert again.optim == args.optim
+
+
+def test_set_optimizer_refuses_flags_the_new_optimizer_does_not_read(tmp_path):
+    """Switching to a stock optimizer with set_optimizer keeps the arguments when a GPA flag would be ignored."""
+    args = make(tmp_path, optim="gpa_adamw", gpa_mu_y=0.5)
+    with pytest.raises(ValueError, match="--gpa_mu_y 0.5 only applies to --optim gpa_adamw or gpa"):
+        args.set_optimizer(name="adamw_torch")
+    assert args.optim is GPAOptimizerNames.GPA_ADAMW
+
+
+def test_inner_steps_whose_mu_x_rounds_to_one_is_refused_at_parse_time(tmp_path):
+    """--gpa_inner_steps 10**16 gives mu_x = 0.9 ** 1e-16 == 1.0: refused while parsing, naming the flag."""
+    with pytest.raises(ValueError, match=r"Invalid --gpa_inner_steps: 10000000000000000 \(mu_x = 0.9 \*\* \(1 / H\)"):
+        parse(["--optim", "gpa_adamw", "--gpa_inner_steps", str(10**16)], tmp_path)
+    assert parse(["--optim", "gpa_adamw", "--gpa_inner_steps", str(10**14)], tmp_path).gpa_mu_x < 1.0
+
+
+def test_optimizer_table_covers_every_name_and_flag():
+    """The one table: every hf_gpa --optim name has an entry, and every gpa_*/diloco_* field is read by one."""
+    from hf_gpa.training_args import HF_GPA_OPTIMIZERS
+
+    assert [m.value for m in GPAOptimizerNames] == list(HF_GPA_OPTIMIZERS)
+    hf_fields = {f.name for f in dataclasses.fields(GPATrainingArguments) if f.name.startswith(("gpa_", "diloco_"))}
+    read = {flag for spec in HF_GPA_OPTIMIZERS.values() for flag in spec.flags}
+    assert read == hf_fields
+
+
+def test_optim_names_print_as_their_value():
+    """str() and f-strings of an hf_gpa --optim member give the name a user types (the model card prints it)."""
+    assert str(GPAOptimizerNames.GPA_ADAMW) == f"{GPAOptimizerNames.GPA_ADAMW}" == "gpa_adamw"
+    assert pickle.loads(pickle.dumps(GPAOptimizerNames.GPA)) is GPAOptimizerNames.GPA
+
+
+def test_help_states_each_default_once(tmp_path, capsys):
+    """--help prints every GPA flag's default once (argparse adds it) and claims no H the scripts may not use."""
+    with pytest.raises(SystemExit):
+        HfArgumentParser(GPATrainingArguments).parse_args_into_dataclasses(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("(default: 0.7)") == 2  # --gpa_mu_y and --diloco_outer_lr, once each
+    assert "(default: 0.7). (default: 0.7)" not in text and "i.e. H = 32" not in text

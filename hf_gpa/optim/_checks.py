@@ -1,9 +1,11 @@
-"""The hyper-parameters' defaults and ranges, and their checks: the one place either is written down.
+"""The hyper-parameters' ranges and their checks: the one place a range is written down.
 
-Every hf_gpa optimizer checks its arguments here before any state exists, and `GPATrainingArguments` calls the same
-functions with the flag's name (``name="--gpa_mu_x"``), so a range or a default exists once. A check raises a
-``ValueError`` that names the argument, the value and the allowed range; a value that is not a number (a string, None,
-a bool) is rejected the same way rather than failing later with a ``TypeError``.
+Every hf_gpa optimizer checks each param group here, the constructor's and those added later alike
+(`CheckedGroups`: torch's constructor adds its groups through ``add_param_group``), before any state exists, and
+`GPATrainingArguments` calls the same functions with the flag's name (``name="--gpa_mu_x"``). A check raises a
+``ValueError`` that names the argument, the value and the allowed range; a value that is not a number (a string,
+None, a bool) is rejected the same way rather than failing later with a ``TypeError``. The defaults live in
+``_types``.
 """
 
 from __future__ import annotations
@@ -14,18 +16,17 @@ from typing import Any
 
 import torch
 
-#: GPA's averaging constant: the paper's mu_x for H = 32 DiLoCo inner steps with outer momentum 0.9 (Section 3.1).
-DEFAULT_MU_X = 0.9967
-#: GPA's interpolation constant of the gradient point y.
-DEFAULT_MU_Y = 0.7
-#: How x averages z: an exponential moving average with constant mu_x, or Schedule-Free's lr**2-weighted average.
-AVERAGING_MODES = ("gpa", "schedule_free")
-DEFAULT_AVERAGING = "gpa"
-#: Single-worker DiLoCo: inner steps H, outer (Nesterov) learning rate and momentum (paper, Algorithm 2).
-DEFAULT_INNER_STEPS = 32
-DEFAULT_OUTER_LR = 0.7
-#: DiLoCo's outer momentum, also the mu of the paper's conversion mu_x = mu ** (1 / H) (Table 4).
-DEFAULT_OUTER_MOMENTUM = 0.9
+from ._types import (  # noqa: F401 - kept importable from here (training_args imports them from _checks)
+    AVERAGING_MODES,
+    DEFAULT_AVERAGING,
+    DEFAULT_INNER_STEPS,
+    DEFAULT_MU_X,
+    DEFAULT_MU_Y,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    HALF_STATE_MODES,
+    Averaging,
+)
 
 
 def _number(value: Any, name: str, allowed: str) -> float:
@@ -35,11 +36,27 @@ def _number(value: Any, name: str, allowed: str) -> float:
     return float(value)
 
 
-def check_lr(lr: Any) -> None:
-    if torch.is_tensor(lr) and lr.numel() != 1:
-        raise ValueError(f"Invalid learning rate: a tensor lr must have one element, got shape {tuple(lr.shape)}")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr} (lr must be >= 0)")
+def _finite_at_least_zero(value: Any, name: str) -> float:
+    number = _number(value, name, ">= 0")
+    if not (number >= 0.0 and math.isfinite(number)):
+        raise ValueError(f"Invalid {name}: {value!r} (must be finite and >= 0)")
+    return number
+
+
+def check_lr(lr: Any, name: str = "lr") -> None:
+    """A finite lr >= 0: a number, or a one-element tensor as in torch's optimizers."""
+    if torch.is_tensor(lr):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element (invalid learning rate {name}: shape {tuple(lr.shape)})")
+        if lr.is_complex() or lr.dtype == torch.bool:
+            raise ValueError(f"Invalid learning rate {name}: a tensor of dtype {lr.dtype} (must be real)")
+        value: Any = lr.item()
+    else:
+        value = lr
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"Invalid learning rate {name}: {lr!r} (must be a number >= 0)")
+    if not (value >= 0.0 and math.isfinite(value)):
+        raise ValueError(f"Invalid learning rate {name}: {lr!r} (must be finite and >= 0)")
 
 
 def check_mu_x(mu_x: Any, name: str = "mu_x") -> float:
@@ -64,9 +81,10 @@ def check_mu(mu_x: Any, mu_y: Any) -> None:
 
 
 def check_averaging(averaging: Any, name: str = "averaging") -> str:
+    """One of the `Averaging` modes, returned as its plain string (what a param group and a state dict hold)."""
     if not isinstance(averaging, str) or averaging not in AVERAGING_MODES:
         raise ValueError(f"Invalid {name}: {averaging!r} (must be one of {', '.join(AVERAGING_MODES)})")
-    return averaging
+    return Averaging(averaging).value
 
 
 def check_inner_steps(inner_steps: Any, name: str = "inner_steps") -> int:
@@ -99,17 +117,63 @@ def check_diloco(inner_steps: Any, outer_lr: Any, outer_momentum: Any) -> None:
     check_outer_momentum(outer_momentum)
 
 
-def check_adam(betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas} (must be a pair (beta1, beta2))")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]} (beta1 must lie in [0, 1))")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]} (beta2 must lie in [0, 1))")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps} (eps must be >= 0)")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay} (weight_decay must be >= 0)")
+def check_weight_decay(weight_decay: Any) -> None:
+    _finite_at_least_zero(weight_decay, "weight_decay value")
+
+
+def check_adam(betas: Any, eps: Any, weight_decay: Any) -> None:
+    """AdamW's betas (a pair in [0, 1)), eps (>= 0) and decoupled weight decay (>= 0), all finite numbers."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
+    for index, beta in enumerate(betas):
+        value = _number(beta, f"beta parameter at index {index}", "in [0, 1)")
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta!r} (beta{index + 1} must lie in [0, 1))")
+    _finite_at_least_zero(eps, "epsilon value")
+    check_weight_decay(weight_decay)
+
+
+def check_flag(value: Any, name: str, optional: bool = False) -> None:
+    """A bool (``maximize``), or a bool or None (``foreach``, ``fused``: None lets the optimizer choose)."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        allowed = "True, False or None" if optional else "True or False"
+        raise ValueError(f"Invalid {name}: {value!r} (must be {allowed})")
+
+
+def check_state_dtype(state_dtype: Any, name: str = "state_dtype") -> str:
+    if not isinstance(state_dtype, str) or state_dtype not in HALF_STATE_MODES:
+        raise ValueError(f"Invalid {name}: {state_dtype!r} (must be one of {', '.join(HALF_STATE_MODES)})")
+    return state_dtype
+
+
+def check_implementation(foreach: Any, fused: Any) -> None:
+    check_flag(foreach, "foreach", optional=True)
+    check_flag(fused, "fused", optional=True)
+    if fused and foreach:
+        raise ValueError("Invalid arguments: fused=True and foreach=True cannot both be set")
+
+
+class CheckedGroups(torch.optim.Optimizer):
+    """``add_param_group`` runs ``_check_group`` on the group with its defaults filled in; a bad group raises and is
+    not added. torch's constructor adds its groups through ``add_param_group``, so the constructor's groups are
+    checked by the same code as those added later."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Per-group argument checks; subclasses extend it (and call ``super()._check_group``)."""
+        if "lr" in group:
+            check_lr(group["lr"])
+        if "weight_decay" in group:
+            check_weight_decay(group["weight_decay"])
+        if "maximize" in group:
+            check_flag(group["maximize"], "maximize")
 
 
 def base_defaults(base: Any, base_kwargs: dict[str, Any], reserved: tuple[str, ...], owner: str) -> dict[str, Any]:
@@ -120,7 +184,14 @@ def base_defaults(base: Any, base_kwargs: dict[str, Any], reserved: tuple[str, .
     """
     if not (isinstance(base, type) and issubclass(base, torch.optim.Optimizer)):
         raise ValueError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass)")
-    defaults = dict(base([torch.zeros(2, 2, requires_grad=True)], **base_kwargs).defaults)
+    if "lr" in base_kwargs:
+        check_lr(base_kwargs["lr"])
+    if "weight_decay" in base_kwargs:
+        check_weight_decay(base_kwargs["weight_decay"])
+    try:
+        defaults = dict(base([torch.zeros(2, 2, requires_grad=True)], **base_kwargs).defaults)
+    except TypeError as err:  # e.g. eps="x": torch compares it with a number; say which argument, as a ValueError
+        raise ValueError(f"Invalid argument for {base.__name__}({', '.join(base_kwargs)}): {err}") from err
     overlap = sorted(set(defaults) & set(reserved))
     if overlap:
         raise ValueError(f"Invalid base: {base.__name__} uses hyper-parameter names reserved by {owner}: {overlap}")

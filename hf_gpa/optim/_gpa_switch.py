@@ -2,6 +2,11 @@
 
 Both optimizers store the memory-efficient form of the paper (Algorithm 3): the parameters hold the gradient point y,
 the optimizer state holds z, and x is recovered only when ``eval()`` is called.
+
+bf16/fp16 parameters carry y in float32 (``state["y_fp32"]``, the parameter holds it rounded). The parameter stays
+authoritative, as in ``step()``: where it no longer equals that copy rounded (a ``load_state_dict``, a re-initialized
+head, clipped weights), ``eval()`` takes x from the written value; likewise, where x in the parameter was written
+while in eval mode, ``train()`` takes y from the written x, as fp32 parameters do.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
     return torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
 
 
+def _authoritative(param: torch.Tensor, y32: torch.Tensor) -> torch.Tensor:
+    """The float32 y: its copy where the parameter still equals it rounded, else the (written) parameter."""
+    return torch.where(y32.to(param.dtype) == param, y32, param.to(y32.dtype))
+
+
 class GPASwitch(TrainEvalOptimizer):
     """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
 
@@ -38,11 +48,15 @@ class GPASwitch(TrainEvalOptimizer):
                 continue  # never stepped (x = y = z), or mu_y = 1 (x = y)
             y, z = real_view(local_tensor(p)), real_view(local_tensor(state["z"]))
             if "y_fp32" in state:  # bf16/fp16: x from the float32 y; train() restores y from it, no residual
-                y.copy_(_x_from_y(local_tensor(state["y_fp32"]), z, mu_y))
+                y32 = real_view(local_tensor(state["y_fp32"]))
+                y32.copy_(_authoritative(y, y32))
+                y.copy_(_x_from_y(y32, z, mu_y))
                 continue
             x = _x_from_y(y, z, mu_y)
-            residual = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
+            residual, overflow = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
             state["y_residual"] = shard_like(residual, p)
+            if not is_dtensor(p):  # a DTensor's shards keep a full-width residual and no list (see _residual)
+                state["y_residual_overflow"] = overflow
             y.copy_(x)
 
     def _params_to_train(self, group: dict[str, Any]) -> None:
@@ -53,10 +67,14 @@ class GPASwitch(TrainEvalOptimizer):
                 continue
             x, z = real_view(local_tensor(p)), real_view(local_tensor(state["z"]))
             if "y_fp32" in state:
-                x.copy_(local_tensor(state["y_fp32"]))
+                y32 = real_view(local_tensor(state["y_fp32"]))
+                written = x != _x_from_y(y32, z, mu_y).to(x.dtype)  # what eval() put there, recomputed bitwise
+                if bool(written.any()):
+                    y32.copy_(torch.where(written, _y_from_x(x.to(y32.dtype), z, mu_y), y32))
+                x.copy_(y32)
                 continue
             y = _y_from_x(x, z, mu_y)
             if "y_residual" in state:
-                y = decode_residual(y, local_tensor(state.pop("y_residual")))
+                y = decode_residual(y, local_tensor(state.pop("y_residual")), state.pop("y_residual_overflow", None))
             # else: a loader dropped the residual (see _residual); y is rebuilt by rounding, not bitwise.
             x.copy_(y)

@@ -6,26 +6,49 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPTIMIZER_KEY", "saved_optimizer_name", "describe_stock", "same_optimizer", "restore_dtypes"]
+from ._types import BASE, EXP_AVG, INNER_STEPS, OPTIMIZER, STEP, TRAIN_MODE
+
+__all__ = [
+    "OPTIMIZER_KEY",
+    "saved_optimizer_name",
+    "describe_stock",
+    "same_optimizer",
+    "restore_dtypes",
+    "tensor_steps",
+]
 
 
 # The param-group key naming the optimizer that wrote a state dict ("GPAAdamW", "GPA(AdamW)", "DiLoCo(SGD)"): it
 # travels with ``state_dict()`` through torch.save, accelerate and torch.distributed.checkpoint alike.
-OPTIMIZER_KEY = "optimizer"
+OPTIMIZER_KEY = OPTIMIZER
+
+# Names for state dicts saved before the name was recorded: the family, read from the per-parameter state's keys.
+_SOME_GPA = "GPA"  # no per-parameter state yet: GPAAdamW or a GPA wrapper, nothing to tell them apart
+_GPA_WRAPPER = "GPA(base unknown)"  # z with a nested base state: a GPA wrapper of an unknown base
+_DILOCO = "DiLoCo(base unknown)"  # a DiLoCo wrapper of an unknown base
 
 
 def saved_optimizer_name(state_dict: dict[str, Any]) -> str | None:
     """The hf_gpa optimizer that saved ``state_dict`` ("GPAAdamW", "GPA(AdamW)", "DiLoCo(AdamW)"), else None.
 
-    State dicts written before the name was recorded are recognized by their keys ("GPA" or "DiLoCo", base unknown).
+    State dicts written before the name was recorded are recognized by their keys: the groups' ``train_mode`` makes
+    them hf_gpa's, ``inner_steps`` DiLoCo's; the per-parameter state tells GPAAdamW (z, exp_avg, ...) from a GPA
+    wrapper (z and the base's state under "base"); the wrappers' base stays unknown.
     """
     groups = state_dict.get("param_groups") or [{}]
     group = groups[0]
-    if OPTIMIZER_KEY in group and "train_mode" in group:
+    if OPTIMIZER_KEY in group and TRAIN_MODE in group:
         return str(group[OPTIMIZER_KEY])
-    if "train_mode" not in group:
+    if TRAIN_MODE not in group:
         return None
-    return "DiLoCo" if "inner_steps" in group else "GPA"
+    if INNER_STEPS in group:
+        return _DILOCO
+    states = [s for s in state_dict.get("state", {}).values() if s]
+    if any(EXP_AVG in s for s in states):
+        return "GPAAdamW"
+    if any(BASE in s for s in states):
+        return _GPA_WRAPPER
+    return _SOME_GPA
 
 
 def describe_stock(state_dict: dict[str, Any]) -> str:
@@ -34,10 +57,13 @@ def describe_stock(state_dict: dict[str, Any]) -> str:
 
 
 def same_optimizer(saved: str, mine: str) -> bool:
-    """Same name, or a state dict from before names were recorded ("GPA" / "DiLoCo") of the same family."""
-    if saved in ("GPA", "DiLoCo"):
-        family = "DiLoCo" if mine.startswith("DiLoCo") else "GPA"
-        return saved == family
+    """Same name, or a state dict from before names were recorded whose keys belong to this optimizer's family."""
+    if saved == _SOME_GPA:
+        return mine == "GPAAdamW" or mine.startswith("GPA(")
+    if saved == _GPA_WRAPPER:
+        return mine.startswith("GPA(")
+    if saved == _DILOCO:
+        return mine.startswith("DiLoCo(")
     return saved == mine
 
 
@@ -46,5 +72,14 @@ def restore_dtypes(state: dict[str, Any], saved: dict[str, Any]) -> None:
     for key, value in saved.items():
         if isinstance(value, dict) and isinstance(state.get(key), dict):
             restore_dtypes(state[key], value)
-        elif torch.is_tensor(value) and key != "step" and value.dtype != state[key].dtype:
+        elif torch.is_tensor(value) and key != STEP and value.dtype != state[key].dtype:
             state[key] = value.to(device=state[key].device, copy=True)
+
+
+def tensor_steps(state: dict[str, Any], base_device: torch.device | None = None) -> None:
+    """A ``step`` saved as a Python number (torch < 1.12) as the float32 tensor torch keeps now, as torch's
+    ``Adam.__setstate__`` converts it on load: GPAAdamW's on the CPU, the one in a wrapper's base state
+    (``state["base"]``) on ``base_device`` (the parameter's device for fused/capturable bases, else the CPU)."""
+    for target, device in ((state, None), (state.get(BASE), base_device)):
+        if isinstance(target, dict) and STEP in target and not torch.is_tensor(target[STEP]):
+            target[STEP] = torch.tensor(float(target[STEP]), dtype=torch.float32, device=device)

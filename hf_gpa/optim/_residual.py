@@ -3,6 +3,11 @@
 x = (y - (1 - mu_y) z) / mu_y is rounded, and going back with y' = mu_y x + (1 - mu_y) z rounds again, so y' can
 differ from y by a few units in the last place. Instead of keeping a second copy of y while in eval mode, ``eval()``
 keeps the *integer* difference between the bit patterns of y and of its round trip y', and ``train()`` adds it back.
+
+Almost every difference is a few units, but where |y| is much smaller than |x| or |z| the round trip's error, in
+units of y's last place, is large, and one such element would force a wide integer onto the whole tensor (a 1M-weight
+matrix needed int32 after 20 steps: 4 bytes per weight). So the residual is int8, one byte per weight, and the rare
+differences that do not fit are kept apart as a sparse list of (flat index, difference) pairs (16 bytes each).
 """
 
 from __future__ import annotations
@@ -19,26 +24,41 @@ _INT_VIEW = {
 }
 
 
+def encode_residual(
+    target: torch.Tensor, approx: torch.Tensor, narrow: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bits(target) - bits(approx)`` as an int8 tensor of ``target``'s shape and an int64 overflow list.
 
-def encode_residual(target: torch.Tensor, approx: torch.Tensor, narrow: bool = True) -> torch.Tensor:
-    """Integer difference of the bit patterns, ``bits(target) - bits(approx)``, in the smallest integer dtype.
-
-    The subtraction wraps around in two's complement, so ``decode_residual`` restores ``target`` exactly whatever
-    the values; the narrowing to int8/int16 is taken only when every difference fits (and ``narrow`` is set: shards
-    of one DTensor must agree on a dtype without talking to each other, so they keep the full width).
+    The subtraction wraps around in two's complement, so ``decode_residual`` restores ``target`` exactly whatever the
+    values. Differences outside int8's range are 0 in the int8 tensor and listed in the overflow, a ``(k, 2)`` int64
+    tensor of (index into the flattened tensor, difference). Without ``narrow`` (shards of one DTensor: the residual
+    is sharded like the parameter, and the shards cannot agree on a list) the residual keeps the full width of the
+    bit pattern and the overflow list is empty.
     """
     int_dtype = _INT_VIEW[target.dtype]
     diff = target.view(int_dtype) - approx.view(int_dtype)
-    for small in (torch.int8, torch.int16, torch.int32) if narrow else ():
-        if small.itemsize >= int_dtype.itemsize:
-            break
-        info = torch.iinfo(small)
-        if bool(((diff >= info.min) & (diff <= info.max)).all()):
-            return diff.to(small)
-    return diff
+    if not narrow:
+        return diff, torch.empty(0, 2, dtype=torch.int64, device=diff.device)
+    small = diff.to(torch.int8)  # wraps; exact where the difference fits
+    overflow = small != diff
+    index = overflow.flatten().nonzero().squeeze(1)
+    small.masked_fill_(overflow, 0)
+    return small, torch.stack((index, diff.flatten()[index].to(torch.int64)), dim=1)
 
 
-def decode_residual(approx: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """Inverse of `encode_residual`: the exact target from its approximation and the stored residual."""
+def decode_residual(
+    approx: torch.Tensor, residual: torch.Tensor, overflow: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of `encode_residual`: the exact target from its approximation, the residual and its overflow list.
+
+    Without the overflow list (a loader that dropped it) the listed elements come back as their approximation: within
+    a rounding of the larger of |x| and |z|, not bitwise.
+    """
     int_dtype = _INT_VIEW[approx.dtype]
-    return (approx.view(int_dtype) + residual.to(int_dtype)).view(approx.dtype)
+    bits = approx.view(int_dtype) + residual.to(int_dtype)
+    if overflow is not None and overflow.numel():
+        bits = bits.flatten()  # a copy where approx is not contiguous: indices are into the flattened tensor
+        index, diff = overflow[:, 0], overflow[:, 1].to(int_dtype)
+        bits[index] = approx.flatten().view(int_dtype)[index] + diff
+        bits = bits.view(approx.shape)
+    return bits.view(approx.dtype)

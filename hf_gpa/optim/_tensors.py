@@ -1,19 +1,12 @@
-"""Tensor helpers every hf_gpa optimizer shares: the state dtype, FSDP2 (DTensor) shards, complex views, layouts."""
+"""Tensor helpers every hf_gpa optimizer shares: FSDP2 (DTensor) shards, complex views, layouts."""
 
 from __future__ import annotations
 
 import torch
 
+from ._types import state_dtype_for  # noqa: F401 - importable from here too (the wrappers import it)
+
 __all__ = ["state_dtype_for", "is_dtensor", "local_tensor", "real_view", "shard_like"]
-
-
-def state_dtype_for(param: torch.Tensor) -> torch.dtype:
-    """The dtype of z and of the base optimizer's moments for a parameter.
-
-    Half-precision parameters (bf16, fp16) keep their optimizer state, z included, in float32: z is the only
-    unaveraged copy of the weights and small updates would vanish in bf16. fp32 and fp64 keep their own dtype.
-    """
-    return torch.float32 if param.dtype in (torch.bfloat16, torch.float16) else param.dtype
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

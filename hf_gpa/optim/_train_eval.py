@@ -14,24 +14,35 @@ from typing import Any
 
 import torch
 
-from ._checks import check_lr
-from ._loading import OPTIMIZER_KEY, describe_stock, restore_dtypes, same_optimizer, saved_optimizer_name
+from ._checks import CheckedGroups
+from ._loading import OPTIMIZER_KEY, describe_stock, restore_dtypes, same_optimizer, saved_optimizer_name, tensor_steps
+from ._types import FUSED, INITIAL_LR, LR, TRAIN_MODE
 
 __all__ = ["TrainEvalOptimizer"]
 
 
-class TrainEvalOptimizer(torch.optim.Optimizer):
+class TrainEvalOptimizer(CheckedGroups):
     """Shared mode handling: ``train()``/``eval()``, the eval-mode guard on ``step()``, checked and dtype-safe loading.
 
     Subclasses implement ``_params_to_eval(group)`` and ``_params_to_train(group)``. The mode lives in each param
-    group (``group["train_mode"]``) so that it travels with ``state_dict()``, and so does the optimizer's name
+    group (``group[TRAIN_MODE]``) so that it travels with ``state_dict()``, and so does the optimizer's name
     (``group["optimizer"]``), which ``load_state_dict`` checks: a state saved by another optimizer raises a
     ``ValueError`` naming both, unless the subclass knows how to adopt it (``_load_stock_state_dict``).
     """
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
-        defaults = {**defaults, "train_mode": True, OPTIMIZER_KEY: self.optimizer_name}
+        defaults = {**defaults, TRAIN_MODE: True, OPTIMIZER_KEY: self.optimizer_name}
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch calls this for pickles and at the end of load_state_dict: older states get today's conventions.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault(TRAIN_MODE, True)
+            capturable = group.get(FUSED) or group.get("capturable")
+            for p in group["params"]:
+                if p in self.state:
+                    tensor_steps(self.state[p], p.device if capturable else None)
 
     @property
     def optimizer_name(self) -> str:
@@ -41,54 +52,66 @@ class TrainEvalOptimizer(torch.optim.Optimizer):
     @property
     def train_mode(self) -> bool:
         """True while the parameters hold the gradient point (a new optimizer starts in train mode)."""
-        return all(group["train_mode"] for group in self.param_groups)
+        return all(group[TRAIN_MODE] for group in self.param_groups)
 
     @torch.no_grad()
     def eval(self) -> None:
         """Put the evaluation weights into the parameters. Idempotent."""
         for group in self.param_groups:
-            if group["train_mode"]:
+            if group[TRAIN_MODE]:
                 self._params_to_eval(group)
-                group["train_mode"] = False
+                group[TRAIN_MODE] = False
 
     @torch.no_grad()
     def train(self) -> None:
         """Put the training iterate back into the parameters, bitwise as it was before ``eval()``. Idempotent."""
         for group in self.param_groups:
-            if not group["train_mode"]:
+            if not group[TRAIN_MODE]:
                 self._params_to_train(group)
-                group["train_mode"] = True
+                group[TRAIN_MODE] = True
 
     @torch.no_grad()
     def init_state(self, eval_mode: bool = False) -> None:
-        """Create every parameter's state now, then switch to eval mode if asked.
+        """Create every parameter's state now, without a step, then switch to eval mode if asked.
 
         State is normally created lazily in ``step()``. Checkpoint loaders that fill a template taken from the
         optimizer (``torch.distributed.checkpoint`` under FSDP2) only restore keys the template has; call
         ``init_state(eval_mode=True)`` before taking the template when the checkpoint was saved in eval mode, so the
-        residual that restores y exactly is loaded too. Like torch's own initializer, it takes one step with zero
-        gradients and zero learning rates; the parameters are meant to be overwritten by the load that follows.
+        residual that restores y exactly is loaded too. Parameters, step counts and group values are left as they
+        are (the state is what a first step would find); the load that follows overwrites it.
         """
-        if not self.state:
-            grads = {}
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad:
-                        grads[p] = p.grad
-                        p.grad = torch.zeros_like(p)
-            saved = [dict(group) for group in self.param_groups]
-            for group in self.param_groups:
-                if "lr" in group:
-                    group["lr"] = 0.0
-            self.train()
-            self.step()
-            for group, old in zip(self.param_groups, saved):
-                # The step left the optimizer in train mode with y in the parameters; keep that flag.
-                group.update({k: v for k, v in old.items() if k not in ("params", "train_mode")})
-            for p, g in grads.items():
-                p.grad = g
+        self.train()  # the state is created for y (an early eval() of stateless parameters switched nothing)
+        self._create_state()
         if eval_mode:
             self.eval()
+
+    def _create_state(self) -> None:
+        """Create the state of every parameter that requires a gradient (GPAAdamW creates it directly).
+
+        This default is torch's own initializer (``torch.distributed.checkpoint``'s ``_init_optim_state``): one
+        step with zero gradients and zero learning rates, the group values then restored (in train mode); it runs
+        only while there is no state at all.
+        """
+        if self.state:
+            return
+        grads = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    grads[p] = p.grad
+                    p.grad = torch.zeros_like(p)
+        saved = [dict(group) for group in self.param_groups]
+        for group in self.param_groups:
+            if LR in group:
+                group[LR] = 0.0
+        try:
+            self.step()
+        finally:
+            for group, old in zip(self.param_groups, saved):
+                # The step left the optimizer in train mode with y in the parameters; keep that flag.
+                group.update({k: v for k, v in old.items() if k not in ("params", TRAIN_MODE)})
+            for p, g in grads.items():
+                p.grad = g
 
     def _params_to_eval(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -102,20 +125,6 @@ class TrainEvalOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}.step() was called in eval mode (the parameters hold the averaged "
                 "weights). Call optimizer.train() before training steps, and optimizer.eval() before evaluation."
             )
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, checked like the constructor's groups (a bad one raises and is not added)."""
-        super().add_param_group(param_group)
-        try:
-            self._check_group(self.param_groups[-1])
-        except ValueError:
-            self.param_groups.pop()
-            raise
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        """Per-group argument checks (subclasses add their own); run for every group, added later ones included."""
-        if "lr" in group:
-            check_lr(group["lr"])
 
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
         """The mode guard of every ``step()``, then the closure's loss (computed with gradients enabled)."""
@@ -185,6 +194,17 @@ class TrainEvalOptimizer(torch.optim.Optimizer):
                 self._mismatch(describe_stock(state_dict) + (" with amsgrad" if amsgrad else ""))
                 + f" {self.optimizer_name} continues only a run of {what} (per-parameter state {sorted(keys)})."
             )
+        saved_ids = [(g, i, index) for g, group in enumerate(state_dict["param_groups"]) for i, index in
+                     enumerate(group["params"])]  # fmt: skip
+        params = [p for group in self.param_groups for p in group["params"]]
+        for (g, i, index), param in zip(saved_ids, params):
+            for key, value in (state_dict["state"].get(index) or {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(
+                        f"{self.optimizer_name}.load_state_dict(): the saved {key} of parameter {index} "
+                        f"(param_groups[{g}]['params'][{i}]) has shape {tuple(value.shape)}, the parameter "
+                        f"{tuple(param.shape)}: the state belongs to another model"
+                    )
 
     def _adopt_schedule(self, state_dict: dict[str, Any]) -> None:
         """After adopting a stock state: the saved lr schedule position (``lr``, ``initial_lr``), train mode.
@@ -193,14 +213,14 @@ class TrainEvalOptimizer(torch.optim.Optimizer):
         and write ``lr`` only at their next step, so the saved ``lr`` is the one the next step must use.
         """
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            for key in ("lr", "initial_lr"):
+            for key in (LR, INITIAL_LR):
                 if key not in saved:
                     continue
                 if torch.is_tensor(group.get(key)):
                     group[key].fill_(saved[key])
                 else:
                     group[key] = saved[key]
-            group["train_mode"] = True
+            group[TRAIN_MODE] = True
 
     def _reset_state(self) -> None:
         self.state = defaultdict(dict)

@@ -4,7 +4,8 @@
     after it:              y <- y + (1 - mu_x mu_y) z'
 
 Each is one pass over memory: the C++ kernel on CPU, the Triton kernel on CUDA (when triton imports), foreach ops
-for what neither takes (other dtypes, tensors of different layouts). Complex tensors are passed as pairs of reals.
+for what neither takes (other dtypes, tensors of different layouts): the choice and the bucketing are
+``kernels.fused_buckets``, the rule GPAAdamW's fused path uses too. Complex tensors are passed as pairs of reals.
 
 bf16/fp16 parameters may come with a float32 copy of y (``y32s``, one entry per parameter, None where there is
 none), which then carries y: before the base step only the copy moves (``y`` is left as it was; the base does not
@@ -19,13 +20,11 @@ from collections import defaultdict
 
 import torch
 
+from ._tensors import real_view
+from .kernels import STATE_DTYPE, fused_buckets
 from .kernels.cpu import load_cpu_kernel
 
 __all__ = ["foreach_axpby_", "foreach_add_scaled_"]
-
-# Private switch for tests: "triton" sends every bucket it can take to the Triton kernel on any device (on CPU
-# tensors it runs through Triton's interpreter); "foreach" sends everything to the foreach ops.
-_backend: dict[str, str | None] = {"force": None}
 
 
 def foreach_axpby_(
@@ -46,28 +45,6 @@ def foreach_add_scaled_(
     _wrapper_pass(ys, zs, y32s, c, 1.0, before=False)
 
 
-def _real(t: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(t) if torch.is_complex(t) else t
-
-
-def _kernel_for(y: torch.Tensor) -> str | None:
-    """The fused kernel ("triton" or "cpu") that takes this tensor's device and dtype, else None."""
-    if _backend["force"] == "foreach":
-        return None
-    if _backend["force"] == "triton" or y.device.type == "cuda":
-        from .kernels import triton_launch as _triton
-
-        ok = _triton.triton_available() and _triton.supports([y])
-        return "triton" if ok else None
-    if y.device.type == "cpu" and y.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        return "cpu" if load_cpu_kernel() is not None else None
-    return None
-
-
-def _same_layout(ref: torch.Tensor, t: torch.Tensor | None) -> bool:
-    return t is None or (t.shape == ref.shape and t.stride() == ref.stride())
-
-
 def _wrapper_pass(
     ys: list[torch.Tensor],
     zs: list[torch.Tensor],
@@ -76,28 +53,24 @@ def _wrapper_pass(
     scale: float,
     before: bool,
 ) -> None:
-    ys, zs = [_real(y) for y in ys], [_real(z) for z in zs]
+    ys, zs = [real_view(y) for y in ys], [real_view(z) for z in zs]
     y32s = list(y32s) if y32s is not None else [None] * len(ys)
-    buckets: dict[tuple, list[int]] = defaultdict(list)
-    for i, (y, z) in enumerate(zip(ys, zs)):
-        kernel = _kernel_for(y)
-        dense = y.is_contiguous() or y.is_contiguous(memory_format=torch.channels_last)
-        expected_z = torch.float32 if y.dtype in (torch.bfloat16, torch.float16) else y.dtype
-        layout_ok = dense and _same_layout(y, z) and _same_layout(y, y32s[i])
-        if kernel is None or not layout_ok or z.dtype != expected_z:
-            kernel = "foreach"
-        buckets[(kernel, y.device, y.dtype, y32s[i] is not None)].append(i)
-    for (kernel, _, _, has_y32), idx in buckets.items():
+    buckets, rest = fused_buckets(ys, [(zs, STATE_DTYPE), (y32s, STATE_DTYPE)])
+    for (kernel, _, _, _, absent), idx in buckets.items():
         y_b, z_b = [ys[i] for i in idx], [zs[i] for i in idx]
-        y32_b = [y32s[i] for i in idx] if has_y32 else None
+        y32_b = None if absent[-1] else [y32s[i] for i in idx]
         if kernel == "cpu":
             load_cpu_kernel().gpa_wrapper_pass(y_b, z_b, y32_b or [], alpha, scale, before)
-        elif kernel == "triton":
-            from .kernels import triton_launch as _triton
-
-            _triton.wrapper_pass(y_b, z_b, y32_b, alpha, scale, before)
         else:
-            _foreach_pass(y_b, z_b, y32_b, alpha, scale, before)
+            from .kernels import triton_launch
+
+            triton_launch.wrapper_pass(y_b, z_b, y32_b, alpha, scale, before)
+    by_kind: dict[tuple, list[int]] = defaultdict(list)
+    for i in rest:
+        by_kind[(ys[i].device, ys[i].dtype, y32s[i] is None)].append(i)
+    for (_, _, no_y32), idx in by_kind.items():
+        y32_b = None if no_y32 else [y32s[i] for i in idx]
+        _foreach_pass([ys[i] for i in idx], [zs[i] for i in idx], y32_b, alpha, scale, before)
 
 
 def _foreach_pass(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-from ._checks import DEFAULT_OUTER_MOMENTUM
+import torch
+
+from ._types import DEFAULT_OUTER_MOMENTUM, Averaging
 
 __all__ = ["mu_x_from_inner_steps", "inner_steps_from_mu_x", "averaging_mu_x"]
 
@@ -37,16 +39,17 @@ def inner_steps_from_mu_x(mu_x: float, mu: float = DEFAULT_OUTER_MOMENTUM) -> fl
     return math.log(mu) / math.log(mu_x)
 
 
-def averaging_mu_x(averaging: str, mu_x: float, lr: float, weight_sum: float) -> tuple[float, float]:
+def averaging_mu_x(averaging: str, mu_x: float, lr: float | torch.Tensor, weight_sum: float) -> tuple[float, float]:
     """The weight on the old average x for this step, and the updated sum of averaging weights.
 
     ``"gpa"``: the constant ``mu_x`` (an exponential moving average of z).
     ``"schedule_free"``: Schedule-Free's weighted uniform average (paper eq. 5) with weights ``lr_t ** 2``:
     ``x_{t+1} = (1 - c) x_t + c z_{t+1}`` with ``c = lr_t**2 / sum_{i<=t} lr_i**2``; while every weight so far is 0
-    (an lr warm-up that starts at 0) the average stays where it is.
+    (an lr warm-up that starts at 0) the average stays where it is. A tensor ``lr`` is read on the host only there.
     """
-    if averaging == "gpa":
+    if averaging == Averaging.GPA:
         return mu_x, weight_sum
+    lr = float(lr)
     weight = lr * lr
     weight_sum = weight_sum + weight
     c = weight / weight_sum if weight_sum > 0.0 else 0.0

@@ -8,7 +8,8 @@ p = outer - inner drives a Nesterov step of the outer weights, and the inner wei
 This is the Nesterov form of the main text (eq. 10, PyTorch's ``SGD(nesterov=True)`` on the pseudo-gradient), in
 which the look-ahead uses the updated buffer; Algorithm 2 in the appendix writes the old buffer in that line, which
 we read as a typo since its own momentum update precedes it. The evaluation weights are the outer weights. State
-per parameter: the outer weights and the outer momentum buffer (2 copies) plus the base's state.
+per parameter: the outer weights and the outer momentum buffer (2 copies, float32 for bf16/fp16 parameters, as GPA
+keeps z) plus the base's state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from ._checks import DEFAULT_INNER_STEPS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, check_diloco
-from ._tensors import local_tensor
+from ._tensors import local_tensor, state_dtype_for
 from ._wrapper import BaseOptimizerWrapper
 
 __all__ = ["DiLoCo"]
@@ -35,8 +36,12 @@ class DiLoCo(BaseOptimizerWrapper):
               \tilde x \leftarrow \tilde x - \tilde\gamma (\mu b + p), \quad x_{t+1} \leftarrow \tilde x
         \end{aligned}
 
-    ``eval()`` puts the outer weights :math:`\tilde x` into the parameters (they are exchanged with the inner
-    weights, which ``state["outer"]`` holds while in eval mode, so ``train()`` restores them bitwise).
+    ``eval()`` puts the outer weights :math:`\tilde x` into the parameters and ``train()`` restores the inner weights
+    bitwise. For fp32/fp64 parameters the two are exchanged (``state["outer"]`` holds the inner weights while in eval
+    mode, no extra memory). bf16/fp16 parameters keep the outer weights and the outer momentum in float32 (rounding
+    the slow weights to bf16 at every outer step would lose most of their updates); in eval mode the parameters hold
+    the outer weights rounded and ``state["inner"]`` the inner weights (2 more bytes per parameter while in eval
+    mode; a loader that drops that key restarts the inner weights from the outer ones).
 
     As a wrapper of its base it behaves like `GPA` (see ``_wrapper``): ``add_param_group`` at any time,
     ``copy.deepcopy``/``pickle`` round trips, step hooks that fire once per ``DiLoCo.step()``, a step whose base
@@ -71,8 +76,20 @@ class DiLoCo(BaseOptimizerWrapper):
         check_diloco(group["inner_steps"], group["outer_lr"], group["outer_momentum"])
 
     def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
-        # The base moves the parameters themselves (the inner weights), once they have a gradient.
-        return p if create or p.grad is not None or p in self.state else None
+        # The base moves the parameters themselves (the inner weights), once they have a gradient; ``create`` (an
+        # adopted AdamW state, whose parameters have no gradient yet) starts their outer state now, so the base is
+        # built on them and receives the adopted state.
+        if create:
+            self._init_outer(p)
+        return p if p.grad is not None or p in self.state else None
+
+    def _init_outer(self, p: torch.Tensor) -> None:
+        """The outer weights (the current weights) and a zero outer momentum, in the state dtype (float32 for half)."""
+        state = self.state[p]
+        if "outer" not in state:
+            dtype = state_dtype_for(p)
+            state["outer"] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
+            state["outer_momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -82,10 +99,8 @@ class DiLoCo(BaseOptimizerWrapper):
             self._prepare_base()
             for group in self.param_groups:
                 for p in group["params"]:
-                    if p.grad is not None and "outer" not in self.state[p]:
-                        state = self.state[p]
-                        state["outer"] = p.detach().clone(memory_format=torch.preserve_format)
-                        state["outer_momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if p.grad is not None:
+                        self._init_outer(p)
             self._base_step()
         for group in self.param_groups:
             group["inner_step"] += 1
@@ -100,24 +115,43 @@ class DiLoCo(BaseOptimizerWrapper):
             if not state or "outer" not in state:
                 continue
             inner, outer, buf = (local_tensor(t) for t in (p, state["outer"], state["outer_momentum_buffer"]))
-            pseudo_grad = outer - inner
+            pseudo_grad = outer - inner  # in the outer weights' dtype (float32 for bf16/fp16 parameters)
             buf.mul_(mu).add_(pseudo_grad)
             outer.sub_(pseudo_grad.add_(buf, alpha=mu), alpha=outer_lr)
             inner.copy_(outer)
 
-    # The switch exchanges the contents of the parameter and of state["outer"], keeping the key names (checkpoint
-    # loaders fill only keys their template has): in eval mode state["outer"] holds the inner weights.
+    # Where the outer weights have the parameter's dtype, the switch exchanges the contents of the parameter and of
+    # state["outer"], keeping the key names (checkpoint loaders fill only keys their template has): in eval mode
+    # state["outer"] then holds the inner weights. Wider (float32) outer weights stay where they are; the inner
+    # weights wait in state["inner"] (as GPA's residual, a key of eval mode only).
     def _params_to_eval(self, group: dict[str, Any]) -> None:
-        self._exchange(group)
-
-    def _params_to_train(self, group: dict[str, Any]) -> None:
-        self._exchange(group)
-
-    def _exchange(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
             state = self.state.get(p)
-            if state and "outer" in state:
-                _swap_(local_tensor(p), local_tensor(state["outer"]))
+            if not state or "outer" not in state:
+                continue
+            inner, outer = local_tensor(p), local_tensor(state["outer"])
+            if outer.dtype == inner.dtype:
+                _swap_(inner, outer)
+            else:
+                state["inner"] = p.detach().clone(memory_format=torch.preserve_format)
+                inner.copy_(outer)
+
+    def _params_to_train(self, group: dict[str, Any]) -> None:
+        for p in group["params"]:
+            state = self.state.get(p)
+            if not state or "outer" not in state:
+                continue
+            inner, outer = local_tensor(p), local_tensor(state["outer"])
+            if outer.dtype == inner.dtype:
+                _swap_(inner, outer)
+                continue
+            written = inner != outer.to(inner.dtype)  # the outer weights were written while in eval mode: they win
+            if bool(written.any()):
+                outer.copy_(torch.where(written, inner.to(outer.dtype), outer))
+            if "inner" in state:
+                inner.copy_(local_tensor(state.pop("inner")))
+            else:  # a loader dropped the inner weights: they restart from the outer ones, as after an outer step
+                inner.copy_(outer)
 
 
 def _swap_(a: torch.Tensor, b: torch.Tensor) -> None:

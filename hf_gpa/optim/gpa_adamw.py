@@ -11,40 +11,59 @@ The last identity (with x = (y - (1 - mu_y) z) / mu_y) is what lets the optimize
 written as small corrections added to y rather than as mu_x mu_y x + (1 - mu_x mu_y) z': the rounding error is then
 that of the corrections, and where x = z a step with lr = 0 leaves y bitwise unchanged.
 
-Every path computes the same update: `_single_tensor_gpa_adamw` (the ground truth), `_foreach_gpa_adamw`, the C++
-kernel (``kernels/csrc/gpa_adamw.cpp``) and the Triton kernel (``kernels/triton_source.py``). ``fused=None``
-takes the fused kernel of the device (CPU: C++; CUDA: Triton, when triton imports) and foreach for the tensors it
-cannot take.
+As in torch's ``adam.py``: ``GPAAdamW.step()`` is ``_init_group`` plus one call of the functional `gpa_adamw`, which
+picks `_single_tensor_gpa_adamw` (the for-loop, the ground truth), `_multi_tensor_gpa_adamw` (foreach) or
+`_fused_gpa_adamw` (the C++ kernel ``kernels/csrc/gpa_adamw.cpp`` on CPU, the Triton kernel
+``kernels/triton_source.py`` on CUDA) by the rule of ``kernels.default_to_fused_or_foreach``; each does its own bias
+correction. ``fused=None`` takes the fused kernel of the device where every tensor has one, and foreach inside it
+for the tensors whose layouts a kernel cannot take.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, check_adam, check_averaging, check_lr, check_mu
+from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
 from ._gpa_switch import GPASwitch
-from ._tensors import local_tensor, state_dtype_for
+from ._tensors import local_tensor, real_view
+from ._types import (
+    AVERAGING,
+    BETAS,
+    DEFAULT_AVERAGING,
+    DEFAULT_BETAS,
+    DEFAULT_EPS,
+    DEFAULT_HALF_STATE,
+    DEFAULT_LR,
+    DEFAULT_MU_X,
+    DEFAULT_MU_Y,
+    DEFAULT_WEIGHT_DECAY,
+    EPS,
+    EXP_AVG,
+    EXP_AVG_SQ,
+    FOREACH,
+    FUSED,
+    HALF_DTYPES,
+    HALF_STATE,
+    LR,
+    MAXIMIZE,
+    MU_X,
+    MU_Y,
+    STEP,
+    WEIGHT_DECAY,
+    WEIGHT_SUM,
+    Y_FP32,
+    Z,
+    state_dtype_for,
+)
 from .averaging import averaging_mu_x
+from .kernels import PARAM_DTYPE, STATE_DTYPE, default_to_fused_or_foreach, fused_buckets
 from .kernels.cpu import load_cpu_kernel
 
-__all__ = ["GPAAdamW"]
-
-_HALF = (torch.bfloat16, torch.float16)
-#: ``state_dtype``: what bf16/fp16 parameters keep their state in. "float32": z, m, v and a float32 copy of y (16 bytes
-#: per weight, x as exact as float32 allows); "param": z, m and v in the parameter's dtype, no copy of y (6 bytes, as
-#: torch's AdamW keeps m and v; the update is computed in float32 and rounded once per step).
-STATE_DTYPES = ("float32", "param")
-
-
-def _check_state_dtype(state_dtype: Any) -> None:
-    if state_dtype not in STATE_DTYPES:
-        raise ValueError(f"Invalid state_dtype: {state_dtype!r} (must be one of {', '.join(STATE_DTYPES)})")
-_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+__all__ = ["GPAAdamW", "gpa_adamw"]
 
 
 class GPAAdamW(GPASwitch):
@@ -66,7 +85,7 @@ class GPAAdamW(GPASwitch):
     bytes of state per parameter, 8.0x the bytes of a bf16 parameter (4 bytes, a third, more than without the copy).
     The parameter stays authoritative: where it no longer equals ``y_fp32`` rounded (something else wrote it), the
     step starts from the parameter. ``state_dtype="param"`` trades that accuracy for memory: z, m and v in the
-    parameter's dtype and no copy of y, 6 bytes per bf16 weight (torch's AdamW: 4, GPA-AdamW's default: 16).
+    parameter's dtype and no copy of y, 6 bytes per bf16 weight (torch's AdamW: 4).
     Weight decay is decoupled and acts on z, as in Algorithm 1 of the paper.
     ``mu_x = 0`` is AdamW; ``mu_y = 1`` is stochastic primal averaging. Call ``eval()`` before evaluating or saving
     (the parameters then hold x) and ``train()`` before the next step (y comes back bitwise).
@@ -82,36 +101,34 @@ class GPAAdamW(GPASwitch):
         betas: AdamW's coefficients for the running averages of the gradient and its square (default: (0.9, 0.999)).
         eps: term added to the denominator (default: 1e-8).
         weight_decay: decoupled weight decay on z (default: 0).
-        mu_x: averaging constant of x in [0, 1); ``mu_x_from_inner_steps(H)`` maps DiLoCo's H (default: 0.9967).
+        mu_x: averaging constant of x in [0, 1); ``mu_x_from_inner_steps(H)`` maps DiLoCo's H (default:
+            ``mu_x_from_inner_steps(32)`` = 0.996713).
         mu_y: interpolation constant of the gradient point y in (0, 1] (default: 0.7).
         averaging: ``"gpa"`` (exponential average with ``mu_x``) or ``"schedule_free"`` (Schedule-Free's average
             weighted by lr_t^2, paper eq. 5; ``mu_x`` is then unused; it reads lr on the host) (default: "gpa").
         foreach: use the foreach implementation; ``False`` (with ``fused`` unset) is the for-loop (default: None).
-        fused: use the fused kernel of the device: the single-pass C++ kernel on CPU (built once per machine), the
-            multi-tensor Triton kernel on CUDA (fp32/bf16/fp16 parameters; needs ``triton``). ``None`` picks it
-            where it is available; tensors a kernel cannot take (other dtypes or devices, parameters whose
-            tensors differ in layout) use foreach (default: None).
+        fused: use the fused kernel of the device: the single-pass C++ kernel on CPU (built once per environment),
+            the multi-tensor Triton kernel on CUDA (fp32/bf16/fp16 parameters; needs ``triton``). As in torch:
+            ``True`` raises a ``RuntimeError`` where no kernel takes a parameter's device and dtype, ``False`` never
+            fuses, ``None`` fuses where every parameter has a kernel and ``foreach`` is unset; a parameter whose
+            tensors differ in layout takes foreach within the fused path (default: None).
         maximize: maximize the objective instead of minimizing it (default: False).
         state_dtype: the state of bf16/fp16 parameters: ``"float32"`` (z, m, v and y's float32 copy) or ``"param"``
-            (z, m, v in the parameter's dtype, no copy of y; computed in float32, rounded once per step; the fused
-            kernels take float32 state only, so these parameters take the foreach path). fp32/fp64 parameters are
-            not affected (default: "float32").
+            (z, m, v in the parameter's dtype, no copy of y; computed in float32 and rounded once per step). The
+            fused kernels take float32 state only: such parameters take the foreach path inside the fused one.
+            fp32/fp64 parameters are not affected (default: "float32").
 
     Paper: Defazio, Mishchenko, Raman, Shi, Xiao, "Smoothing DiLoCo with Primal Averaging for Faster Training of
     LLMs" (Generalized Primal Averaging).
     """
 
-    # Private switch for tests: "triton" sends the fused buckets to the Triton kernel on any device (on CPU tensors
-    # it runs through Triton's interpreter). A class attribute, so copies and unpickled optimizers have it too.
-    _fused_backend: str | None = None
-
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        lr: float | torch.Tensor = DEFAULT_LR,
+        betas: tuple[float, float] = DEFAULT_BETAS,
+        eps: float = DEFAULT_EPS,
+        weight_decay: float = DEFAULT_WEIGHT_DECAY,
         mu_x: float = DEFAULT_MU_X,
         mu_y: float = DEFAULT_MU_Y,
         *,
@@ -119,70 +136,97 @@ class GPAAdamW(GPASwitch):
         foreach: bool | None = None,
         fused: bool | None = None,
         maximize: bool = False,
-        state_dtype: str = "float32",
+        state_dtype: str = DEFAULT_HALF_STATE,
     ) -> None:
-        check_lr(lr)
-        _check_state_dtype(state_dtype)
-        check_adam(betas, eps, weight_decay)
-        check_mu(mu_x, mu_y)
-        check_averaging(averaging)
-        if fused and foreach:
-            raise ValueError("Invalid arguments: fused=True and foreach=True cannot both be set")
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            mu_x=mu_x,
-            mu_y=mu_y,
-            averaging=averaging,
-            weight_sum=0.0,
-            foreach=foreach,
-            fused=fused,
-            maximize=maximize,
-            state_dtype=state_dtype,
-        )
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            check_lr(group["lr"])
-            check_adam(group["betas"], group["eps"], group["weight_decay"])
-            check_mu(group["mu_x"], group["mu_y"])
-            check_averaging(group["averaging"])
-            _check_state_dtype(group["state_dtype"])
+        defaults = {
+            LR: lr,
+            BETAS: tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+            EPS: eps,
+            WEIGHT_DECAY: weight_decay,
+            MU_X: mu_x,
+            MU_Y: mu_y,
+            AVERAGING: averaging,
+            WEIGHT_SUM: 0.0,
+            FOREACH: foreach,
+            FUSED: fused,
+            MAXIMIZE: maximize,
+            HALF_STATE: state_dtype,
+        }
+        super().__init__(params, defaults)  # every group, these defaults filled in, passes `_check_group`
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        check_adam(group[BETAS], group[EPS], group[WEIGHT_DECAY])
+        check_mu(group[MU_X], group[MU_Y])
+        group[AVERAGING] = check_averaging(group[AVERAGING])
+        check_implementation(group[FOREACH], group[FUSED])
+        check_state_dtype(group[HALF_STATE])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault("state_dtype", "float32")
+        for group in self.param_groups:  # groups pickled before these keys existed
+            group.setdefault(MAXIMIZE, False)
+            group.setdefault(FOREACH, None)
+            group.setdefault(FUSED, None)
+            group.setdefault(AVERAGING, DEFAULT_AVERAGING)
+            group.setdefault(WEIGHT_SUM, 0.0)
+            group.setdefault(HALF_STATE, DEFAULT_HALF_STATE)
 
-    def _init_group(self, group: dict[str, Any]) -> tuple[list[Any], ...]:
-        """The local (real-valued) tensors of every parameter with a gradient; state is created on first use."""
-        ys, gs, zs, ms, vs, y32s, steps = [], [], [], [], [], [], []
+    def _init_state(self, p: torch.Tensor, half_state: str = DEFAULT_HALF_STATE) -> dict[str, Any]:
+        """Create what is missing of ``p``'s state (z = y, m = v = 0, step 0; y's float32 copy for bf16/fp16
+        parameters whose state is float32, ``half_state`` deciding that for new state)."""
+        state = self.state[p]
+        if Z not in state:
+            # Created lazily, after any wrapping (FSDP2 replaces parameters by DTensor shards in prepare()).
+            dtype = p.dtype if half_state == "param" else state_dtype_for(p)
+            z = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
+            state[STEP] = torch.tensor(0.0, dtype=torch.float32)
+            state[Z] = z
+            state[EXP_AVG] = torch.zeros_like(z, memory_format=torch.preserve_format)
+            state[EXP_AVG_SQ] = torch.zeros_like(z, memory_format=torch.preserve_format)
+        if p.dtype in HALF_DTYPES and Y_FP32 not in state and state[Z].dtype == torch.float32:
+            # Also for state saved before this copy existed: the parameter holds y rounded, a fine start.
+            state[Y_FP32] = p.detach().to(dtype=torch.float32, copy=True, memory_format=torch.preserve_format)
+        return state
+
+    def _create_state(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._init_state(p, group[HALF_STATE])
+
+    def _init_group(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        zs: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        y32s: list[torch.Tensor | None],
+        state_steps: list[torch.Tensor],
+    ) -> bool:
+        """Fill the lists with the local tensors of every parameter with a gradient (state created on first use), as
+        torch's ``Adam._init_group`` does; return whether any is complex."""
+        has_complex = False
         for p in group["params"]:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError("GPAAdamW does not support sparse gradients")
             state = self.state[p]
-            in_param_dtype = group.get("state_dtype", "float32") == "param"
-            if "z" not in state:
-                # Created lazily, after any wrapping (FSDP2 replaces parameters by DTensor shards in prepare()).
-                dtype = p.dtype if in_param_dtype else state_dtype_for(p)
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["z"] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
-                state["exp_avg"] = torch.zeros_like(state["z"], memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(state["z"], memory_format=torch.preserve_format)
-            if p.dtype in _HALF and "y_fp32" not in state and state["z"].dtype == torch.float32:
-                # Also for state saved before this copy existed: the parameter holds y rounded, a fine start.
-                state["y_fp32"] = p.detach().to(dtype=torch.float32, copy=True, memory_format=torch.preserve_format)
-            tensors = [local_tensor(t) for t in (p, p.grad, state["z"], state["exp_avg"], state["exp_avg_sq"])]
-            if torch.is_complex(tensors[0]):
-                tensors = [torch.view_as_real(t) for t in tensors]
-            for lst, t in zip((ys, gs, zs, ms, vs), tensors):
-                lst.append(t)
-            y32s.append(local_tensor(state["y_fp32"]) if "y_fp32" in state else None)
-            steps.append(state["step"])
-        return ys, gs, zs, ms, vs, y32s, steps
+            if Y_FP32 not in state and (Z not in state or p.dtype in HALF_DTYPES):
+                self._init_state(p, group[HALF_STATE])
+            has_complex |= torch.is_complex(p)
+            params.append(local_tensor(p))
+            grads.append(local_tensor(p.grad))
+            zs.append(local_tensor(state[Z]))
+            exp_avgs.append(local_tensor(state[EXP_AVG]))
+            exp_avg_sqs.append(local_tensor(state[EXP_AVG_SQ]))
+            y32 = state.get(Y_FP32)
+            y32s.append(None if y32 is None else local_tensor(y32))
+            state_steps.append(state[STEP])
+        return has_complex
 
     def _load_stock_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Switch an Adam/AdamW run to GPA-AdamW: z = y = the current weights, m, v and step carried over.
@@ -190,157 +234,60 @@ class GPAAdamW(GPASwitch):
         ``lr`` and ``initial_lr`` come from the saved groups (the schedule's position); every other hyper-parameter
         stays this optimizer's own. Any other optimizer's state raises a ``ValueError`` naming both.
         """
-        self._check_stock_state(state_dict, {"step", "exp_avg", "exp_avg_sq"}, "Adam/AdamW")
-        adopted = {}
-        for p, saved in self._saved_param_states(state_dict):
-            z = p.detach().to(dtype=state_dtype_for(p), copy=True, memory_format=torch.preserve_format)
-            step = torch.tensor(float(saved["step"]), dtype=torch.float32)
-            m, v = (saved[k].to(device=z.device, dtype=z.dtype, copy=True) for k in ("exp_avg", "exp_avg_sq"))
-            adopted[p] = {"step": step, "z": z, "exp_avg": m, "exp_avg_sq": v}
+        self._check_stock_state(state_dict, {STEP, EXP_AVG, EXP_AVG_SQ}, "Adam/AdamW")
+        saved = list(self._saved_param_states(state_dict))
         self._reset_state()
-        self.state.update(adopted)
+        for p, saved_state in saved:
+            state = self._init_state(p)
+            state[STEP] = torch.tensor(float(saved_state[STEP]), dtype=torch.float32)
+            for key in (EXP_AVG, EXP_AVG_SQ):
+                state[key] = saved_state[key].to(device=state[Z].device, dtype=state[Z].dtype, copy=True)
         self._adopt_schedule(state_dict)
 
-    def _implementation(self, group: dict[str, Any], ys: list[torch.Tensor]) -> str:
-        """The group's path: "forloop", "foreach", or "fused" (the device's kernel, where it takes the tensors)."""
-        if group["foreach"] is False and not group["fused"]:
-            return "forloop"
-        if group["foreach"]:
-            return "foreach"
-        if all(self._fused_kernel(y) is not None for y in ys):
-            return "fused"
-        return "foreach"
-
-    def _fused_kernel(self, y: torch.Tensor) -> str | None:
-        """The fused kernel ("triton" or "cpu") that can take a tensor of this device and dtype, else None."""
-        if self._fused_backend == "triton" or y.device.type == "cuda":
-            from .kernels import triton_launch as _triton
-
-            if _triton.triton_available() and _triton.supports([y]):
-                return "triton"
-            return None
-        if y.device.type == "cpu" and y.dtype in _KERNEL_DTYPES and load_cpu_kernel() is not None:
-            return "cpu"
-        return None
+    def _implementation(self, group: dict[str, Any], params: list[torch.Tensor]) -> str:
+        """The group's path: "forloop", "foreach" or "fused" (`kernels.default_to_fused_or_foreach`)."""
+        use_fused, use_foreach = default_to_fused_or_foreach(params, group[FOREACH], group[FUSED])
+        return "fused" if use_fused else "foreach" if use_foreach else "forloop"
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the loss at y (optional)."""
         loss = self._closure_loss(closure)
         for group in self.param_groups:
-            ys, gs, zs, ms, vs, y32s, steps = self._init_group(group)
-            if not ys:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            zs: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            y32s: list[torch.Tensor | None] = []
+            state_steps: list[torch.Tensor] = []
+            has_complex = self._init_group(group, params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps)
+            if not params:
                 continue
-            lr = group["lr"]
-            if torch.is_tensor(lr):
-                lr = lr.squeeze()  # a one-element lr of any shape is its 0-d value (torch's AdamW does the same)
-            if group["averaging"] == "gpa":
-                mu_x = group["mu_x"]
-            else:
-                averaged = averaging_mu_x(group["averaging"], group["mu_x"], float(lr), group["weight_sum"])
-                mu_x, group["weight_sum"] = averaged
-            torch._foreach_add_(steps, 1.0)
-            hyper = dict(
-                beta1=group["betas"][0],
-                beta2=group["betas"][1],
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                mu_x=mu_x,
-                mu_y=group["mu_y"],
-                maximize=group["maximize"],
-            )
-            step_counts = [step.item() for step in steps]  # step lives on the CPU: no device synchronization
-            if group["foreach"] is False and not group["fused"]:
-                lr_f = float(lr)
-                for y, g, z, m, v, y32, t in zip(ys, gs, zs, ms, vs, y32s, step_counts):
-                    _single_tensor_gpa_adamw(y, g, z, m, v, y32, lr=lr_f, step=t, **hyper)
-                continue
-            if group["foreach"]:
-                rest = list(range(len(ys)))
-            else:
-                rest = self._fused_step(ys, gs, zs, ms, vs, y32s, step_counts, lr, hyper)
-            if rest:
-                picked = [[lst[i] for i in rest] for lst in (ys, gs, zs, ms, vs, y32s, step_counts)]
-                _foreach_gpa_adamw(*picked, lr=float(lr), **hyper)
+            mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], group[LR], group[WEIGHT_SUM])
+            beta1, beta2 = group[BETAS]
+            gpa_adamw(
+                params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps,
+                foreach=group[FOREACH], fused=group[FUSED], has_complex=has_complex, lr=group[LR], beta1=beta1,
+                beta2=beta2, eps=group[EPS], weight_decay=group[WEIGHT_DECAY], mu_x=mu_x, mu_y=group[MU_Y],
+                maximize=group[MAXIMIZE],
+            )  # fmt: skip
         return loss
 
-    def _fused_step(
-        self,
-        ys: list[torch.Tensor],
-        gs: list[torch.Tensor],
-        zs: list[torch.Tensor],
-        ms: list[torch.Tensor],
-        vs: list[torch.Tensor],
-        y32s: list[torch.Tensor | None],
-        step_counts: list[float],
-        lr: float | torch.Tensor,
-        hyper: dict[str, Any],
-    ) -> list[int]:
-        """Run the fused kernels on every tensor they take; return the indices left for foreach."""
-        # (kernel, device, parameter dtype, has y32, step count): one C++ call or one Triton launch per bucket.
-        buckets: dict[tuple, list[int]] = defaultdict(list)
-        rest = []
-        for i, y in enumerate(ys):
-            kernel = self._fused_kernel(y)
-            layout_ok = all(_same_dense_layout(y, t) for t in (gs[i], zs[i], ms[i], vs[i], y32s[i]) if t is not None)
-            if kernel is None or not layout_ok or gs[i].dtype != y.dtype or zs[i].dtype in _HALF:
-                rest.append(i)
-            elif kernel == "cpu":  # the C++ kernel takes a step size per tensor
-                buckets[("cpu", None, None, y32s[i] is not None, None)].append(i)
-            else:
-                buckets[("triton", y.device, y.dtype, y32s[i] is not None, step_counts[i])].append(i)
-        beta1, beta2 = hyper["beta1"], hyper["beta2"]
-        for (kernel, device, _, has_y32, t), idx in buckets.items():
-            y_b, g_b, z_b, m_b, v_b = ([lst[i] for i in idx] for lst in (ys, gs, zs, ms, vs))
-            y32_b = [y32s[i] for i in idx] if has_y32 else None
-            if kernel == "cpu":
-                lr_f = float(lr)
-                step_sizes = [lr_f / (1.0 - beta1 ** step_counts[i]) for i in idx]
-                bc2_sqrts = [math.sqrt(1.0 - beta2 ** step_counts[i]) for i in idx]
-                load_cpu_kernel().gpa_adamw_step(
-                    y_b, g_b, z_b, m_b, v_b, y32_b or [], step_sizes, bc2_sqrts, lr_f, beta1, beta2,
-                    hyper["eps"], hyper["weight_decay"], hyper["mu_x"], hyper["mu_y"], hyper["maximize"],
-                )  # fmt: skip
-            else:
-                from .kernels import triton_launch as _triton
 
-                lr_arg = lr if torch.is_tensor(lr) and lr.device == device else float(lr)
-                _triton.gpa_adamw_step(
-                    y_b, g_b, z_b, m_b, v_b, y32_b, lr=lr_arg, bc1=1.0 - beta1**t, bc2_sqrt=math.sqrt(1.0 - beta2**t),
-                    **hyper,
-                )  # fmt: skip
-        return rest
-
-
-def _same_dense_layout(ref: torch.Tensor, t: torch.Tensor) -> bool:
-    """Whether ``t`` lies in memory like ``ref`` and both are dense: an elementwise kernel may then run flat."""
-    return (
-        t.shape == ref.shape
-        and t.stride() == ref.stride()
-        and (ref.is_contiguous() or ref.is_contiguous(memory_format=torch.channels_last) or _dense(ref))
-    )
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: the strides, sorted, are those of a contiguous tensor of the permuted shape."""
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda s: s[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _single_tensor_gpa_adamw(
-    y: torch.Tensor,
-    g: torch.Tensor,
-    z: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    y32: torch.Tensor | None,
+def gpa_adamw(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    y32s: list[torch.Tensor | None],
+    state_steps: list[torch.Tensor],
     *,
-    lr: float,
-    step: float,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    has_complex: bool = False,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -349,31 +296,77 @@ def _single_tensor_gpa_adamw(
     mu_y: float,
     maximize: bool,
 ) -> None:
-    """The ground truth: one tensor, plain ops, in the state dtype (``y32``: y's float32 copy, or None).
+    """Functional API of GPA-AdamW's step (see `GPAAdamW`): the parameters hold y, updated in place with z, m, v,
+    y's float32 copies (None for fp32/fp64 parameters) and the step counts; ``mu_x`` is this step's weight on the
+    old average (``averaging.averaging_mu_x``)."""
+    if has_complex:  # complex tensors as pairs of reals, as torch's AdamW does
+        params, grads, zs, exp_avgs, exp_avg_sqs = (
+            [real_view(t) for t in lst] for lst in (params, grads, zs, exp_avgs, exp_avg_sqs)
+        )
+    use_fused, use_foreach = default_to_fused_or_foreach(params, foreach, fused)
+    if torch.is_tensor(lr):
+        lr = lr.squeeze()  # a one-element lr of any shape is its 0-d value (torch's AdamW does the same)
+    if use_fused:
+        func = _fused_gpa_adamw
+    elif use_foreach:
+        func = _multi_tensor_gpa_adamw
+    else:
+        func = _single_tensor_gpa_adamw
+    func(
+        params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize,
+    )  # fmt: skip
 
-    State in a half-precision dtype (``state_dtype="param"``) is computed in float32 and rounded once at the end.
+
+def _single_tensor_gpa_adamw(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    y32s: list[torch.Tensor | None],
+    state_steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mu_x: float,
+    mu_y: float,
+    maximize: bool,
+) -> None:
+    """The ground truth: one tensor at a time, plain ops, in the state dtype (``y32``: y's float32 copy, or None).
+
+    State kept in a half-precision dtype (``state_dtype="param"``) is computed in float32 and rounded once at the end.
     """
-    if z.dtype in _HALF:
-        wide = [t.float() for t in (z, m, v)]
-        _single_tensor_gpa_adamw(
-            y, g, *wide, y32, lr=lr, step=step, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-            mu_x=mu_x, mu_y=mu_y, maximize=maximize,
-        )  # fmt: skip
-        torch._foreach_copy_([z, m, v], wide)
-        return
-    g = g.to(z.dtype)
-    if maximize:
-        g = -g
-    m.lerp_(g, 1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = (v.sqrt() / math.sqrt(1.0 - beta2**step)).add_(eps)
-    delta = torch.mul(z, -lr * weight_decay).addcdiv_(m, denom, value=-lr / (1.0 - beta1**step))  # z' - z
-    y_acc = _exact_y(y, y32, z.dtype)
-    y_acc.add_(torch.sub(z, y_acc), alpha=1.0 - mu_x).add_(delta, alpha=1.0 - mu_x * mu_y)
-    z.add_(delta)
-    if y32 is not None:
-        y32.copy_(y_acc)
-    y.copy_(y_acc)
+    lr = float(lr)
+    for y, g, z, m, v, y32, step_t in zip(params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps):
+        if z.dtype in HALF_DTYPES:
+            wide = [t.float() for t in (z, m, v)]
+            _single_tensor_gpa_adamw(
+                [y], [g], *([t] for t in wide), [y32], [step_t], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize,
+            )  # fmt: skip
+            torch._foreach_copy_([z, m, v], wide)
+            continue
+        step_t += 1
+        step = step_t.item()  # step lives on the CPU: no device synchronization
+        bias_correction1 = 1.0 - beta1**step
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+        g = g.to(z.dtype)
+        if maximize:
+            g = -g
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        delta = torch.mul(z, -lr * weight_decay).addcdiv_(m, denom, value=-lr / bias_correction1)  # z' - z
+        y_acc = _exact_y(y, y32, z.dtype)
+        y_acc.add_(torch.sub(z, y_acc), alpha=1.0 - mu_x).add_(delta, alpha=1.0 - mu_x * mu_y)
+        z.add_(delta)
+        if y32 is not None:
+            y32.copy_(y_acc)
+        y.copy_(y_acc)
 
 
 def _exact_y(y: torch.Tensor, y32: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -383,7 +376,33 @@ def _exact_y(y: torch.Tensor, y32: torch.Tensor | None, dtype: torch.dtype) -> t
     return torch.where(y32.to(y.dtype) == y, y32, y.to(dtype))
 
 
-def _foreach_gpa_adamw(
+def _multi_tensor_gpa_adamw(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    y32s: list[torch.Tensor | None],
+    state_steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mu_x: float,
+    mu_y: float,
+    maximize: bool,
+) -> None:
+    """The same update as `_single_tensor_gpa_adamw` with foreach ops, one call per (device, dtype) bucket."""
+    torch._foreach_add_(state_steps, 1.0)
+    _foreach_update(
+        params, grads, zs, exp_avgs, exp_avg_sqs, y32s, [step.item() for step in state_steps], lr=float(lr),
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize,
+    )  # fmt: skip
+
+
+def _foreach_update(
     ys: list[torch.Tensor],
     gs: list[torch.Tensor],
     zs: list[torch.Tensor],
@@ -401,11 +420,11 @@ def _foreach_gpa_adamw(
     mu_y: float,
     maximize: bool,
 ) -> None:
-    """The same update as `_single_tensor_gpa_adamw` with foreach ops, one call per (device, dtype) bucket."""
+    """`_multi_tensor_gpa_adamw` with the step counts already advanced (also the fused path's fallback)."""
     grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype([ys, gs, zs, ms, vs], with_indices=True)
     for (y_b, g_b, z_b, m_b, v_b), indices in grouped.values():
         stored = None
-        if z_b[0].dtype in _HALF:  # state_dtype="param": computed in float32, rounded once at the end
+        if z_b[0].dtype in HALF_DTYPES:  # state_dtype="param": computed in float32, rounded once at the end
             stored = z_b + m_b + v_b
             z_b, m_b, v_b = ([t.float() for t in lst] for lst in (z_b, m_b, v_b))
         state_dtype = z_b[0].dtype
@@ -434,3 +453,56 @@ def _foreach_gpa_adamw(
             torch._foreach_copy_([y_b[k] for k in copied], [y_acc[k] for k in copied])
         if stored is not None:
             torch._foreach_copy_(stored, z_b + m_b + v_b)
+
+
+def _fused_gpa_adamw(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    y32s: list[torch.Tensor | None],
+    state_steps: list[torch.Tensor],
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mu_x: float,
+    mu_y: float,
+    maximize: bool,
+) -> None:
+    """The fused kernels on every tensor they take (one C++ call, or one Triton launch per device, dtype and step
+    count), foreach on the rest (tensors of one parameter that differ in layout)."""
+    torch._foreach_add_(state_steps, 1.0)
+    step_counts = [step.item() for step in state_steps]
+    buckets, rest = fused_buckets(
+        params,
+        [(grads, PARAM_DTYPE), (zs, STATE_DTYPE), (exp_avgs, STATE_DTYPE), (exp_avg_sqs, STATE_DTYPE),
+         (y32s, STATE_DTYPE)],
+        triton_key=step_counts.__getitem__,
+    )  # fmt: skip
+    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize)
+    for (kernel, device, _, step, absent), idx in buckets.items():
+        y_b, g_b, z_b, m_b, v_b = ([lst[i] for i in idx] for lst in (params, grads, zs, exp_avgs, exp_avg_sqs))
+        y32_b = None if absent[-1] else [y32s[i] for i in idx]
+        if kernel == "cpu":  # the C++ kernel takes a step size and a bias correction per tensor
+            lr_f = float(lr)
+            step_sizes = [lr_f / (1.0 - beta1 ** step_counts[i]) for i in idx]
+            bias_corrections2_sqrt = [math.sqrt(1.0 - beta2 ** step_counts[i]) for i in idx]
+            load_cpu_kernel().gpa_adamw_step(
+                y_b, g_b, z_b, m_b, v_b, y32_b or [], step_sizes, bias_corrections2_sqrt, lr_f, beta1, beta2, eps,
+                weight_decay, mu_x, mu_y, maximize,
+            )  # fmt: skip
+        else:
+            from .kernels import triton_launch
+
+            lr_arg = lr if torch.is_tensor(lr) and lr.device == device else float(lr)
+            triton_launch.gpa_adamw_step(
+                y_b, g_b, z_b, m_b, v_b, y32_b, lr=lr_arg, bc1=1.0 - beta1**step,
+                bc2_sqrt=math.sqrt(1.0 - beta2**step), **hyper,
+            )  # fmt: skip
+    if rest:
+        picked = [[lst[i] for i in rest] for lst in (params, grads, zs, exp_avgs, exp_avg_sqs, y32s, step_counts)]
+        _foreach_update(*picked, lr=float(lr), **hyper)

@@ -13,13 +13,22 @@ from typing import Any
 
 import torch
 
-from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, check_adam, check_averaging, check_lr, check_mu
-from .averaging import averaging_mu_x
+from ._checks import CheckedGroups, check_adam, check_averaging, check_flag, check_mu
+from ._types import (
+    DEFAULT_AVERAGING,
+    DEFAULT_BETAS,
+    DEFAULT_EPS,
+    DEFAULT_LR,
+    DEFAULT_MU_X,
+    DEFAULT_MU_Y,
+    DEFAULT_WEIGHT_DECAY,
+    Averaging,
+)
 
 __all__ = ["ReferenceGPA"]
 
 
-class ReferenceGPA(torch.optim.Optimizer):
+class ReferenceGPA(CheckedGroups):
     """Algorithm 1 with x, y, z stored explicitly. ``base`` is ``"adamw"`` or ``"sgd"``.
 
     Complex parameters are treated as their real views (``torch.view_as_real``), as torch's optimizers do.
@@ -29,22 +38,16 @@ class ReferenceGPA(torch.optim.Optimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         base: str = "adamw",
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
+        lr: float = DEFAULT_LR,
+        betas: tuple[float, float] = DEFAULT_BETAS,
+        eps: float = DEFAULT_EPS,
+        weight_decay: float = DEFAULT_WEIGHT_DECAY,
         momentum: float = 0.0,
         nesterov: bool = False,
         mu_x: float = DEFAULT_MU_X,
         mu_y: float = DEFAULT_MU_Y,
         averaging: str = DEFAULT_AVERAGING,
     ) -> None:
-        if base not in ("adamw", "sgd"):
-            raise ValueError(f"Invalid base: {base!r} (must be 'adamw' or 'sgd')")
-        check_lr(lr)
-        check_adam(betas, eps, weight_decay)
-        check_mu(mu_x, mu_y)
-        check_averaging(averaging)
         defaults = dict(
             base=base,
             lr=lr,
@@ -58,7 +61,18 @@ class ReferenceGPA(torch.optim.Optimizer):
             averaging=averaging,
             weight_sum=0.0,
         )
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # every group passes `_check_group`
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        if group["base"] not in ("adamw", "sgd"):
+            raise ValueError(f"Invalid base: {group['base']!r} (must be 'adamw' or 'sgd')")
+        check_adam(group["betas"], group["eps"], group["weight_decay"])
+        if isinstance(group["momentum"], bool) or not group["momentum"] >= 0.0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']!r} (must be >= 0)")
+        check_flag(group["nesterov"], "nesterov")
+        check_mu(group["mu_x"], group["mu_y"])
+        group["averaging"] = check_averaging(group["averaging"])
 
     def x(self, p: torch.Tensor) -> torch.Tensor:
         """The evaluation weights x of a parameter (its initial value before the first step)."""
@@ -76,9 +90,14 @@ class ReferenceGPA(torch.optim.Optimizer):
         if any(p.grad is not None and p.grad.is_sparse for g in self.param_groups for p in g["params"]):
             raise RuntimeError("ReferenceGPA does not support sparse gradients")
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            mu_x, group["weight_sum"] = averaging_mu_x(group["averaging"], group["mu_x"], lr, group["weight_sum"])
-            mu_y = group["mu_y"]
+            lr, wd, mu_y = float(group["lr"]), group["weight_decay"], group["mu_y"]
+            if group["averaging"] == Averaging.GPA:
+                mu_x = group["mu_x"]  # Algorithm 1: x^(t+1) = mu_x x^(t) + (1 - mu_x) z^(t+1)
+            else:
+                # Schedule-Free (paper eq. 5): x^(t+1) is the average of z^(1..t+1) weighted by lr_i^2, that is
+                # x^(t+1) = (1 - c_t) x^(t) + c_t z^(t+1), c_t = lr_t^2 / sum_{i<=t} lr_i^2 (no move while 0/0).
+                group["weight_sum"] += lr**2
+                mu_x = 1.0 - (lr**2 / group["weight_sum"] if group["weight_sum"] > 0 else 0.0)
             for p in group["params"]:
                 if p.grad is None:
                     continue

@@ -2,4 +2,128 @@
 
 * ``cpu``: the C++ kernel (``csrc/gpa_adamw.cpp``), built once per environment by torch's loader;
 * ``triton_launch``: the multi-tensor Triton launcher (imports only torch), ``triton_source``: the kernels (triton).
+
+This module holds what GPAAdamW's step and the GPA wrapper's passes share, once: which implementation a call takes
+(`default_to_fused_or_foreach`, torch's rule), which kernel takes a tensor (`kernel_for`), which layouts a kernel
+takes (`same_dense_layout`), how the tensors are bucketed into kernel calls (`fused_buckets`), and the private test
+switch (`FORCE`).
 """
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from .._types import state_dtype_for
+from .cpu import load_cpu_kernel
+
+__all__ = ["FORCE", "default_to_fused_or_foreach", "fused_buckets", "kernel_for", "same_dense_layout"]
+
+#: Private switch for tests: ``FORCE["backend"] = "triton"`` sends every tensor the Triton kernel takes to it on any
+#: device (CPU tensors run through Triton's interpreter); ``"foreach"`` sends everything to the foreach ops.
+FORCE: dict[str, str | None] = {"backend": None}
+
+_CPU_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+#: What a companion tensor's dtype must be for a kernel: the parameter's own, or its state dtype (`state_dtype_for`).
+PARAM_DTYPE, STATE_DTYPE = "param", "state"
+
+
+def kernel_for(t: torch.Tensor) -> str | None:
+    """The fused kernel ("triton" or "cpu") that takes a tensor of this device and dtype, else None."""
+    backend = FORCE["backend"]
+    if backend == "foreach":
+        return None
+    if backend == "triton" or t.device.type == "cuda":
+        from . import triton_launch
+
+        return "triton" if triton_launch.triton_available() and triton_launch.supports([t]) else None
+    if t.device.type == "cpu" and t.dtype in _CPU_KERNEL_DTYPES and load_cpu_kernel() is not None:
+        return "cpu"
+    return None
+
+
+def default_to_fused_or_foreach(
+    tensors: Sequence[torch.Tensor], foreach: bool | None, fused: bool | None
+) -> tuple[bool, bool]:
+    """(use fused, use foreach), torch's ``_default_to_fused_or_foreach`` rule for hf_gpa's kernels.
+
+    ``fused=True`` takes the kernels and raises a ``RuntimeError`` (as torch does) where no kernel takes a tensor's
+    device and dtype; ``fused=False`` never takes them; ``fused=None`` takes them where every tensor has one, unless
+    ``foreach`` is set. ``foreach=False`` (without fused) is the for-loop. What a kernel cannot take for its layout
+    (tensors of one parameter that differ in strides) goes to foreach inside the fused path (`fused_buckets`).
+    """
+    if fused:
+        missing = [t for t in tensors if kernel_for(t) is None]
+        if missing:
+            t = missing[0]
+            raise RuntimeError(
+                f"`fused=True` requires all the params to be floating point tensors on CPU (fp32, fp64, bf16, fp16, "
+                f"with the C++ kernel built) or CUDA (fp32, bf16, fp16, with triton installed), got {t.dtype} on "
+                f"{t.device.type}"
+            )
+        return True, False
+    if fused is False or foreach is not None:
+        return False, foreach is not False  # not fused: foreach unless the for-loop is asked for
+    if tensors and all(kernel_for(t) is not None for t in tensors):
+        return True, False
+    return False, True
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the strides, sorted, are those of a contiguous tensor of the permuted shape."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda s: s[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_dense_layout(ref: torch.Tensor, others: Sequence[torch.Tensor | None]) -> bool:
+    """Whether ``ref`` is dense and every other tensor (None: absent) lies in memory like it: an elementwise kernel
+    may then run over all of them as flat arrays."""
+    shape, stride = ref.shape, ref.stride()
+    return all(t is None or (t.shape == shape and t.stride() == stride) for t in others) and _dense(ref)
+
+
+def fused_buckets(
+    ys: Sequence[torch.Tensor],
+    companions: Sequence[tuple[Sequence[torch.Tensor | None], str]],
+    triton_key: Callable[[int], Hashable] | None = None,
+) -> tuple[dict[tuple, list[int]], list[int]]:
+    """Bucket the indices of ``ys`` into kernel calls; return the buckets and the indices left for foreach.
+
+    ``companions``: the other tensor lists of the update (gradients, z, moments, y's float32 copy), each with the
+    dtype a kernel needs it in (`PARAM_DTYPE` or `STATE_DTYPE`); a None entry is a tensor that this parameter does
+    not have (the y32 of an fp32 parameter). An index goes to a kernel when one takes ``ys[i]`` (`kernel_for`), all
+    its tensors share one dense layout and have the dtypes needed. A bucket is one C++ call (which takes any mix of
+    dtypes) or one Triton launch (one device and dtype; ``triton_key(i)``, e.g. the step count, splits further).
+    The key's last entry tells which companions are absent.
+    """
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    rest = []
+    for i, y in enumerate(ys):
+        kernel = kernel_for(y)
+        tensors = [lst[i] for lst, _ in companions]
+        ok = kernel is not None and same_dense_layout(y, tensors)
+        if ok:
+            state_dtype = state_dtype_for(y)
+            ok = all(
+                t is None or t.dtype == (y.dtype if need == PARAM_DTYPE else state_dtype)
+                for t, (_, need) in zip(tensors, companions)
+            )
+        if not ok:
+            rest.append(i)
+            continue
+        absent = tuple(t is None for t in tensors)
+        if kernel == "cpu":
+            buckets[("cpu", None, None, None, absent)].append(i)
+        else:
+            extra = triton_key(i) if triton_key is not None else None
+            buckets[("triton", y.device, y.dtype, extra, absent)].append(i)
+    return buckets, rest

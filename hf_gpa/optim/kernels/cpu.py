@@ -1,4 +1,4 @@
-"""Fused CPU kernels (GPA-AdamW's step, the GPA wrapper's two passes), built once per machine by torch's loader.
+"""Fused CPU kernels (GPA-AdamW's step, the GPA wrapper's two passes), built once per environment by torch's loader.
 
 The kernel (``csrc/gpa_adamw.cpp``) updates every tensor of a parameter group in one pass over memory: it reads
 y, g, z, m, v once and writes y, z, m, v once. Where it cannot be had (no C++ compiler or ninja, a failed build, a
@@ -13,10 +13,10 @@ Why this file does more than call ``torch.utils.cpp_extension.load``:
   its holder dies, so whoever holds it knows that a torch ``lock`` file still there is stale and removes it. Waiting
   for a live build is bounded by ``HF_GPA_CPU_KERNEL_LOCK_TIMEOUT`` seconds (default 600), after which this process
   uses the foreach path with one warning naming the folder.
-* **The build is keyed by the machine.** It is compiled with ``-march=native``, so the build folder's name carries a
-  short hash of the CPU (``/proc/cpuinfo``'s model and feature flags), the compiler, torch (its version and where it
-  is installed), Python and the source: a cache directory shared by hosts with different CPUs never hands one host
-  another's binary, and two environments never rebuild over each other's.
+* **The build is keyed by the machine and the environment.** It is compiled with ``-march=native``, so the build
+  folder's name carries a short hash of the CPU (``/proc/cpuinfo``'s model and feature flags), the compiler, torch
+  (its version and where it is installed), Python and the source: a cache directory shared by hosts with different
+  CPUs never hands one host another's binary, and two environments never rebuild over each other's.
 * **A failed build is remembered.** Its error goes to ``build_failed.txt`` in the (keyed) build folder, and later
   processes fall back at once, with one short warning saying how to retry (delete that file). Installing a compiler
   or ninja changes the key, so the next process tries again by itself.
@@ -95,7 +95,7 @@ def _compiler() -> str:
 
 def build_key(cpuinfo: str | None = None, compiler: str | None = None) -> str:
     """A short hash of what the binary depends on: CPU, compiler, ninja, torch (version and installation), Python,
-    flags and source."""
+    flags and source (its text and its path)."""
     import torch
 
     parts = [
@@ -108,6 +108,9 @@ def build_key(cpuinfo: str | None = None, compiler: str | None = None) -> str:
         f"python {sys.version_info[:2]} {sys.abiflags if hasattr(sys, 'abiflags') else ''}",
         " ".join(_CFLAGS),
         hashlib.sha256(_SOURCE.read_bytes()).hexdigest(),
+        # And where the source lies: torch's build file names it, so two checkouts of one source sharing a venv
+        # (git worktrees) would otherwise make ninja rebuild the shared binary each time the other one loads it.
+        str(_SOURCE.resolve()),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
@@ -168,7 +171,7 @@ def _build_or_load(folder: Path) -> ModuleType:
         stale.unlink(missing_ok=True)
     if not (folder / f"{_NAME}.so").exists():
         logger.warning(
-            "hf_gpa: compiling the fused CPU kernel; this happens once per machine and takes about 40 s "
+            "hf_gpa: compiling the fused CPU kernel; this happens once per environment and takes about 40 s "
             "(measured on 2 cores). Later runs load it from %s in milliseconds.",
             folder,
         )
@@ -205,7 +208,7 @@ def _load() -> None:
     folder = build_directory()
     marker = folder / FAILED_MARKER
     if marker.exists():
-        _fall_back(f"its build failed earlier on this machine, see {marker}; delete that file to try again")
+        _fall_back(f"its build failed earlier in this environment, see {marker}; delete that file to try again")
         return
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -223,7 +226,7 @@ def _load() -> None:
             )
             return
         if marker.exists():  # the process we waited for failed
-            _fall_back(f"its build failed earlier on this machine, see {marker}; delete that file to try again")
+            _fall_back(f"its build failed earlier in this environment, see {marker}; delete that file to try again")
             return
         try:
             _state["module"] = _build_or_load(folder)

@@ -93,7 +93,10 @@ def gpa_adamw_kernel(
         # The float32 copy is y unless something else wrote the parameter since the last step.
         y = tl.where(round_to(y32, PARAM).to(tl.float32) == y, y32, y)
 
-    m = m + (1.0 - beta1) * (g - m)
+    # torch's lerp(m, g, w): m + w (g - m) if |w| < 0.5, else g - (1 - w) (g - m) (exact for w = 1, i.e. beta1 = 0)
+    w = 1.0 - beta1
+    w_small = (w < 0.5) & (w > -0.5)
+    m = tl.where(w_small, m, g) + tl.where(w_small, w, w - 1.0) * (g - m)
     v = beta2 * v + (1.0 - beta2) * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     delta = -decay * z - step_size * tl.div_rn(m, denom)  # z' - z

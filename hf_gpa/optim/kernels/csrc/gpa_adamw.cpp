@@ -1,7 +1,7 @@
 // One GPA-AdamW step over a list of tensors in a single pass over memory (CPU).
 //
 // Per element, reading y, g, z, m, v once and writing y, z, m, v once (9 passes; AdamW itself needs 7):
-//   m <- beta1 m + (1 - beta1) g            v <- beta2 v + (1 - beta2) g^2
+//   m <- lerp(m, g, 1 - beta1)               v <- beta2 v + (1 - beta2) g^2
 //   d = z' - z = -lr wd z - step_size m / (sqrt(v) / sqrt(bc2) + eps)        (step_size = lr / bc1)
 //   y <- y + (1 - mu_x) (z - y) + (1 - mu_x mu_y) d     (= mu_x mu_y x + (1 - mu_x mu_y) z', as small corrections:
 //                                                          x = z and lr = 0 leave y bitwise unchanged)
@@ -10,6 +10,8 @@
 // parameters an optional float32 copy of y (y32) carries y's exact value; the parameter receives it rounded. It is
 // used only while the parameter still equals it rounded (something else may have written the parameter).
 // Tensors may have any dense layout (channels_last, ...) as long as all of one parameter's tensors share it.
+// m's update is torch's lerp, with its two formulas: w = 1 - beta1 < 0.5 gives m + w (g - m), else
+// g - (1 - w) (g - m), which is exact where w = 1 (beta1 = 0, as Schedule-Free uses) whatever |g| / |m|.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -26,7 +28,7 @@ struct Hyper {
   bool maximize;
 };
 
-template <typename param_t, typename state_t, bool has_y32>
+template <typename param_t, typename state_t, bool has_y32, bool lerp_small>
 void update_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::Tensor& m_t, at::Tensor& v_t,
                    at::Tensor* y32_t, const Hyper& h, double step_size, double bc2_sqrt) {
   param_t* __restrict__ y = y_t.data_ptr<param_t>();
@@ -35,7 +37,10 @@ void update_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::
   state_t* __restrict__ m = m_t.data_ptr<state_t>();
   state_t* __restrict__ v = v_t.data_ptr<state_t>();
   state_t* __restrict__ y32 = has_y32 ? y32_t->data_ptr<state_t>() : nullptr;
-  const state_t one_minus_beta1 = static_cast<state_t>(1.0 - h.beta1);
+  // torch's lerp(m, g, w) as one multiply-add, base + coeff (g - m): (m, w) if |w| < 0.5, else (g, w - 1). The
+  // branch is a template argument: a select inside the loop would stop the compiler from vectorizing it.
+  const state_t w = static_cast<state_t>(1.0 - h.beta1);
+  const state_t lerp_coeff = lerp_small ? w : w - state_t(1);
   const state_t beta2 = static_cast<state_t>(h.beta2);
   const state_t one_minus_beta2 = static_cast<state_t>(1.0 - h.beta2);
   const state_t inv_bc2_sqrt = static_cast<state_t>(1.0 / bc2_sqrt);
@@ -49,7 +54,7 @@ void update_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
       const state_t gi = sign * static_cast<state_t>(g[i]);
-      const state_t mi = m[i] + one_minus_beta1 * (gi - m[i]);
+      const state_t mi = (lerp_small ? m[i] : gi) + lerp_coeff * (gi - m[i]);
       const state_t vi = beta2 * v[i] + one_minus_beta2 * gi * gi;
       const state_t zi = z[i];
       const state_t d = neg_decay * zi + neg_step_size * (mi / (std::sqrt(vi) * inv_bc2_sqrt + eps));
@@ -74,10 +79,15 @@ void update_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::
 template <typename param_t, typename state_t>
 void update(at::Tensor& y, const at::Tensor& g, at::Tensor& z, at::Tensor& m, at::Tensor& v, at::Tensor* y32,
             const Hyper& h, double step_size, double bc2_sqrt) {
-  if (y32 != nullptr) {
-    update_tensor<param_t, state_t, true>(y, g, z, m, v, y32, h, step_size, bc2_sqrt);
+  const bool lerp_small = std::abs(static_cast<state_t>(1.0 - h.beta1)) < state_t(0.5);  // torch's lerp's branch
+  if (y32 != nullptr && lerp_small) {
+    update_tensor<param_t, state_t, true, true>(y, g, z, m, v, y32, h, step_size, bc2_sqrt);
+  } else if (y32 != nullptr) {
+    update_tensor<param_t, state_t, true, false>(y, g, z, m, v, y32, h, step_size, bc2_sqrt);
+  } else if (lerp_small) {
+    update_tensor<param_t, state_t, false, true>(y, g, z, m, v, y32, h, step_size, bc2_sqrt);
   } else {
-    update_tensor<param_t, state_t, false>(y, g, z, m, v, y32, h, step_size, bc2_sqrt);
+    update_tensor<param_t, state_t, false, false>(y, g, z, m, v, y32, h, step_size, bc2_sqrt);
   }
 }
 

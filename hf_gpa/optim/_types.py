@@ -1,0 +1,117 @@
+"""The names and constants of hf_gpa's optimizers, each written once: state and group keys, the averaging modes,
+every default (derived where it is derived), and the dtype rule of the state.
+
+Like the official GPA code's ``gpa_types.py``: a key that two files spell as a string literal can drift apart;
+a key that both import cannot. ``_checks`` holds the ranges and their checks; this module holds no logic beyond the
+state dtype rule.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = [
+    "Averaging",
+    "AVERAGING_MODES",
+    "DEFAULT_AVERAGING",
+    "DEFAULT_BETAS",
+    "DEFAULT_EPS",
+    "DEFAULT_INNER_STEPS",
+    "DEFAULT_LR",
+    "DEFAULT_MU_X",
+    "DEFAULT_MU_Y",
+    "DEFAULT_OUTER_LR",
+    "DEFAULT_OUTER_MOMENTUM",
+    "DEFAULT_WEIGHT_DECAY",
+    "HALF_DTYPES",
+    "state_dtype_for",
+]
+
+
+class Averaging(str, enum.Enum):
+    """How x averages z: GPA's exponential moving average with constant mu_x, or Schedule-Free's average weighted
+    by lr_t ** 2 (paper eq. 5). A ``str`` enum, so ``"gpa"`` and ``Averaging.GPA`` are equal and both serialize."""
+
+    GPA = "gpa"
+    SCHEDULE_FREE = "schedule_free"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AVERAGING_MODES: tuple[str, ...] = tuple(mode.value for mode in Averaging)
+
+# ---- defaults ----
+
+#: Single-worker DiLoCo: inner steps H and outer (Nesterov) learning rate (paper, Algorithm 2).
+DEFAULT_INNER_STEPS = 32
+DEFAULT_OUTER_LR = 0.7
+#: DiLoCo's outer momentum, also the mu of the paper's conversion mu_x = mu ** (1 / H) (Table 4).
+DEFAULT_OUTER_MOMENTUM = 0.9
+#: GPA's averaging constant: the paper's mu_x for H = 32 inner steps with outer momentum 0.9 (Section 3.1), derived
+#: as ``averaging.mu_x_from_inner_steps(DEFAULT_INNER_STEPS)`` does (0.996713..., printed 0.9967 in Table 4).
+DEFAULT_MU_X = DEFAULT_OUTER_MOMENTUM ** (1.0 / DEFAULT_INNER_STEPS)
+#: GPA's interpolation constant of the gradient point y.
+DEFAULT_MU_Y = 0.7
+DEFAULT_AVERAGING = Averaging.GPA.value
+#: AdamW's (torch's defaults, which GPAAdamW and ReferenceGPA share).
+DEFAULT_LR = 1e-3
+DEFAULT_BETAS = (0.9, 0.999)
+DEFAULT_EPS = 1e-8
+DEFAULT_WEIGHT_DECAY = 0.0
+
+# ---- per-parameter state keys ----
+
+STEP = "step"  # GPAAdamW's step count (a float32 0-d tensor on the CPU, as torch's AdamW)
+Z = "z"  # the unaveraged iterate z (state dtype)
+EXP_AVG = "exp_avg"  # AdamW's m
+EXP_AVG_SQ = "exp_avg_sq"  # AdamW's v
+Y_FP32 = "y_fp32"  # y in float32 beside a bf16/fp16 parameter, which holds it rounded
+Y_RESIDUAL = "y_residual"  # in eval mode: the integer residual that gives y back bitwise
+BASE = "base"  # a wrapper's base optimizer's state of its tensor
+OUTER = "outer"  # DiLoCo's outer weights (the inner weights while in eval mode)
+OUTER_MOMENTUM_BUFFER = "outer_momentum_buffer"  # DiLoCo's outer Nesterov buffer
+
+# ---- param-group keys ----
+
+LR = "lr"
+BETAS = "betas"
+EPS = "eps"
+WEIGHT_DECAY = "weight_decay"
+MU_X = "mu_x"
+MU_Y = "mu_y"
+AVERAGING = "averaging"
+WEIGHT_SUM = "weight_sum"  # Schedule-Free's running sum of lr_t ** 2
+FOREACH = "foreach"
+FUSED = "fused"
+MAXIMIZE = "maximize"
+#: GPAAdamW: what bf16/fp16 parameters keep their state in, one of ``HALF_STATE_MODES``.
+HALF_STATE = "state_dtype"
+INITIAL_LR = "initial_lr"  # written by torch's LR schedulers
+TRAIN_MODE = "train_mode"  # True while the parameters hold the training iterate
+OPTIMIZER = "optimizer"  # the name of the optimizer that wrote a state dict ("GPAAdamW", "GPA(AdamW)", ...)
+INNER_STEPS = "inner_steps"
+OUTER_LR = "outer_lr"
+OUTER_MOMENTUM = "outer_momentum"
+INNER_STEP = "inner_step"  # DiLoCo's count of inner steps taken
+
+# ---- dtypes ----
+
+#: Parameter dtypes whose optimizer state (z, moments, y's copy) is kept in float32.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+#: GPAAdamW's ``state_dtype`` for bf16/fp16 parameters: "float32" keeps z, m, v and a float32 copy of y (16 bytes per
+#: weight, x as exact as float32 allows); "param" keeps z, m and v in the parameter's dtype and no copy of y (6 bytes;
+#: torch's AdamW keeps m and v so, 4 bytes), computed in float32 and rounded once per step.
+HALF_STATE_MODES = ("float32", "param")
+DEFAULT_HALF_STATE = "float32"
+
+
+def state_dtype_for(param: torch.Tensor) -> torch.dtype:
+    """The dtype of z and of the base optimizer's moments for a parameter.
+
+    Half-precision parameters (bf16, fp16) keep their optimizer state, z included, in float32: z is the only
+    unaveraged copy of the weights and small updates would vanish in bf16. fp32 and fp64 keep their own dtype.
+    """
+    return torch.float32 if param.dtype in HALF_DTYPES else param.dtype

@@ -1,0 +1,250 @@
+"""Documentation that runs: every Python and shell block of README.md and docs/*.md, and every relative link.
+
+Blocks fenced as ```python run in this process with a fresh namespace, in a temporary working directory; blocks
+fenced as ```bash / ```sh / ```shell run with bash (-e -o pipefail) in a temporary directory that holds links to the
+repository's top-level entries, so `python run_clm_gpa.py ...` works there and writes nothing into the checkout.
+Blocks without a language, ```text, ```diff and the like are output or patches and are not run.
+
+HTML comments on the lines right above a block's opening fence steer the test; they are invisible on GitHub:
+
+- ``<!-- skip-test: REASON -->``: not run, reported as skipped with REASON (a GPU, the network, minutes of compute).
+- ``<!-- test-args: ARGS -->`` (shell): ARGS is appended to every command of the block (before a trailing comment),
+  to cap a long training command at a few tiny steps while running exactly the command the page shows.
+- ``<!-- test-parse-only: REASON -->`` (shell): every command is ``[VAR=value ...] python SCRIPT ARGS`` of a script
+  with ``parse_args(argv)``; the test parses ARGS with it (the flags exist and pass their checks) instead of
+  training, for REASON.
+
+Tests are parametrized by file and block number (``README.md:3``), so a failure names the block; the message also
+gives its line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest.mock import patch
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PYTHON_LANGS = {"python", "py"}
+SHELL_LANGS = {"bash", "sh", "shell"}
+MARKER = re.compile(r"<!--\s*(skip-test|test-args|test-parse-only)\s*:\s*(.*?)\s*-->", re.DOTALL)
+FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+SHELL_TIMEOUT_S = 300
+# A shell block that would change the environment the tests run in is refused unless it is marked skip-test.
+INSTALLS = re.compile(r"\bpip3?\s+(install|uninstall)\b|-m\s+pip\b|-m\s+venv\b|\bconda\s+install\b|\.ci/run\b")
+
+
+@dataclass
+class Block:
+    page: Path
+    index: int  # 0-based among the runnable blocks of its page
+    lang: str
+    line: int  # 1-based line of the opening fence
+    code: str
+    markers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.index}"
+
+    def where(self) -> str:
+        return f"{self.page.relative_to(REPO)} line {self.line} (block {self.index})"
+
+
+def read_blocks(page: Path) -> list[Block]:
+    """The runnable fenced blocks of one page, with the markers from the comment lines right above each."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        match = FENCE.match(lines[i])
+        if match is None:
+            i += 1
+            continue
+        lang, start = match.group(1).lower(), i
+        end = start + 1
+        while end < len(lines) and lines[end].strip() != "```":
+            end += 1
+        if end == len(lines):
+            raise AssertionError(f"{page.relative_to(REPO)} line {start + 1}: a code block is never closed")
+        if lang in PYTHON_LANGS | SHELL_LANGS:
+            # The comment lines directly above the fence (a marker may span several lines).
+            above = start
+            while above > 0 and lines[above - 1].strip() and not lines[above - 1].startswith("```"):
+                above -= 1
+            comments = "\n".join(lines[above:start])
+            markers = {key: value for key, value in MARKER.findall(comments)}
+            code = "\n".join(lines[start + 1 : end]) + "\n"
+            blocks.append(Block(page, len(blocks), lang, start + 1, code, markers))
+        i = end + 1
+    return blocks
+
+
+ALL_BLOCKS = [block for page in PAGES for block in read_blocks(page)]
+
+
+def logical_commands(code: str) -> list[str]:
+    """The block's commands, backslash continuations joined; blank and comment-only lines dropped."""
+    commands, current = [], ""
+    for raw in code.splitlines():
+        if raw.rstrip().endswith("\\"):
+            current += raw.rstrip()[:-1] + " "
+            continue
+        current += raw
+        if current.strip() and not current.lstrip().startswith("#"):
+            commands.append(current)
+        current = ""
+    return commands
+
+
+def with_args(command: str, args: str) -> str:
+    """`command` with `args` appended, before its trailing comment (a '#' after whitespace) if it has one."""
+    parts = re.split(r"(?<=\s)(?=#)", command, maxsplit=1)
+    code, comment = parts[0], (parts[1] if len(parts) > 1 else "")
+    return f"{code.rstrip()} {args}" + (f"  {comment}" if comment else "")
+
+
+def _sandbox(tmp_path: Path) -> Path:
+    """A working directory that sees the repository's files (as links) but keeps what commands write."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for entry in REPO.iterdir():
+        if entry.name not in {".git", "outputs"} and not entry.name.startswith(".venv"):
+            (work / entry.name).symlink_to(entry)
+    return work
+
+
+def _shell_env() -> dict[str, str]:
+    # The commands take the foreach path rather than the fused CPU kernel, so that none waits for the kernel's first
+    # build (about 40 s, or longer behind another process's build); the kernel is tests/test_kernels.py's business.
+    env = {**os.environ, **OFFLINE, "TOKENIZERS_PARALLELISM": "false", "HF_GPA_DISABLE_CPU_KERNEL": "1"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`, `accelerate`
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parse_only(block: Block) -> None:
+    for command in logical_commands(block.code):
+        words = shlex.split(command, comments=True)
+        while words and re.match(r"^\w+=", words[0]):
+            words.pop(0)
+        assert len(words) >= 2 and words[0] == "python", f"{block.where()}: not `python SCRIPT ...`: {command}"
+        module = _load_script(REPO / words[1])
+        with patch.dict(os.environ, OFFLINE):
+            module.parse_args(words[2:])
+
+
+@pytest.mark.parametrize("block", ALL_BLOCKS, ids=[block.name for block in ALL_BLOCKS])
+def test_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each Python and shell block of the README and docs/ runs as written (or as its marker says)."""
+    if "skip-test" in block.markers:
+        pytest.skip(f"{block.where()}: {block.markers['skip-test']}")
+    if block.lang in PYTHON_LANGS:
+        assert set(block.markers) <= {"skip-test"}, f"{block.where()}: only skip-test applies to Python blocks"
+        monkeypatch.chdir(tmp_path)
+        for name, value in OFFLINE.items():
+            monkeypatch.setenv(name, value)
+        exec(compile(block.code, f"<{block.where()}>", "exec"), {"__name__": "__main__"})
+        return
+    if "test-parse-only" in block.markers:
+        _parse_only(block)
+        return
+    code = block.code
+    assert not INSTALLS.search(code), f"{block.where()} installs packages or environments: mark it skip-test"
+    if "test-args" in block.markers:
+        args = " ".join(block.markers["test-args"].split())
+        code = "\n".join(with_args(command, args) for command in logical_commands(code)) + "\n"
+    result = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", code],
+        cwd=_sandbox(tmp_path),
+        env=_shell_env(),
+        capture_output=True,
+        text=True,
+        timeout=SHELL_TIMEOUT_S,
+    )
+    assert result.returncode == 0, (
+        f"{block.where()} exited with {result.returncode}\n--- ran\n{code}\n--- output (tail)\n"
+        f"{(result.stdout + result.stderr)[-4000:]}"
+    )
+
+
+# ---- links ----
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation other than '-' and '_' dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every heading anchor of a Markdown page (duplicates numbered as GitHub does), skipping code blocks."""
+    found: set[str] = set()
+    counts: dict[str, int] = {}
+    in_code = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        heading = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading and not in_code:
+            anchor = github_anchor(heading.group(1))
+            n = counts.get(anchor, 0)
+            found.add(anchor if n == 0 else f"{anchor}-{n}")
+            counts[anchor] = n + 1
+    return found
+
+
+def relative_links(page: Path) -> list[tuple[int, str]]:
+    links, in_code = [], False
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        if in_code:
+            continue
+        for target in LINK.findall(re.sub(r"`[^`]*`", "", line)):
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                links.append((number, target))
+    return links
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(page.relative_to(REPO)) for page in PAGES])
+def test_relative_links_resolve(page: Path) -> None:
+    """Every relative link of the README and docs/ names an existing file, and an existing heading after '#'."""
+    broken = []
+    for number, target in relative_links(page):
+        path_part, _, anchor = target.partition("#")
+        target_path = (page.parent / path_part).resolve() if path_part else page
+        if not target_path.exists():
+            broken.append(f"line {number}: {target} (no such file)")
+        elif anchor and target_path.suffix == ".md" and anchor not in anchors(target_path):
+            broken.append(f"line {number}: {target} (no heading with anchor #{anchor})")
+    assert not broken, f"{page.relative_to(REPO)}: " + "; ".join(broken)
+
+
+def test_docs_are_found() -> None:
+    """The docs test sees the README and the docs/ pages, and they hold runnable blocks (so it cannot pass empty)."""
+    assert (REPO / "docs").is_dir() and len(PAGES) > 1
+    assert any(block.page.name == "README.md" for block in ALL_BLOCKS)
+    assert {block.lang for block in ALL_BLOCKS} & PYTHON_LANGS and {block.lang for block in ALL_BLOCKS} & SHELL_LANGS
