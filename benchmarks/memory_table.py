@@ -287,6 +287,23 @@ def markdown_table(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _merged_with_previous(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` plus the rows of an earlier run of the same sizes that this run did not measure (``--rows``)."""
+    if not path.is_file():
+        return data
+    previous = json.loads(path.read_text())
+    if (previous.get("size"), previous.get("meta_size")) != (data["size"], data["meta_size"]):
+        return data
+    for kind in ("cpu", "meta"):
+        fresh = {(r["optimizer"], r["dtype"]) for r in data[kind] if r}
+        kept = [r for r in previous.get(kind, []) if r and (r["optimizer"], r["dtype"]) not in fresh]
+        data[kind] = [r for r in data[kind] if r] + kept
+    order = {(name, dtype): i for i, (_, name, dtype) in enumerate(ROWS)}
+    for kind in ("cpu", "meta"):
+        data[kind].sort(key=lambda r: order.get((r["optimizer"], r["dtype"]), len(order)))
+    return data
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory"))
@@ -325,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("meta: %s", meta)
         data["meta"].append(meta)
     args.out.mkdir(parents=True, exist_ok=True)
+    data = _merged_with_previous(args.out / "memory.json", data)
     (args.out / "memory.json").write_text(json.dumps(data, indent=1))
     table = markdown_table(data)
     (args.out / "table.md").write_text(table)
