@@ -6,10 +6,13 @@ torch's lerp (m + w (g - m) for |w| < 0.5, else g - (1 - w)(g - m)) gives g exac
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
 from hf_gpa import GPAAdamW
+from hf_gpa.optim import kernels
 from hf_gpa.optim.kernels import cpu as _kernels
 from hf_gpa.optim.kernels import triton_launch as _triton
 
@@ -31,13 +34,13 @@ def _skip_unavailable(impl: str) -> None:
 def _moment_after(impl: str, dtype: torch.dtype, betas: tuple[float, float], grads: list[float]) -> torch.Tensor:
     p = torch.nn.Parameter(torch.ones(4099, dtype=dtype))  # more than one Triton block
     opt = GPAAdamW([p], lr=1e-3, betas=betas, **IMPLS[impl])
-    if impl == "triton":
-        opt._fused_backend = "triton"  # CPU tensors through Triton's interpreter
-    for g in grads:
-        p.grad = torch.full_like(p, g)
-        opt.step()
-    if impl in ("cpu_kernel", "triton"):  # the kernel itself ran, not the foreach fallback
-        assert opt._fused_kernel(p) == ("cpu" if impl == "cpu_kernel" else "triton")
+    # "triton" sends CPU tensors through Triton's interpreter; fused=True raises if the kernel does not take p.
+    with mock.patch.dict(kernels.FORCE, backend="triton" if impl == "triton" else None):
+        if impl in ("cpu_kernel", "triton"):  # the kernel itself runs, not the foreach fallback
+            assert kernels.kernel_for(p) == ("cpu" if impl == "cpu_kernel" else "triton")
+        for g in grads:
+            p.grad = torch.full_like(p, g)
+            opt.step()
     return opt.state[p]["exp_avg"]
 
 

@@ -197,10 +197,11 @@ def test_trainer_resumes_an_adamw_checkpoint_with_gpa_adamw(tmp_path) -> None:
     checkpoint's weights with the checkpoint's m, v, step and lr, and training runs to the end."""
 
     def args(optim: str) -> GPATrainingArguments:
+        gpa = dict(gpa_mu_x=0.9, gpa_mu_y=0.7) if optim == "gpa_adamw" else {}  # adamw_torch refuses GPA flags
         return GPATrainingArguments(
             output_dir=str(tmp_path / optim), report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
             max_steps=6, save_strategy="steps", save_steps=4, learning_rate=1e-2, warmup_steps=2,
-            lr_scheduler_type="cosine", per_device_train_batch_size=8, optim=optim, gpa_mu_x=0.9, gpa_mu_y=0.7,
+            lr_scheduler_type="cosine", per_device_train_batch_size=8, optim=optim, **gpa,
         )  # fmt: skip
 
     GPATrainer(model=_Regressor(), args=args("adamw_torch"), train_dataset=_Data()).train()
@@ -228,10 +229,11 @@ def test_a_gpa_checkpoint_resumed_with_a_stock_optim_is_refused_by_name(tmp_path
     any step (torch's AdamW alone would load GPA's state silently, keeping z as a stale entry)."""
 
     def args(optim: str) -> GPATrainingArguments:
+        gpa = dict(gpa_mu_x=0.9, gpa_mu_y=0.7) if optim == "gpa_adamw" else {}  # adamw_torch refuses GPA flags
         return GPATrainingArguments(
             output_dir=str(tmp_path / optim), report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
             max_steps=6, save_strategy="steps", save_steps=4, learning_rate=1e-2, per_device_train_batch_size=8,
-            optim=optim, gpa_mu_x=0.9, gpa_mu_y=0.7,
+            optim=optim, **gpa,
         )  # fmt: skip
 
     GPATrainer(model=_Regressor(), args=args("gpa_adamw"), train_dataset=_Data()).train()

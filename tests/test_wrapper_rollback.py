@@ -14,6 +14,7 @@ import torch
 
 from hf_gpa import GPA
 from hf_gpa.optim import _wrapper_passes as _passes
+from hf_gpa.optim import kernels
 from hf_gpa.optim.gpa import _unscale_
 
 BOUND = 4.0  # in units of u (|y| + (1 - mu_y) |z|); measured at most 2.99 over the sweep below
@@ -30,7 +31,7 @@ def _excess(restored: torch.Tensor, y: torch.Tensor, z: torch.Tensor, mu_y: floa
 @pytest.mark.parametrize("path", ["kernel", "foreach"])
 def test_first_pass_and_its_inverse_stay_within_the_bound(path: str, dtype: torch.dtype, monkeypatch) -> None:
     """The passes (C++ kernel or foreach) and the inverse, over mu_x, mu_y and the scale of y against z."""
-    monkeypatch.setitem(_passes._backend, "force", "foreach" if path == "foreach" else None)
+    monkeypatch.setitem(kernels.FORCE, "backend", "foreach" if path == "foreach" else None)
     gen = torch.Generator().manual_seed(0)
     worst = 0.0
     for mu_x in (1e-4, 0.3, 0.9, 0.9967, 0.99999):

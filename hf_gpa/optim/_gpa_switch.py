@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ._residual import decode_residual, encode_residual
-from ._tensors import is_dtensor, local_tensor, real_view, shard_like
+from ._tensors import authoritative_y, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
+from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
 
 __all__ = ["GPASwitch"]
 
@@ -32,49 +33,44 @@ def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
     return torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
 
 
-def _authoritative(param: torch.Tensor, y32: torch.Tensor) -> torch.Tensor:
-    """The float32 y: its copy where the parameter still equals it rounded, else the (written) parameter."""
-    return torch.where(y32.to(param.dtype) == param, y32, param.to(y32.dtype))
-
-
 class GPASwitch(TrainEvalOptimizer):
     """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
 
     def _params_to_eval(self, group: dict[str, Any]) -> None:
-        mu_y = group["mu_y"]
+        mu_y = group[MU_Y]
         for p in group["params"]:
             state = self.state.get(p)
-            if not state or "z" not in state or mu_y == 1.0:
+            if not state or Z not in state or mu_y == 1.0:
                 continue  # never stepped (x = y = z), or mu_y = 1 (x = y)
-            y, z = real_view(local_tensor(p)), real_view(local_tensor(state["z"]))
-            if "y_fp32" in state:  # bf16/fp16: x from the float32 y; train() restores y from it, no residual
-                y32 = real_view(local_tensor(state["y_fp32"]))
-                y32.copy_(_authoritative(y, y32))
+            y, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
+            if Y_FP32 in state:  # bf16/fp16: x from the float32 y; train() restores y from it, no residual
+                y32 = real_view(local_tensor(state[Y_FP32]))
+                y32.copy_(authoritative_y(y, y32, y32.dtype))
                 y.copy_(_x_from_y(y32, z, mu_y))
                 continue
             x = _x_from_y(y, z, mu_y)
             residual, overflow = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
-            state["y_residual"] = shard_like(residual, p)
+            state[Y_RESIDUAL] = shard_like(residual, p)
             if not is_dtensor(p):  # a DTensor's shards keep a full-width residual and no list (see _residual)
-                state["y_residual_overflow"] = overflow
+                state[Y_RESIDUAL_OVERFLOW] = overflow
             y.copy_(x)
 
     def _params_to_train(self, group: dict[str, Any]) -> None:
-        mu_y = group["mu_y"]
+        mu_y = group[MU_Y]
         for p in group["params"]:
             state = self.state.get(p)
-            if not state or "z" not in state or mu_y == 1.0:
+            if not state or Z not in state or mu_y == 1.0:
                 continue
-            x, z = real_view(local_tensor(p)), real_view(local_tensor(state["z"]))
-            if "y_fp32" in state:
-                y32 = real_view(local_tensor(state["y_fp32"]))
+            x, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
+            if Y_FP32 in state:
+                y32 = real_view(local_tensor(state[Y_FP32]))
                 written = x != _x_from_y(y32, z, mu_y).to(x.dtype)  # what eval() put there, recomputed bitwise
                 if bool(written.any()):
                     y32.copy_(torch.where(written, _y_from_x(x.to(y32.dtype), z, mu_y), y32))
                 x.copy_(y32)
                 continue
             y = _y_from_x(x, z, mu_y)
-            if "y_residual" in state:
-                y = decode_residual(y, local_tensor(state.pop("y_residual")), state.pop("y_residual_overflow", None))
+            if Y_RESIDUAL in state:
+                y = decode_residual(y, local_tensor(state.pop(Y_RESIDUAL)), state.pop(Y_RESIDUAL_OVERFLOW, None))
             # else: a loader dropped the residual (see _residual); y is rebuilt by rounding, not bitwise.
             x.copy_(y)

@@ -6,7 +6,7 @@ import torch
 
 from ._types import state_dtype_for  # noqa: F401 - importable from here too (the wrappers import it)
 
-__all__ = ["state_dtype_for", "is_dtensor", "local_tensor", "real_view", "shard_like"]
+__all__ = ["state_dtype_for", "is_dtensor", "local_tensor", "real_view", "shard_like", "authoritative_y"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -32,3 +32,15 @@ def shard_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
+
+
+def authoritative_y(param: torch.Tensor, y32: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """y in ``dtype`` (a new tensor): the float32 copy ``y32`` where the parameter still equals it rounded, else the
+    parameter, which something else wrote (``load_state_dict``, a re-initialised head, clipping) and which wins.
+
+    The one statement of the rule "the parameter is authoritative" that every path of a bf16/fp16 parameter applies
+    (the fused kernels compare the same way, element by element).
+    """
+    if y32 is None:
+        return param.to(dtype, copy=True)
+    return torch.where(y32.to(param.dtype) == param, y32, param.to(dtype))

@@ -69,10 +69,12 @@ Z = "z"  # the unaveraged iterate z (state dtype)
 EXP_AVG = "exp_avg"  # AdamW's m
 EXP_AVG_SQ = "exp_avg_sq"  # AdamW's v
 Y_FP32 = "y_fp32"  # y in float32 beside a bf16/fp16 parameter, which holds it rounded
-Y_RESIDUAL = "y_residual"  # in eval mode: the integer residual that gives y back bitwise
+Y_RESIDUAL = "y_residual"  # in eval mode: the int8 residual that gives y back bitwise
+Y_RESIDUAL_OVERFLOW = "y_residual_overflow"  # in eval mode: (index, difference) of the elements int8 cannot hold
 BASE = "base"  # a wrapper's base optimizer's state of its tensor
 OUTER = "outer"  # DiLoCo's outer weights (the inner weights while in eval mode)
 OUTER_MOMENTUM_BUFFER = "outer_momentum_buffer"  # DiLoCo's outer Nesterov buffer
+INNER = "inner"  # DiLoCo, bf16/fp16 parameters in eval mode: the inner weights
 
 # ---- param-group keys ----
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from ._tensors import real_view
+from ._tensors import authoritative_y, real_view
 from .kernels import STATE_DTYPE, fused_buckets
 from .kernels.cpu import load_cpu_kernel
 
@@ -84,7 +84,7 @@ def _foreach_pass(
     """The same passes with foreach ops (one parameter dtype; z in the state dtype)."""
     if y32s is not None:
         if before:
-            exact = [torch.where(y32.to(y.dtype) == y, y32, y.to(y32.dtype)) for y, y32 in zip(ys, y32s)]
+            exact = [authoritative_y(y, y32, y32.dtype) for y, y32 in zip(ys, y32s)]
             torch._foreach_copy_(y32s, exact)
             torch._foreach_sub_(y32s, zs, alpha=alpha)
             torch._foreach_mul_(y32s, scale)

@@ -21,6 +21,7 @@ import torch
 
 from ._checks import DEFAULT_INNER_STEPS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, check_diloco
 from ._tensors import local_tensor, state_dtype_for
+from ._types import INNER, INNER_STEP, INNER_STEPS, OUTER, OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_BUFFER
 from ._wrapper import BaseOptimizerWrapper
 
 __all__ = ["DiLoCo"]
@@ -73,7 +74,7 @@ class DiLoCo(BaseOptimizerWrapper):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
-        check_diloco(group["inner_steps"], group["outer_lr"], group["outer_momentum"])
+        check_diloco(group[INNER_STEPS], group[OUTER_LR], group[OUTER_MOMENTUM])
 
     def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
         # The base moves the parameters themselves (the inner weights), once they have a gradient; ``create`` (an
@@ -86,10 +87,10 @@ class DiLoCo(BaseOptimizerWrapper):
     def _init_outer(self, p: torch.Tensor) -> None:
         """The outer weights (the current weights) and a zero outer momentum, in the state dtype (float32 for half)."""
         state = self.state[p]
-        if "outer" not in state:
+        if OUTER not in state:
             dtype = state_dtype_for(p)
-            state["outer"] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
-            state["outer_momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state[OUTER] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
+            state[OUTER_MOMENTUM_BUFFER] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -103,18 +104,18 @@ class DiLoCo(BaseOptimizerWrapper):
                         self._init_outer(p)
             self._base_step()
         for group in self.param_groups:
-            group["inner_step"] += 1
-            if group["inner_step"] % group["inner_steps"] == 0:
+            group[INNER_STEP] += 1
+            if group[INNER_STEP] % group[INNER_STEPS] == 0:
                 self._outer_step(group)
         return loss
 
     def _outer_step(self, group: dict[str, Any]) -> None:
-        mu, outer_lr = group["outer_momentum"], group["outer_lr"]
+        mu, outer_lr = group[OUTER_MOMENTUM], group[OUTER_LR]
         for p in group["params"]:
             state = self.state.get(p)
-            if not state or "outer" not in state:
+            if not state or OUTER not in state:
                 continue
-            inner, outer, buf = (local_tensor(t) for t in (p, state["outer"], state["outer_momentum_buffer"]))
+            inner, outer, buf = (local_tensor(t) for t in (p, state[OUTER], state[OUTER_MOMENTUM_BUFFER]))
             pseudo_grad = outer - inner  # in the outer weights' dtype (float32 for bf16/fp16 parameters)
             buf.mul_(mu).add_(pseudo_grad)
             outer.sub_(pseudo_grad.add_(buf, alpha=mu), alpha=outer_lr)
@@ -127,29 +128,29 @@ class DiLoCo(BaseOptimizerWrapper):
     def _params_to_eval(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
             state = self.state.get(p)
-            if not state or "outer" not in state:
+            if not state or OUTER not in state:
                 continue
-            inner, outer = local_tensor(p), local_tensor(state["outer"])
+            inner, outer = local_tensor(p), local_tensor(state[OUTER])
             if outer.dtype == inner.dtype:
                 _swap_(inner, outer)
             else:
-                state["inner"] = p.detach().clone(memory_format=torch.preserve_format)
+                state[INNER] = p.detach().clone(memory_format=torch.preserve_format)
                 inner.copy_(outer)
 
     def _params_to_train(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
             state = self.state.get(p)
-            if not state or "outer" not in state:
+            if not state or OUTER not in state:
                 continue
-            inner, outer = local_tensor(p), local_tensor(state["outer"])
+            inner, outer = local_tensor(p), local_tensor(state[OUTER])
             if outer.dtype == inner.dtype:
                 _swap_(inner, outer)
                 continue
             written = inner != outer.to(inner.dtype)  # the outer weights were written while in eval mode: they win
             if bool(written.any()):
                 outer.copy_(torch.where(written, inner.to(outer.dtype), outer))
-            if "inner" in state:
-                inner.copy_(local_tensor(state.pop("inner")))
+            if INNER in state:
+                inner.copy_(local_tensor(state.pop(INNER)))
             else:  # a loader dropped the inner weights: they restart from the outer ones, as after an outer step
                 inner.copy_(outer)
 

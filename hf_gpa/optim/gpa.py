@@ -19,6 +19,7 @@ import torch
 from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, check_averaging, check_mu
 from ._gpa_switch import GPASwitch
 from ._tensors import local_tensor, real_view, state_dtype_for
+from ._types import AVERAGING, LR, MU_X, MU_Y, WEIGHT_SUM, Y_FP32, Z
 from ._wrapper import BaseOptimizerWrapper
 from ._wrapper_passes import foreach_add_scaled_, foreach_axpby_
 from .averaging import averaging_mu_x
@@ -94,18 +95,18 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
-        check_mu(group["mu_x"], group["mu_y"])
-        check_averaging(group["averaging"])
+        check_mu(group[MU_X], group[MU_Y])
+        check_averaging(group[AVERAGING])
 
     def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
         # z is created for a parameter once it has a gradient (a parameter that never has one gets no state).
         state = self.state.get(p)
-        if state and "z" in state:
-            return state["z"]
+        if state and Z in state:
+            return state[Z]
         if p.grad is None and not create:
             return None
         z = p.detach().to(dtype=state_dtype_for(p), copy=True, memory_format=torch.preserve_format)
-        self.state[p]["z"] = z
+        self.state[p][Z] = z
         return z
 
     @torch.no_grad()
@@ -122,22 +123,22 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
                         if p.grad is None:
                             continue
                         state = self.state[p]
-                        z = state["z"]
+                        z = state[Z]
                         z.grad = p.grad if p.grad.dtype == z.dtype else p.grad.to(z.dtype)
                         with_grad.append(z)
-                        if p.dtype in (torch.bfloat16, torch.float16) and "y_fp32" not in state:
+                        if p.dtype in (torch.bfloat16, torch.float16) and Y_FP32 not in state:
                             # y in float32 beside the rounded parameter, as in GPAAdamW: x stays as exact as z.
-                            state["y_fp32"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+                            state[Y_FP32] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
                         ys.append(real_view(local_tensor(p)))
                         zs.append(real_view(local_tensor(z)))
-                        y32s.append(real_view(local_tensor(state["y_fp32"])) if "y_fp32" in state else None)
+                        y32s.append(real_view(local_tensor(state[Y_FP32])) if Y_FP32 in state else None)
                     if not ys:
                         continue
-                    lr = float(group.get("lr", 0.0))
-                    mu_x, group["weight_sum"] = averaging_mu_x(
-                        group["averaging"], group["mu_x"], lr, group["weight_sum"]
+                    lr = float(group.get(LR, 0.0))
+                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(
+                        group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM]
                     )
-                    mu_y = group["mu_y"]
+                    mu_y = group[MU_Y]
                     if mu_x != 0.0:
                         # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x, in place (its float32 copy alone, where there is
                         # one): needs z from before the base step. Undone by its inverse if the base raises.

@@ -29,7 +29,7 @@ import torch
 
 from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
 from ._gpa_switch import GPASwitch
-from ._tensors import local_tensor, real_view
+from ._tensors import authoritative_y, local_tensor, real_view
 from ._types import (
     AVERAGING,
     BETAS,
@@ -361,7 +361,7 @@ def _single_tensor_gpa_adamw(
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
         delta = torch.mul(z, -lr * weight_decay).addcdiv_(m, denom, value=-lr / bias_correction1)  # z' - z
-        y_acc = _exact_y(y, y32, z.dtype)
+        y_acc = authoritative_y(y, y32, z.dtype)
         y_acc.add_(torch.sub(z, y_acc), alpha=1.0 - mu_x).add_(delta, alpha=1.0 - mu_x * mu_y)
         z.add_(delta)
         if y32 is not None:
@@ -369,11 +369,6 @@ def _single_tensor_gpa_adamw(
         y.copy_(y_acc)
 
 
-def _exact_y(y: torch.Tensor, y32: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """y in ``dtype`` (a new tensor): its float32 copy while the parameter still equals that copy rounded."""
-    if y32 is None:
-        return y.to(dtype, copy=True)
-    return torch.where(y32.to(y.dtype) == y, y32, y.to(dtype))
 
 
 def _multi_tensor_gpa_adamw(
@@ -441,7 +436,7 @@ def _foreach_update(
         torch._foreach_addcdiv_(delta, m_b, denom, [-lr / (1.0 - beta1 ** step_counts[i]) for i in indices])
         # fp32/fp64 parameters accumulate in place; bf16/fp16 ones in float32 (their float32 copy of y).
         in_place = [y.dtype == state_dtype and y32s[i] is None for y, i in zip(y_b, indices)]
-        y_acc = [y if ip else _exact_y(y, y32s[i], state_dtype) for y, i, ip in zip(y_b, indices, in_place)]
+        y_acc = [y if ip else authoritative_y(y, y32s[i], state_dtype) for y, i, ip in zip(y_b, indices, in_place)]
         torch._foreach_add_(y_acc, torch._foreach_sub(z_b, y_acc), alpha=1.0 - mu_x)
         torch._foreach_add_(y_acc, delta, alpha=1.0 - mu_x * mu_y)
         torch._foreach_add_(z_b, delta)
