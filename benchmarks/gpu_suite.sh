@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on one GPU, in under 10 minutes: the GPU tests (pytest -m gpu), the optimizer step-time
-# benchmark on Llama-1B shapes in fp32 and bf16, and the end-to-end throughput benchmark (110M Llama, bf16 autocast).
+# benchmark on Llama-1B shapes in fp32 and bf16, the end-to-end throughput benchmark (110M Llama, bf16 autocast) and
+# the optimizer memory table with CUDA peak memory (benchmarks/memory_table.py).
 #
 #   bash benchmarks/gpu_suite.sh OUT_DIR
 #
@@ -64,6 +65,10 @@ step gpu_tests 240 "$PY" -m pytest -m gpu -p no:cacheprovider -q -ra --junitxml 
 step step_time_fp32 80 "$PY" benchmarks/step_time.py --device cuda --dtype float32 --rounds 20 --out-dir "$OUT"
 step step_time_bf16 70 "$PY" benchmarks/step_time.py --device cuda --dtype bfloat16 --rounds 20 --out-dir "$OUT"
 step throughput 150 "$PY" benchmarks/throughput.py --device cuda --out-dir "$OUT"
+# Optimizer state and CUDA peak memory (torch.cuda.max_memory_allocated) of a step and of a save, Llama-1B shapes;
+# the torchao rows need torchao (hf_gpa[lowbit]) and are left out where it does not import.
+step memory_table 240 "$PY" benchmarks/memory_table.py --device cuda --size llama1b --no-meta --timeout 60 \
+    --out "$OUT/memory_cuda"
 
 {
     echo "# hf_gpa GPU suite, $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -72,7 +77,7 @@ step throughput 150 "$PY" benchmarks/throughput.py --device cuda --out-dir "$OUT
     echo
     echo "Failed steps: ${failed[*]:-none}"
     tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null | sed 's/^/    /' || true
-    for table in "$OUT"/step_time_*.md "$OUT"/throughput_cuda.md; do
+    for table in "$OUT"/step_time_*.md "$OUT"/throughput_cuda.md "$OUT"/memory_cuda/table.md; do
         [ -f "$table" ] || continue
         echo
         echo "## $(basename "$table" .md)"

@@ -24,6 +24,7 @@ from ._types import (  # noqa: F401 - kept importable from here (training_args i
     DEFAULT_MU_Y,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
+    HALF_STATE_MODES,
     Averaging,
 )
 
@@ -137,6 +138,12 @@ def check_flag(value: Any, name: str, optional: bool = False) -> None:
     if not (isinstance(value, bool) or (optional and value is None)):
         allowed = "True, False or None" if optional else "True or False"
         raise ValueError(f"Invalid {name}: {value!r} (must be {allowed})")
+
+
+def check_state_dtype(state_dtype: Any, name: str = "state_dtype") -> str:
+    if not isinstance(state_dtype, str) or state_dtype not in HALF_STATE_MODES:
+        raise ValueError(f"Invalid {name}: {state_dtype!r} (must be one of {', '.join(HALF_STATE_MODES)})")
+    return state_dtype
 
 
 def check_implementation(foreach: Any, fused: Any) -> None:

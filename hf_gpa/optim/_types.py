@@ -89,6 +89,8 @@ WEIGHT_SUM = "weight_sum"  # Schedule-Free's running sum of lr_t ** 2
 FOREACH = "foreach"
 FUSED = "fused"
 MAXIMIZE = "maximize"
+#: GPAAdamW: what bf16/fp16 parameters keep their state in, one of ``HALF_STATE_MODES``.
+HALF_STATE = "state_dtype"
 INITIAL_LR = "initial_lr"  # written by torch's LR schedulers
 TRAIN_MODE = "train_mode"  # True while the parameters hold the training iterate
 OPTIMIZER = "optimizer"  # the name of the optimizer that wrote a state dict ("GPAAdamW", "GPA(AdamW)", ...)
@@ -101,6 +103,11 @@ INNER_STEP = "inner_step"  # DiLoCo's count of inner steps taken
 
 #: Parameter dtypes whose optimizer state (z, moments, y's copy) is kept in float32.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+#: GPAAdamW's ``state_dtype`` for bf16/fp16 parameters: "float32" keeps z, m, v and a float32 copy of y (16 bytes per
+#: weight, x as exact as float32 allows); "param" keeps z, m and v in the parameter's dtype and no copy of y (6 bytes;
+#: torch's AdamW keeps m and v so, 4 bytes), computed in float32 and rounded once per step.
+HALF_STATE_MODES = ("float32", "param")
+DEFAULT_HALF_STATE = "float32"
 
 
 def state_dtype_for(param: torch.Tensor) -> torch.dtype:

@@ -6,7 +6,8 @@ its step. Everything about holding that base lives here, once:
 * it is built lazily, at the first step (after any FSDP wrapping has replaced the parameters), and its state of each
   tensor is the very dict ``state[p]["base"]`` of this optimizer, so ``state_dict()`` carries it;
 * the per-group hyper-parameters (``lr``, ``weight_decay``, the base's own) are forwarded to it before every step,
-  so LR schedulers attached to the wrapper drive it;
+  so LR schedulers attached to the wrapper drive it; a value the base keeps as a tensor (torchao's low-bit AdamWs
+  keep ``lr`` as one, so that a change does not recompile their step) is written into that tensor;
 * a base whose groups carry keys of their own (``MuonWithAuxAdam``'s ``use_muon``) names them in ``probe_group``
   and checks a group in its static ``check_group(group)``: the wrapper's groups are checked by it too, up front;
 * ``add_param_group``, ``load_state_dict``, ``copy.deepcopy`` and ``pickle`` drop it, and it is rebuilt on the
@@ -66,6 +67,20 @@ def _drop_new_keys(state: dict[str, Any], old: dict[str, set[str] | None]) -> No
         elif old[key] is not None and isinstance(state[key], dict):
             for inner in [k for k in state[key] if k not in old[key]]:  # type: ignore[operator]
                 del state[key][inner]
+
+
+def _forward_hypers(base_group: dict[str, Any], hypers: dict[str, Any]) -> None:
+    """Write the wrapper's hyper-parameters into the base's group; a tensor the base keeps is filled in place.
+
+    torchao's ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and ``_AdamW`` turn ``lr`` into a tensor when the group is
+    added and refuse a step after it was replaced by a float ("lr was changed to a non-Tensor object").
+    """
+    for key, value in hypers.items():
+        current = base_group.get(key)
+        if torch.is_tensor(current) and not torch.is_tensor(value) and current.numel() == 1:
+            current.fill_(value)
+        else:
+            base_group[key] = value
 
 
 class BaseOptimizerWrapper(TrainEvalOptimizer):
@@ -136,7 +151,7 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
         """Forward the hyper-parameters, then the base's step, without step hooks (they fire for the wrapper)."""
         base = self.base_optimizer
         for group, base_group in zip(self.param_groups, base.param_groups):
-            base_group.update(self._base_hypers(group))
+            _forward_hypers(base_group, self._base_hypers(group))
         unhooked_step(base)
 
     # ---- what drops the base: a new group, a load, a copy ----

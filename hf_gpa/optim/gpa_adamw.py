@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ._checks import check_adam, check_averaging, check_implementation, check_mu
+from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
 from ._gpa_switch import GPASwitch
 from ._tensors import authoritative_y, local_tensor, real_view
 from ._types import (
@@ -36,6 +36,7 @@ from ._types import (
     DEFAULT_AVERAGING,
     DEFAULT_BETAS,
     DEFAULT_EPS,
+    DEFAULT_HALF_STATE,
     DEFAULT_LR,
     DEFAULT_MU_X,
     DEFAULT_MU_Y,
@@ -46,6 +47,7 @@ from ._types import (
     FOREACH,
     FUSED,
     HALF_DTYPES,
+    HALF_STATE,
     LR,
     MAXIMIZE,
     MU_X,
@@ -82,7 +84,9 @@ class GPAAdamW(GPASwitch):
     as float32 allows (rounding y to bf16 at every step would accumulate in x, amplified by 1 / mu_y). That is 16
     bytes of state per parameter, 8.0x the bytes of a bf16 parameter (4 bytes, a third, more than without the copy).
     The parameter stays authoritative: where it no longer equals ``y_fp32`` rounded (something else wrote it), the
-    step starts from the parameter. Weight decay is decoupled and acts on z, as in Algorithm 1 of the paper.
+    step starts from the parameter. ``state_dtype="param"`` trades that accuracy for memory: z, m and v in the
+    parameter's dtype and no copy of y, 6 bytes per bf16 weight (torch's AdamW: 4).
+    Weight decay is decoupled and acts on z, as in Algorithm 1 of the paper.
     ``mu_x = 0`` is AdamW; ``mu_y = 1`` is stochastic primal averaging. Call ``eval()`` before evaluating or saving
     (the parameters then hold x) and ``train()`` before the next step (y comes back bitwise).
 
@@ -109,6 +113,10 @@ class GPAAdamW(GPASwitch):
             fuses, ``None`` fuses where every parameter has a kernel and ``foreach`` is unset; a parameter whose
             tensors differ in layout takes foreach within the fused path (default: None).
         maximize: maximize the objective instead of minimizing it (default: False).
+        state_dtype: the state of bf16/fp16 parameters: ``"float32"`` (z, m, v and y's float32 copy) or ``"param"``
+            (z, m, v in the parameter's dtype, no copy of y; computed in float32 and rounded once per step). The
+            fused kernels take float32 state only: such parameters take the foreach path inside the fused one.
+            fp32/fp64 parameters are not affected (default: "float32").
 
     Paper: Defazio, Mishchenko, Raman, Shi, Xiao, "Smoothing DiLoCo with Primal Averaging for Faster Training of
     LLMs" (Generalized Primal Averaging).
@@ -128,6 +136,7 @@ class GPAAdamW(GPASwitch):
         foreach: bool | None = None,
         fused: bool | None = None,
         maximize: bool = False,
+        state_dtype: str = DEFAULT_HALF_STATE,
     ) -> None:
         defaults = {
             LR: lr,
@@ -141,6 +150,7 @@ class GPAAdamW(GPASwitch):
             FOREACH: foreach,
             FUSED: fused,
             MAXIMIZE: maximize,
+            HALF_STATE: state_dtype,
         }
         super().__init__(params, defaults)  # every group, these defaults filled in, passes `_check_group`
 
@@ -150,6 +160,7 @@ class GPAAdamW(GPASwitch):
         check_mu(group[MU_X], group[MU_Y])
         group[AVERAGING] = check_averaging(group[AVERAGING])
         check_implementation(group[FOREACH], group[FUSED])
+        check_state_dtype(group[HALF_STATE])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -159,18 +170,21 @@ class GPAAdamW(GPASwitch):
             group.setdefault(FUSED, None)
             group.setdefault(AVERAGING, DEFAULT_AVERAGING)
             group.setdefault(WEIGHT_SUM, 0.0)
+            group.setdefault(HALF_STATE, DEFAULT_HALF_STATE)
 
-    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
-        """Create what is missing of ``p``'s state (z = y, m = v = 0, step 0; y's float32 copy for bf16/fp16)."""
+    def _init_state(self, p: torch.Tensor, half_state: str = DEFAULT_HALF_STATE) -> dict[str, Any]:
+        """Create what is missing of ``p``'s state (z = y, m = v = 0, step 0; y's float32 copy for bf16/fp16
+        parameters whose state is float32, ``half_state`` deciding that for new state)."""
         state = self.state[p]
         if Z not in state:
             # Created lazily, after any wrapping (FSDP2 replaces parameters by DTensor shards in prepare()).
-            z = p.detach().to(dtype=state_dtype_for(p), copy=True, memory_format=torch.preserve_format)
+            dtype = p.dtype if half_state == "param" else state_dtype_for(p)
+            z = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
             state[STEP] = torch.tensor(0.0, dtype=torch.float32)
             state[Z] = z
             state[EXP_AVG] = torch.zeros_like(z, memory_format=torch.preserve_format)
             state[EXP_AVG_SQ] = torch.zeros_like(z, memory_format=torch.preserve_format)
-        if p.dtype in HALF_DTYPES and Y_FP32 not in state:
+        if p.dtype in HALF_DTYPES and Y_FP32 not in state and state[Z].dtype == torch.float32:
             # Also for state saved before this copy existed: the parameter holds y rounded, a fine start.
             state[Y_FP32] = p.detach().to(dtype=torch.float32, copy=True, memory_format=torch.preserve_format)
         return state
@@ -179,7 +193,7 @@ class GPAAdamW(GPASwitch):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    self._init_state(p)
+                    self._init_state(p, group[HALF_STATE])
 
     def _init_group(
         self,
@@ -202,7 +216,7 @@ class GPAAdamW(GPASwitch):
                 raise RuntimeError("GPAAdamW does not support sparse gradients")
             state = self.state[p]
             if Y_FP32 not in state and (Z not in state or p.dtype in HALF_DTYPES):
-                self._init_state(p)
+                self._init_state(p, group[HALF_STATE])
             has_complex |= torch.is_complex(p)
             params.append(local_tensor(p))
             grads.append(local_tensor(p.grad))
@@ -322,9 +336,20 @@ def _single_tensor_gpa_adamw(
     mu_y: float,
     maximize: bool,
 ) -> None:
-    """The ground truth: one tensor at a time, plain ops, in the state dtype (``y32``: y's float32 copy, or None)."""
+    """The ground truth: one tensor at a time, plain ops, in the state dtype (``y32``: y's float32 copy, or None).
+
+    State kept in a half-precision dtype (``state_dtype="param"``) is computed in float32 and rounded once at the end.
+    """
     lr = float(lr)
     for y, g, z, m, v, y32, step_t in zip(params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps):
+        if z.dtype in HALF_DTYPES:
+            wide = [t.float() for t in (z, m, v)]
+            _single_tensor_gpa_adamw(
+                [y], [g], *([t] for t in wide), [y32], [step_t], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize,
+            )  # fmt: skip
+            torch._foreach_copy_([z, m, v], wide)
+            continue
         step_t += 1
         step = step_t.item()  # step lives on the CPU: no device synchronization
         bias_correction1 = 1.0 - beta1**step
@@ -393,6 +418,10 @@ def _foreach_update(
     """`_multi_tensor_gpa_adamw` with the step counts already advanced (also the fused path's fallback)."""
     grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype([ys, gs, zs, ms, vs], with_indices=True)
     for (y_b, g_b, z_b, m_b, v_b), indices in grouped.values():
+        stored = None
+        if z_b[0].dtype in HALF_DTYPES:  # state_dtype="param": computed in float32, rounded once at the end
+            stored = z_b + m_b + v_b
+            z_b, m_b, v_b = ([t.float() for t in lst] for lst in (z_b, m_b, v_b))
         state_dtype = z_b[0].dtype
         g_acc = [g.to(state_dtype) for g in g_b]
         if maximize:
@@ -417,6 +446,8 @@ def _foreach_update(
         copied = [k for k, ip in enumerate(in_place) if not ip]
         if copied:
             torch._foreach_copy_([y_b[k] for k in copied], [y_acc[k] for k in copied])
+        if stored is not None:
+            torch._foreach_copy_(stored, z_b + m_b + v_b)
 
 
 def _fused_gpa_adamw(
