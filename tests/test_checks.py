@@ -98,3 +98,16 @@ def test_inner_steps_32_and_the_default_mu_x_do_not_conflict() -> None:
     default = GPATrainingArguments(output_dir="unused", optim="gpa_adamw", report_to="none")
     assert default.gpa_mu_x == _types.DEFAULT_MU_X
     assert "H = 32 " in gpa_model_card_section(default)
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(betas=(1.5, 0.9)), dict(eps=-1.0), dict(weight_decay=-1.0), dict(lr=-1.0)], ids=str
+)
+@pytest.mark.parametrize("wrapper", ["gpa", "diloco"])
+def test_a_wrapper_checks_an_added_group_with_its_base(wrapper: str, bad: dict) -> None:
+    """GPA(AdamW)/DiLoCo(AdamW).add_param_group runs the base's own checks on the group's values up front."""
+    cls = GPA if wrapper == "gpa" else DiLoCo
+    opt = cls([torch.nn.Parameter(torch.ones(3))], base=torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(ValueError):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], **bad})
+    assert len(opt.param_groups) == 1

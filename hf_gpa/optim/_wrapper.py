@@ -20,6 +20,7 @@ its step. Everything about holding that base lives here, once:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -135,6 +136,12 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
         check = getattr(self.base_class, "check_group", None)
         if check is not None:  # the base's own group checks (MuonWithAuxAdam: use_muon, 2-D Muon parameters), now
             check({**self._base_hypers(group), "params": group["params"]})
+            return
+        # Any other base checks a group's values in its constructor (torch's AdamW: betas, eps, ...): run it on a
+        # probe with this group's values, so a bad added group fails here, not at the next step.
+        accepted = _constructor_arguments(self.base_class)
+        hypers = {k: v for k, v in self._base_hypers(group).items() if accepted is None or k in accepted}
+        base_defaults(self.base_class, hypers, (), type(self).__name__)
 
     def _base_hypers(self, group: dict[str, Any]) -> dict[str, Any]:
         return {k: group[k] for k in self._base_keys if k in group}
@@ -244,3 +251,14 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
         probe.grad = torch.ones_like(probe)
         unhooked_step(optimizer)
         return {str(k) for k in optimizer.state[probe]}
+
+
+def _constructor_arguments(base: type[torch.optim.Optimizer]) -> frozenset[str] | None:
+    """The keyword arguments ``base(params, ...)`` takes by name, or None if it takes any (``**kwargs``).
+
+    A base's ``defaults`` may hold keys its constructor does not take (torch's AdamW: ``decoupled_weight_decay``).
+    """
+    parameters = inspect.signature(base.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters)
