@@ -281,3 +281,63 @@ def test_weights_written_in_eval_mode_are_kept_by_train(name: str, dtype: torch.
     _assert_rounded(params[0][:3].detach(), 0.7 * 0.125 + 0.3 * z, 0.125 + z.abs())
     assert torch.equal(params[0][3:], y_before[0][3:])
     assert all(torch.equal(p, b) for p, b in zip(params[1:], y_before[1:]))
+
+
+def _peak_allocated(fn) -> int:
+    """The peak of CPU memory torch allocates while ``fn`` runs, above what was allocated before (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    level = peak = 0
+    for event in sorted((e for e in events if e.device_type().name == "CPU"), key=lambda e: e.start_ns()):
+        level += event.nbytes()
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_eval_and_train_switch_a_large_weight_in_chunks(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked and whole-tensor switching give the same x, residual and overflow list, and y back bitwise."""
+    from hf_gpa.optim import _gpa_switch
+
+    def run(chunk: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
+        monkeypatch.setattr(_gpa_switch, "CHUNK", chunk)
+        p = torch.nn.Parameter(torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(dtype))
+        opt = GPAAdamW([p], lr=1e-2, mu_x=0.9, mu_y=0.3)
+        for i in range(3):
+            p.grad = torch.randn(1000, generator=torch.Generator().manual_seed(i + 1)).to(dtype)
+            opt.step()
+        with torch.no_grad():  # tiny y against z in several chunks: differences int8 cannot hold
+            p[[3, 250, 251, 777, 999]] = torch.tensor([1e-6, -3e-7, 2e-8, 0.0, 5e-7], dtype=dtype)
+            opt.state[p]["z"][[3, 250, 251, 777, 999]] = torch.tensor([1.0, -2.0, 3.0, 0.5, -1.5])
+            if "y_fp32" in opt.state[p]:
+                opt.state[p]["y_fp32"].copy_(p)
+        y = p.detach().clone()
+        opt.eval()
+        x, state = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items() if k.startswith("y_residual")}
+        opt.train()
+        assert torch.equal(p, y)
+        return x, state, y
+
+    x_whole, state_whole, _ = run(1 << 20)
+    x_chunked, state_chunked, _ = run(100)
+    assert torch.equal(x_chunked, x_whole)
+    assert state_chunked.keys() == state_whole.keys()
+    assert all(torch.equal(state_chunked[k], state_whole[k]) for k in state_whole)
+    if dtype == torch.float32:
+        assert len(state_whole["y_residual_overflow"]) >= 3  # the list spans chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_eval_and_train_allocate_about_one_byte_per_weight(dtype: torch.dtype) -> None:
+    """Beyond the int8 residual eval() keeps, neither call allocates more than a few MB for a 4M-weight matrix."""
+    p = torch.nn.Parameter(torch.randn(2048, 2048).to(dtype))
+    opt = GPAAdamW([p], lr=1e-2, mu_x=0.9, mu_y=0.3, foreach=True)
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    eval_peak = _peak_allocated(opt.eval)
+    train_peak = _peak_allocated(opt.train)
+    numel, budget = p.numel(), 40 << 20  # a whole-tensor switch allocates several copies: >= 48 MB here
+    assert eval_peak <= (numel if dtype == torch.float32 else 0) + budget, eval_peak / numel
+    assert train_peak <= budget, train_peak / numel

@@ -33,6 +33,20 @@ def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
     return torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
 
 
+#: Elements switched per pass: eval()'s and train()'s temporaries (x, y's round trip, the bit difference, masks) are
+#: then a few MB whatever the size of the largest weight, instead of several copies of it at every evaluation and save.
+CHUNK = 1 << 20
+
+
+def _chunks(*tensors: torch.Tensor) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+    """(offset, flat slices) of each run of `CHUNK` elements, when every tensor is contiguous; else one whole run."""
+    if not all(t.is_contiguous() for t in tensors):
+        return [(0, tensors)]
+    flat = [t.view(-1) for t in tensors]
+    n = flat[0].numel()
+    return [(i, tuple(f[i : i + CHUNK] for f in flat)) for i in range(0, max(n, 1), CHUNK)]
+
+
 class GPASwitch(TrainEvalOptimizer):
     """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
 
@@ -45,15 +59,23 @@ class GPASwitch(TrainEvalOptimizer):
             y, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
             if Y_FP32 in state:  # bf16/fp16: x from the float32 y; train() restores y from it, no residual
                 y32 = real_view(local_tensor(state[Y_FP32]))
-                y32.copy_(authoritative_y(y, y32, y32.dtype))
-                y.copy_(_x_from_y(y32, z, mu_y))
+                for _, (yc, zc, y32c) in _chunks(y, z, y32):
+                    y32c.copy_(authoritative_y(yc, y32c, y32c.dtype))
+                    yc.copy_(_x_from_y(y32c, zc, mu_y))
                 continue
-            x = _x_from_y(y, z, mu_y)
-            residual, overflow = encode_residual(y, _y_from_x(x, z, mu_y), narrow=not is_dtensor(p))
+            narrow = not is_dtensor(p)
+            residual = torch.empty_like(y, dtype=torch.int8 if narrow else _int_dtype(y))
+            overflows = []
+            for offset, (yc, zc, rc) in _chunks(y, z, residual):
+                xc = _x_from_y(yc, zc, mu_y)
+                small, overflow = encode_residual(yc, _y_from_x(xc, zc, mu_y), narrow=narrow)
+                rc.copy_(small)
+                overflow[:, 0] += offset  # indices into the whole flattened tensor
+                overflows.append(overflow)
+                yc.copy_(xc)
             state[Y_RESIDUAL] = shard_like(residual, p)
-            if not is_dtensor(p):  # a DTensor's shards keep a full-width residual and no list (see _residual)
-                state[Y_RESIDUAL_OVERFLOW] = overflow
-            y.copy_(x)
+            if narrow:  # a DTensor's shards keep a full-width residual and no list (see _residual)
+                state[Y_RESIDUAL_OVERFLOW] = torch.cat(overflows)
 
     def _params_to_train(self, group: dict[str, Any]) -> None:
         mu_y = group[MU_Y]
@@ -64,13 +86,26 @@ class GPASwitch(TrainEvalOptimizer):
             x, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
             if Y_FP32 in state:
                 y32 = real_view(local_tensor(state[Y_FP32]))
-                written = x != _x_from_y(y32, z, mu_y).to(x.dtype)  # what eval() put there, recomputed bitwise
-                if bool(written.any()):
-                    y32.copy_(torch.where(written, _y_from_x(x.to(y32.dtype), z, mu_y), y32))
-                x.copy_(y32)
+                for _, (xc, zc, y32c) in _chunks(x, z, y32):
+                    written = xc != _x_from_y(y32c, zc, mu_y).to(xc.dtype)  # what eval() put there, recomputed bitwise
+                    if bool(written.any()):
+                        y32c.copy_(torch.where(written, _y_from_x(xc.to(y32c.dtype), zc, mu_y), y32c))
+                    xc.copy_(y32c)
                 continue
-            y = _y_from_x(x, z, mu_y)
-            if Y_RESIDUAL in state:
-                y = decode_residual(y, local_tensor(state.pop(Y_RESIDUAL)), state.pop(Y_RESIDUAL_OVERFLOW, None))
-            # else: a loader dropped the residual (see _residual); y is rebuilt by rounding, not bitwise.
-            x.copy_(y)
+            if Y_RESIDUAL not in state:  # a loader dropped the residual (see _residual): y by rounding, not bitwise
+                x.copy_(_y_from_x(x, z, mu_y))
+                continue
+            residual = local_tensor(state.pop(Y_RESIDUAL))
+            overflow = state.pop(Y_RESIDUAL_OVERFLOW, None)
+            for offset, (xc, zc, rc) in _chunks(x, z, residual):
+                listed = None
+                if overflow is not None and overflow.numel():
+                    bounds = torch.tensor([offset, offset + xc.numel()], device=overflow.device)
+                    lo, hi = torch.searchsorted(overflow[:, 0].contiguous(), bounds).tolist()
+                    listed = overflow[lo:hi] - torch.tensor([offset, 0], device=overflow.device)
+                xc.copy_(decode_residual(_y_from_x(xc, zc, mu_y), rc, listed))
+
+
+def _int_dtype(t: torch.Tensor) -> torch.dtype:
+    """The integer dtype of ``t``'s bit pattern (the width of a DTensor shard's residual)."""
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]
