@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from launching import launch_env, run_logged
+from launching import free_port, launch_env, run_logged, run_logged_together
 from safetensors.torch import load_file
 from torch import nn
 from transformers import ResNetConfig, ResNetForImageClassification, TrainerCallback
@@ -472,6 +472,33 @@ def test_ddp_ranks_hold_the_same_statistics(tmp_path):
         trained[0]["x_stats"]["resnet.embedder.embedder.normalization.running_mean"],
         trained[0]["y_stats"]["resnet.embedder.embedder.normalization.running_mean"],
     )
+
+
+def test_two_nodes_without_shared_storage_finish_and_say_what_they_hold(tmp_path):
+    """Two nodes (torchrun --nnodes 2 on loopback), each its own output_dir, save_on_each_node off,
+    load_best_model_at_end: only node 0 finds the best checkpoint (and its norm_statistics_y); both finish (no
+    collective rests on what one node's disk holds), node 0 holds the best x, node 1 the last x and says so."""
+    workers = Path(__file__).with_name("batchnorm_workers.py")
+    port = free_port()
+    nodes = [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}"]
+        + ["--master_addr=127.0.0.1", f"--master_port={port}", str(workers), str(tmp_path), "two_nodes"]
+        for node in range(2)
+    ]
+    logs = [tmp_path / f"node{node}.log" for node in range(2)]
+    # The fused kernel is beside the point here: its build lock, held by another test run, must not cost the timeout.
+    env = {**launch_env(workers.parent.parent), "HF_GPA_DISABLE_CPU_KERNEL": "1"}
+    run_logged_together(nodes, logs, env, what="two nodes")
+
+    node0, node1 = (torch.load(tmp_path / f"two_nodes{node}.pt", weights_only=True) for node in range(2))
+    assert node0["best"] == node1["best"] == "checkpoint-2"
+    best, last = node0["checkpoints"]["checkpoint-2"], node0["checkpoints"]["checkpoint-4"]
+    assert_equal_dicts(node0["held"], {k: best[k] for k in node0["held"]})
+    assert_equal_dicts(node1["held"], {k: last[k] for k in node1["held"]})
+    assert not all(torch.equal(best[k], last[k]) for k in node0["held"])
+    assert not any("holds the best x" in message for message in node1["warnings"]), node1["warnings"]
+    assert any("holds the last step's x" in message for message in node1["warnings"]), node1["warnings"]
+    assert not any("last step's x" in message for message in node0["warnings"]), node0["warnings"]
 
 
 # ---- run_vit_gpa.py --model_type resnet ----
