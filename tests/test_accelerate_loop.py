@@ -77,6 +77,43 @@ def test_load_state_resumes_bitwise(loop) -> None:
     _equal(facts["resumed_y"], facts["y"])
 
 
+def test_save_state_returns_the_folder_as_str(loop) -> None:
+    """`save_state` returns the folder it wrote as a str (its annotation), not accelerate's Path."""
+    out, facts = loop
+    assert type(facts["save_state_returned"]) is str and facts["save_state_returned"] == str(out / "state")
+
+
+def test_loop_evaluation_inside_evaluation_weights_is_at_x(loop, single_process) -> None:
+    """The recipe's evaluation line (`with evaluation_weights(optimizer):` around the loop's own evaluation, through
+    the DDP model) reports x's loss, not y's, and leaves y bitwise as it was."""
+    _, facts = loop
+    inputs, targets = dw.global_batch(worker.EVAL_STEP, worker.DTYPE)
+
+    def loss(state: dict[str, torch.Tensor]) -> float:
+        model = dw.build_mlp(worker.DTYPE)
+        model.load_state_dict(state)
+        with torch.no_grad():
+            return dw.mse(model, inputs, targets).item()
+
+    assert facts["eval_loss"] == pytest.approx(loss(single_process["x"]), rel=1e-10, abs=0.0)
+    assert abs(loss(single_process["y"]) - facts["eval_loss"]) > 1e-4
+    _equal(facts["y_after_eval"], facts["y"])
+
+
+def test_save_x_model_writes_a_from_pretrained_folder_of_x(loop) -> None:
+    """`save_x_model` of a transformers model on 2 ranks writes what `from_pretrained` loads (config, weights and the
+    given tokenizer), holding x bitwise, as run_clm_no_trainer.py's save_pretrained lines would write y."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, facts = loop
+    folder = out / "llama"
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    _equal({k: v for k, v in loaded.state_dict().items()}, facts["llama_x"])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer("w2 w3 w63")["input_ids"] == [2, 3, 63]
+    assert tokenizer.pad_token == "<pad>"
+
+
 def test_save_state_folder_holds_x(loop) -> None:
     """The model file inside a `save_state` folder holds x (a state that is only y would not be a model to keep)."""
     out, facts = loop
