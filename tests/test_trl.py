@@ -42,6 +42,7 @@ from hf_gpa.trl import (  # noqa: E402  (after the skip: these need trl)
     GPARewardTrainer,
     GPASFTConfig,
     GPASFTTrainer,
+    SyncRefModelAtX,
 )
 
 STEPS, SAVE_STEPS = 6, 3
@@ -269,6 +270,22 @@ def test_dpo_reference_model_is_never_optimized(run: Run, tokenizer) -> None:
     assert optimized <= {id(p) for p in trainer.model.parameters()}
     _assert_equal(_params(trainer.ref_model), _params(_model("dpo", tokenizer, seed=1)))  # as built, bitwise
     assert not torch.equal(trainer.model.model.embed_tokens.weight, trainer.ref_model.model.embed_tokens.weight)
+
+
+def test_dpo_sync_ref_model_copies_x_not_y(tokenizer, tmp_path) -> None:
+    """With sync_ref_model=True (mixup alpha 1: a plain copy) the reference model receives the policy's x at the sync
+    step, bitwise, not the y TRL's callback would read from the live parameters; training itself is unchanged."""
+    record = RecordXY()
+    overrides = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=1.0, save_strategy="no")
+    trainer = _trainer(
+        "dpo", tokenizer, tmp_path, _model("dpo", tokenizer), arg_overrides=overrides, callbacks=[record]
+    )
+    syncs = [c for c in trainer.callback_handler.callbacks if isinstance(c, trl.SyncRefModelCallback)]
+    assert [type(c) for c in syncs] == [SyncRefModelAtX]
+    trainer.train()
+    reference = _params(trainer.ref_model)
+    _assert_equal(reference, _subset(record.x[STEPS], reference))
+    assert not any(torch.equal(reference[k], record.y[STEPS][k]) for k in reference if k.endswith("proj.weight"))
 
 
 # ---- configs ----
