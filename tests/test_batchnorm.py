@@ -444,12 +444,18 @@ def test_bad_recalibration_flag_fails_clearly(value, tmp_path):
 NPROC = 2
 
 
+def bn_launch_env(workers: Path) -> dict[str, str]:
+    """A launch's environment without GPAAdamW's fused kernel, which is beside the point here: its build lock, held by
+    another process building it, must not cost a launch's timeout."""
+    return {**launch_env(workers.parent.parent), "HF_GPA_DISABLE_CPU_KERNEL": "1"}
+
+
 def torchrun(out: Path) -> None:
     """``torchrun --standalone`` (the OS picks the port) of tests/batchnorm_workers.py, in its own session, killed
     as a group on timeout so that a hang fails the test."""
     workers = Path(__file__).with_name("batchnorm_workers.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}"]
-    run_logged([*cmd, str(workers), str(out)], out / "launch.log", launch_env(workers.parent.parent), what="DDP")
+    run_logged([*cmd, str(workers), str(out)], out / "launch.log", bn_launch_env(workers), what="DDP")
 
 
 def test_ddp_ranks_hold_the_same_statistics(tmp_path):
