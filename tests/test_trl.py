@@ -375,6 +375,8 @@ class _Recorder(Trainer):
         return self._record("train", resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        with open(f"{self.args.output_dir}/README.md", "w") as card:  # each call writes a new card, as TRL's do
+            card.write(f"# {model_name}\n")
         return self._record("create_model_card", model_name, dataset_name, tags)
 
 
@@ -412,4 +414,4 @@ def test_model_card_tags_follow_the_next_classes_signature(tmp_path) -> None:
         ["mine", "hf_gpa", "gpa_adamw"],
         ["mine", "hf_gpa", "gpa_adamw"],
     ]
-    assert (tmp_path / "README.md").read_text().count("## Optimizer: GPA (hf_gpa)") == 3
+    assert (tmp_path / "README.md").read_text().count("## Optimizer: GPA (hf_gpa)") == 1  # on the last card
