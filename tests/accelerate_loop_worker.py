@@ -8,7 +8,11 @@ written by `save_x_model` with its tokenizer, as transformers' ``run_clm_no_trai
 writes what it saw to ``full.pt``; the test compares it with a single-process run. The MLP, the global batches and
 the optimizer settings are those of tests/distributed_workers.py.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/accelerate_loop_worker.py OUT_DIR
+It builds its `Accelerator()` as run_clm_no_trainer.py does, so it is launched as the docs say a loop is launched
+on a machine without a GPU:
+
+    ACCELERATE_USE_CPU=true accelerate launch --config_file configs/accelerate_ddp.yaml \
+        tests/accelerate_loop_worker.py OUT_DIR
 """
 
 from __future__ import annotations
@@ -71,8 +75,8 @@ def _llama(accelerator: Accelerator, out: Path) -> dict[str, torch.Tensor]:
 
 def main(out: Path) -> None:
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True)
-    facts: dict[str, object] = {}
+    accelerator = Accelerator()
+    facts: dict[str, object] = {"num_processes": accelerator.num_processes}
     plain = build_mlp(DTYPE)
     model, optimizer = accelerator.prepare(plain, GPAAdamW(plain.parameters(), **ADAMW_KW))
     _train(accelerator, model, optimizer, range(RESUME_STEP))
