@@ -308,6 +308,16 @@ def test_trl_configs_parse_gpa_flags_and_keep_trl_defaults(kind: str, tmp_path) 
         config_cls(output_dir=str(tmp_path), use_cpu=True, optim="gpa_adamw", gpa_mu_y=2.0)
 
 
+def test_trl_parser_takes_the_gpa_config(tmp_path) -> None:
+    """TRL's scripts parse with `TrlParser((ScriptArguments, GPASFTConfig, ModelConfig))`: the GPA flags reach the
+    config."""
+    parser = trl.TrlParser((trl.ScriptArguments, GPASFTConfig, trl.ModelConfig))
+    common = ["--dataset_name", "d", "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
+    _, training_args, _ = parser.parse_args_and_config([*common, "--optim", "gpa_adamw", "--gpa_mu_x", "0.9"])
+    assert isinstance(training_args, GPASFTConfig)
+    assert training_args.optim == GPAOptimizerNames.GPA_ADAMW and training_args.gpa_mu_x == 0.9
+
+
 def test_recipe_keeps_the_other_configs_own_defaults(tmp_path) -> None:
     """The two-class recipe on any TrainingArguments subclass keeps that subclass's redeclared defaults."""
 
