@@ -1,17 +1,23 @@
-"""GPA in a plain accelerate loop (no Trainer): the saving and resuming calls that know about x and y.
+"""GPA in a plain accelerate loop (no Trainer): the evaluating, saving and resuming calls that know about x and y.
 
-`accelerator.save_model(model, ...)` and `accelerator.save_state(...)` write whatever the parameters hold, which
-during training is GPA's gradient point y, not the weights to keep, x. These wrappers make the same accelerate calls
-with x in the parameters (through `hf_gpa.checkpoint.evaluation_weights`, so y is back bitwise afterwards, also
-when the save raises), and `load_state` turns a state saved that way back into y exactly. They work with every
-optimizer (for a stock one they are the plain accelerate calls) and with the optimizer as `accelerator.prepare`
-returns it.
+During training the parameters hold GPA's gradient point y, not the weights to keep, x. A loop written for a stock
+optimizer (transformers' ``run_clm_no_trainer.py``, say) evaluates and saves whatever the parameters hold, so it
+reports y's loss and ships y. Four names cover every place such a loop reads or writes the weights; each works with
+every optimizer (for a stock one it is the plain accelerate call) and with the optimizer as `accelerator.prepare`
+returns it:
+
+    from hf_gpa.accelerate_utils import evaluation_weights, load_state, save_state, save_x_model
 
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
     ...
+    with evaluation_weights(optimizer):                # the loop's evaluation (or any write of the model) at x;
+        model.eval()                                   # y back bitwise on exit, also on an error
+        ...
     save_state(accelerator, optimizer, "ckpt")         # resumable: x in the model files, the state to restore y
     load_state(accelerator, optimizer, "ckpt")         # (after prepare, in a new run) y back bitwise
-    save_x_model(accelerator, model, optimizer, "final")  # the weights to keep: x, loadable as usual
+    save_x_model(accelerator, model, optimizer, "final", tokenizer=tokenizer)  # x, loadable with from_pretrained
+
+`evaluation_weights` is `hf_gpa.checkpoint.evaluation_weights`, the one switch everything here goes through.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from torch import nn
 
-__all__ = ["load_state", "save_state", "save_x_model"]
+__all__ = ["evaluation_weights", "load_state", "save_state", "save_x_model"]
 
 
 def save_x_model(
@@ -33,26 +39,48 @@ def save_x_model(
     model: nn.Module,
     optimizer: Any,
     save_directory: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
     **kwargs: Any,
 ) -> None:
-    """`accelerator.save_model(model, save_directory, **kwargs)` writing GPA's x.
+    """Write GPA's x as the model to keep: the stock loop's final save, at x.
 
-    Call it on every process, as `save_model` itself (it gathers sharded models and writes on the main process).
+    A model with ``save_pretrained`` once unwrapped (a transformers or PEFT model) is written as transformers'
+    no-Trainer examples write it, ``unwrap_model(model).save_pretrained(save_directory, is_main_process=...)``, with
+    the state dict of `accelerator.get_state_dict` (gathered where the model is sharded): config and weights, loadable
+    with ``from_pretrained``. Any other module is written by `accelerator.save_model` (weights only). ``kwargs`` go
+    to that call (``max_shard_size=...``). ``tokenizer``: anything with ``save_pretrained`` (a tokenizer, an image
+    processor) that the main process writes beside the weights. Call it on every process, as accelerate's own
+    saving; on return the folder is complete.
     """
+    save_directory = os.fspath(save_directory)
+    unwrapped = accelerator.unwrap_model(model)
     with evaluation_weights(optimizer):
-        accelerator.save_model(model, save_directory, **kwargs)
+        if callable(getattr(unwrapped, "save_pretrained", None)):
+            unwrapped.save_pretrained(
+                save_directory,
+                is_main_process=accelerator.is_main_process,
+                state_dict=accelerator.get_state_dict(model),
+                **kwargs,
+            )
+        else:
+            accelerator.save_model(model, save_directory, **kwargs)
+    if tokenizer is not None and accelerator.is_main_process:
+        tokenizer.save_pretrained(save_directory)
+    accelerator.wait_for_everyone()
 
 
 def save_state(
     accelerator: Accelerator, optimizer: Any, output_dir: str | os.PathLike[str] | None = None, **kwargs: Any
 ) -> str:
-    """`accelerator.save_state(output_dir, **kwargs)` in GPA's eval mode; returns the folder written.
+    """`accelerator.save_state(output_dir, **kwargs)` in GPA's eval mode; returns the folder written, as a str.
 
     As in `GPATrainer` checkpoints, the model files hold x and the optimizer state is the eval-mode state, whose
     integer residual lets `load_state` restore y bitwise. Call it on every process.
     """
     with evaluation_weights(optimizer):
-        return accelerator.save_state(None if output_dir is None else os.fspath(output_dir), **kwargs)
+        # accelerate returns the folder as a str or a Path depending on its version and project configuration.
+        return os.fspath(accelerator.save_state(None if output_dir is None else os.fspath(output_dir), **kwargs))
 
 
 def load_state(

@@ -48,6 +48,7 @@ from torch.nn.modules.batchnorm import _NormBase
 __all__ = [
     "DEFAULT_RECALIBRATION_BATCHES",
     "check_recalibration_batches",
+    "count_over_processes",
     "default_forward",
     "load_norm_statistics",
     "norm_layers",
@@ -247,6 +248,23 @@ def _average_over_processes(layers: list[_NormBase], calls: list[int]) -> None:
                 buffer.copy_((flat[offset : offset + n] / totals[i]).view_as(buffer))
             offset += n
         calls[i] = round(totals[i])
+
+
+def count_over_processes(flag: bool, device: torch.device | str = "cpu") -> int:
+    """How many processes have ``flag`` true: one ``all_reduce`` of one number when a process group of more than one
+    process is initialized (a collective: every rank must call it), else ``int(flag)``.
+
+    Whether to enter a collective must never rest on a fact of one process (a file on this node's disk, a mode): count
+    it over the processes first and let every rank take the same branch. ``device`` is one the process group's backend
+    reduces on (the CPU for gloo, this rank's GPU for NCCL).
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return int(flag)
+    if torch.distributed.get_world_size() == 1:
+        return int(flag)
+    count = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(count)
+    return int(count.item())
 
 
 @contextlib.contextmanager

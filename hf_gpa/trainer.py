@@ -45,10 +45,19 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import HubStrategy
 from transformers.training_args import TrainingArguments
-from transformers.utils import is_datasets_available
+from transformers.utils import (
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    is_datasets_available,
+)
 
 from hf_gpa.batchnorm import (
     DEFAULT_RECALIBRATION_BATCHES,
+    count_over_processes,
     load_norm_statistics,
     norm_layers,
     norm_statistics,
@@ -69,6 +78,17 @@ logger = logging.getLogger(__name__)
 
 #: In a checkpoint, beside optimizer.pt: the norm layers' running statistics of y (model.safetensors has x's).
 NORM_STATISTICS_Y_NAME = "norm_statistics_y.safetensors"
+
+#: The files the stock `_load_best_model` loads a checkpoint's weights from (without FSDP or DeepSpeed); where none
+#: is on this node's disk it keeps the last weights and only warns.
+_MODEL_WEIGHTS_NAMES = (
+    WEIGHTS_NAME,
+    SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+)
 
 
 #: How the model card names Muon (``--optim muon``, and as the base of GPA and DiLoCo).
@@ -229,20 +249,36 @@ class GPATrainer(Trainer):
         # With the parameters at x: recompute the statistics, keeping y's to put back. Costs nothing without norm
         # layers that keep running statistics, with --gpa_bn_recalibration_batches 0 or without a train dataset.
         num_batches = getattr(self.args, "gpa_bn_recalibration_batches", DEFAULT_RECALIBRATION_BATCHES)
-        if self._norm_statistics_y is not None or num_batches == 0 or self.train_dataset is None:
+        if num_batches == 0 or self.train_dataset is None or not norm_layers(self.model):
+            return  # the same on every rank
+        # Whether x's statistics are still to be computed is a fact of this rank: after load_best_model_at_end it
+        # depends on the files on this node's disk. Count it over the ranks first, so that the recalibration's
+        # all_reduce runs on every rank or on none.
+        distributed = self.args.world_size > 1
+        needed = self._norm_statistics_y is None
+        ranks_needing = count_over_processes(needed, self.args.device) if distributed else int(needed)
+        if not needed:
             return
-        if not norm_layers(self.model):
-            return
+        # Every rank forwards its own batches and the statistics are then averaged over the ranks (all_reduce): the
+        # same values on every rank, estimated from world_size times as many batches. Where only some ranks need
+        # them, the ranks hold different models (the best checkpoint was not on every node): each its own.
+        all_reduce = distributed and ranks_needing == self.args.world_size
+        if distributed and not all_reduce:
+            logger.warning(
+                "Only %d of %d processes hold no norm statistics at x (the best checkpoint's %s is missing on some "
+                "nodes): this process recomputes them from its own batches only.",
+                ranks_needing,
+                self.args.world_size,
+                NORM_STATISTICS_Y_NAME,
+            )
         saved = norm_statistics(self.model)
         try:
-            # Every rank forwards its own batches and the statistics are then averaged over the ranks (all_reduce):
-            # the same values on every rank, estimated from world_size times as many batches.
             used = recalibrate_norm_statistics(
                 self.model,
                 self._recalibration_dataloader(),
                 num_batches,
                 forward=self._recalibration_forward,
-                all_reduce=self.args.world_size > 1,
+                all_reduce=all_reduce,
                 seed=self.args.seed + self.args.process_index,
             )
         except BaseException:
@@ -431,7 +467,21 @@ class GPATrainer(Trainer):
             return
         # Parameters at x before they are overwritten with the best checkpoint's x, so that no stale y remains.
         inner.eval()
+        checkpoint = self.state.best_model_checkpoint
+        found = (
+            self.is_fsdp_enabled
+            or self.is_deepspeed_enabled
+            or any(os.path.exists(os.path.join(checkpoint, name)) for name in _MODEL_WEIGHTS_NAMES)
+        )
         super()._load_best_model(*args, **kwargs)
+        if not found:
+            # The stock method warned and kept the weights: the model holds the last step's x (and statistics).
+            logger.warning(
+                "%s has no model weights on this node (nodes without shared storage need --save_on_each_node): the "
+                "model holds the last step's x, not the best checkpoint's.",
+                checkpoint,
+            )
+            return
         # The model holds the best checkpoint's x and its norm statistics; y's (if kept) come back with y.
         self._norm_statistics_y = self._load_norm_statistics_y(self.state.best_model_checkpoint)
         # The best checkpoint's eval-mode state (and its scheduler) matches the x just loaded: optimizer.train()

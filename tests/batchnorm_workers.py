@@ -7,6 +7,14 @@ ranks with each other and with the average of their local (not reduced) statisti
   statistics the model holds after the last step (y's) and during the evaluation (x's).
 * `recalibrate`: `recalibrate_norm_statistics` on rank-specific batches, once locally and once with
   ``all_reduce=True``.
+
+And, launched as two single-process nodes (``torchrun --nnodes 2`` on loopback, one launch per node):
+
+* `two_nodes`: `GPATrainer` with ``load_best_model_at_end``, each node its own output_dir and ``save_on_each_node``
+  off, so only node 0's disk holds the best checkpoint's weights and ``norm_statistics_y.safetensors``. Each node
+  writes what its model holds at the end and the warnings hf_gpa logged.
+
+    python tests/batchnorm_workers.py OUT_DIR [ddp | two_nodes]    (under a launcher)
 """
 
 from __future__ import annotations
@@ -59,13 +67,57 @@ def trainer(out: Path, rank: int) -> None:
     torch.save(facts, out / f"trainer{rank}.pt")
 
 
-def main(out: str) -> None:
-    """Both scenarios in one launch: the Trainer's accelerator starts the (gloo) process group."""
+def two_nodes(out: Path, node: int) -> None:
+    """Best-model loading where only node 0 has the checkpoints: both nodes finish; what each holds and logs."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    class Warnings(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    warnings = Warnings()
+    logging.getLogger("hf_gpa").addHandler(warnings)
+    run = tb.make_trainer(
+        out / f"node{node}",
+        max_steps=4,
+        per_device_train_batch_size=16,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,  # the higher loss: checkpoint-2, so that the best and the last model differ
+        save_on_each_node=False,
+        gpa_bn_recalibration_batches=2,
+    )
+    run.train()
+    folders = sorted((out / "node0").glob("checkpoint-*")) if node == 0 else []  # only node 0 has weights
+    facts = {
+        "held": {name: p.detach().clone() for name, p in run.model.named_parameters()},
+        "best": Path(run.state.best_model_checkpoint).name,
+        "checkpoints": {folder.name: load_file(str(folder / "model.safetensors")) for folder in folders},
+        "warnings": warnings.messages,
+    }
+    torch.save(facts, out / f"two_nodes{node}.pt")
+
+
+def main(out: str, scenario: str = "ddp") -> None:
+    """One launch: the Trainer's accelerator starts the (gloo) process group."""
     out_dir = Path(out).resolve()
     torch.set_num_threads(1)
     try:
-        trainer(out_dir, int(os.environ["RANK"]))
-        recalibrate(out_dir, dist.get_rank())
+        if scenario == "two_nodes":
+            two_nodes(out_dir, int(os.environ["GROUP_RANK"]))
+        else:
+            trainer(out_dir, int(os.environ["RANK"]))
+            recalibrate(out_dir, dist.get_rank())
         dist.barrier()
     finally:
         if dist.is_initialized():
@@ -73,4 +125,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

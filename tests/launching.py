@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,13 @@ def tail(log: Path, chars: int = 6000) -> str:
     return log.read_text(errors="replace")[-chars:]
 
 
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free now (for a rendezvous the OS cannot pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_logged(
     cmd: list[str],
     log: Path,
@@ -37,14 +46,41 @@ def run_logged(
     cwd: Path | None = None,
 ) -> None:
     """Run ``cmd`` in its own session, output in ``log``; a hang is killed with its children and fails the test."""
-    what = what or " ".join(map(str, cmd[:6])) + " ..."
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: the session started above
-            proc.wait()
-            pytest.fail(f"{what} hung for {timeout} s:\n{tail(log)}")
-    if rc != 0:
-        pytest.fail(f"{what} exited with {rc}:\n{tail(log)}")
+    run_logged_together([cmd], [log], env, timeout, what, cwd)
+
+
+def run_logged_together(
+    cmds: list[list[str]],
+    logs: list[Path],
+    env: dict[str, str],
+    timeout: float = LAUNCH_TIMEOUT_S,
+    what: str | None = None,
+    cwd: Path | None = None,
+) -> None:
+    """Run the ``cmds`` at once (e.g. one launcher per node of a multi-node job), each in its own session with its
+    output in its log; past ``timeout`` (for all of them together) every one is killed with its children and the
+    test fails, as it does when any exits with an error."""
+    what = what or " ".join(map(str, cmds[0][:6])) + " ..."
+    handles = [open(log, "w") for log in logs]
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd, fh in zip(cmds, handles):
+            procs.append(
+                subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            )
+        deadline = time.monotonic() + timeout
+        codes = [proc.wait(timeout=max(deadline - time.monotonic(), 0)) for proc in procs]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks: the session started above
+                proc.wait()
+        for fh in handles:
+            fh.close()
+    logs_text = "\n".join(f"--- {log}\n{tail(log)}" for log in logs)
+    if codes is None:
+        pytest.fail(f"{what} hung for {timeout} s:\n{logs_text}")
+    if any(codes):
+        pytest.fail(f"{what} exited with {codes}:\n{logs_text}")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from launching import launch_env, run_logged
+from launching import free_port, launch_env, run_logged, run_logged_together
 from safetensors.torch import load_file
 from torch import nn
 from transformers import ResNetConfig, ResNetForImageClassification, TrainerCallback
@@ -444,12 +444,18 @@ def test_bad_recalibration_flag_fails_clearly(value, tmp_path):
 NPROC = 2
 
 
+def bn_launch_env(workers: Path) -> dict[str, str]:
+    """A launch's environment without GPAAdamW's fused kernel, which is beside the point here: its build lock, held by
+    another process building it, must not cost a launch's timeout."""
+    return {**launch_env(workers.parent.parent), "HF_GPA_DISABLE_CPU_KERNEL": "1"}
+
+
 def torchrun(out: Path) -> None:
     """``torchrun --standalone`` (the OS picks the port) of tests/batchnorm_workers.py, in its own session, killed
     as a group on timeout so that a hang fails the test."""
     workers = Path(__file__).with_name("batchnorm_workers.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}"]
-    run_logged([*cmd, str(workers), str(out)], out / "launch.log", launch_env(workers.parent.parent), what="DDP")
+    run_logged([*cmd, str(workers), str(out)], out / "launch.log", bn_launch_env(workers), what="DDP")
 
 
 def test_ddp_ranks_hold_the_same_statistics(tmp_path):
@@ -472,6 +478,33 @@ def test_ddp_ranks_hold_the_same_statistics(tmp_path):
         trained[0]["x_stats"]["resnet.embedder.embedder.normalization.running_mean"],
         trained[0]["y_stats"]["resnet.embedder.embedder.normalization.running_mean"],
     )
+
+
+def test_two_nodes_without_shared_storage_finish_and_say_what_they_hold(tmp_path):
+    """Two nodes (torchrun --nnodes 2 on loopback), each its own output_dir, save_on_each_node off,
+    load_best_model_at_end: only node 0 finds the best checkpoint (and its norm_statistics_y); both finish (no
+    collective rests on what one node's disk holds), node 0 holds the best x, node 1 the last x and says so."""
+    workers = Path(__file__).with_name("batchnorm_workers.py")
+    port = free_port()
+    nodes = [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}"]
+        + ["--master_addr=127.0.0.1", f"--master_port={port}", str(workers), str(tmp_path), "two_nodes"]
+        for node in range(2)
+    ]
+    logs = [tmp_path / f"node{node}.log" for node in range(2)]
+    # The fused kernel is beside the point here: its build lock, held by another test run, must not cost the timeout.
+    env = {**launch_env(workers.parent.parent), "HF_GPA_DISABLE_CPU_KERNEL": "1"}
+    run_logged_together(nodes, logs, env, what="two nodes")
+
+    node0, node1 = (torch.load(tmp_path / f"two_nodes{node}.pt", weights_only=True) for node in range(2))
+    assert node0["best"] == node1["best"] == "checkpoint-2"
+    best, last = node0["checkpoints"]["checkpoint-2"], node0["checkpoints"]["checkpoint-4"]
+    assert_equal_dicts(node0["held"], {k: best[k] for k in node0["held"]})
+    assert_equal_dicts(node1["held"], {k: last[k] for k in node1["held"]})
+    assert not all(torch.equal(best[k], last[k]) for k in node0["held"])
+    assert not any("holds the best x" in message for message in node1["warnings"]), node1["warnings"]
+    assert any("holds the last step's x" in message for message in node1["warnings"]), node1["warnings"]
+    assert not any("last step's x" in message for message in node0["warnings"]), node0["warnings"]
 
 
 # ---- run_vit_gpa.py --model_type resnet ----

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from unittest import mock
 import distributed_workers as dw
 import pytest
 import torch
-from launching import LAUNCH_TIMEOUT_S, launch_env, run_logged
+from launching import LAUNCH_TIMEOUT_S, free_port, launch_env, run_logged
 from safetensors.torch import load_file
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
@@ -262,19 +261,13 @@ def test_ddp_config_is_plain_data_parallel() -> None:
 ACCELERATE_DDP_CONFIG = CONFIGS / "accelerate_ddp.yaml"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     """One `accelerate launch` of the DDP scenario with the repository's config (MULTI_CPU here: no GPU)."""
     _kernels.load_cpu_kernel()  # built once here, not by both ranks inside the timed-out launch
     out = tmp_path_factory.mktemp("ddp")
     launcher = ["-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_DDP_CONFIG)]
-    launcher += ["--num_processes", str(NPROC), "--main_process_port", str(_free_port())]
+    launcher += ["--num_processes", str(NPROC), "--main_process_port", str(free_port())]
     return out, launch(launcher, "ddp_trainer", out)
 
 

@@ -42,6 +42,7 @@ from hf_gpa.trl import (  # noqa: E402  (after the skip: these need trl)
     GPARewardTrainer,
     GPASFTConfig,
     GPASFTTrainer,
+    SyncRefModelAtX,
 )
 
 STEPS, SAVE_STEPS = 6, 3
@@ -271,6 +272,22 @@ def test_dpo_reference_model_is_never_optimized(run: Run, tokenizer) -> None:
     assert not torch.equal(trainer.model.model.embed_tokens.weight, trainer.ref_model.model.embed_tokens.weight)
 
 
+def test_dpo_sync_ref_model_copies_x_not_y(tokenizer, tmp_path) -> None:
+    """With sync_ref_model=True (mixup alpha 1: a plain copy) the reference model receives the policy's x at the sync
+    step, bitwise, not the y TRL's callback would read from the live parameters; training itself is unchanged."""
+    record = RecordXY()
+    overrides = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=1.0, save_strategy="no")
+    trainer = _trainer(
+        "dpo", tokenizer, tmp_path, _model("dpo", tokenizer), arg_overrides=overrides, callbacks=[record]
+    )
+    syncs = [c for c in trainer.callback_handler.callbacks if isinstance(c, trl.SyncRefModelCallback)]
+    assert [type(c) for c in syncs] == [SyncRefModelAtX]
+    trainer.train()
+    reference = _params(trainer.ref_model)
+    _assert_equal(reference, _subset(record.x[STEPS], reference))
+    assert not any(torch.equal(reference[k], record.y[STEPS][k]) for k in reference if k.endswith("proj.weight"))
+
+
 # ---- configs ----
 
 
@@ -289,6 +306,16 @@ def test_trl_configs_parse_gpa_flags_and_keep_trl_defaults(kind: str, tmp_path) 
     assert args.learning_rate == stock.learning_rate and args.bf16 == stock.bf16
     with pytest.raises(ValueError, match="--gpa_mu_y"):
         config_cls(output_dir=str(tmp_path), use_cpu=True, optim="gpa_adamw", gpa_mu_y=2.0)
+
+
+def test_trl_parser_takes_the_gpa_config(tmp_path) -> None:
+    """TRL's scripts parse with `TrlParser((ScriptArguments, GPASFTConfig, ModelConfig))`: the GPA flags reach the
+    config."""
+    parser = trl.TrlParser((trl.ScriptArguments, GPASFTConfig, trl.ModelConfig))
+    common = ["--dataset_name", "d", "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
+    _, training_args, _ = parser.parse_args_and_config([*common, "--optim", "gpa_adamw", "--gpa_mu_x", "0.9"])
+    assert isinstance(training_args, GPASFTConfig)
+    assert training_args.optim == GPAOptimizerNames.GPA_ADAMW and training_args.gpa_mu_x == 0.9
 
 
 def test_recipe_keeps_the_other_configs_own_defaults(tmp_path) -> None:
@@ -358,6 +385,8 @@ class _Recorder(Trainer):
         return self._record("train", resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        with open(f"{self.args.output_dir}/README.md", "w") as card:  # each call writes a new card, as TRL's do
+            card.write(f"# {model_name}\n")
         return self._record("create_model_card", model_name, dataset_name, tags)
 
 
@@ -395,4 +424,4 @@ def test_model_card_tags_follow_the_next_classes_signature(tmp_path) -> None:
         ["mine", "hf_gpa", "gpa_adamw"],
         ["mine", "hf_gpa", "gpa_adamw"],
     ]
-    assert (tmp_path / "README.md").read_text().count("## Optimizer: GPA (hf_gpa)") == 3
+    assert (tmp_path / "README.md").read_text().count("## Optimizer: GPA (hf_gpa)") == 1  # on the last card
