@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)
@@ -16,3 +19,22 @@ def _fused_needs_the_cpu_kernel(request: pytest.FixtureRequest) -> None:
 
     if load_cpu_kernel() is None:
         pytest.skip("the C++ kernel cannot be built here (fused=True raises without it)")
+
+
+def _peak_allocated(fn: Callable[[], object]) -> int:
+    """The peak of CPU memory torch allocates while ``fn`` runs, above what was allocated before (torch's profiler:
+    its allocation and free events, in order)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    level = peak = 0
+    for event in sorted((e for e in events if e.device_type().name == "CPU"), key=lambda e: e.start_ns()):
+        level += event.nbytes()
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.fixture
+def peak_allocated() -> Callable[[Callable[[], object]], int]:
+    """``peak_allocated(fn)``: the peak of CPU bytes torch allocates while ``fn()`` runs, above the level before."""
+    return _peak_allocated

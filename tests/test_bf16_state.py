@@ -104,3 +104,15 @@ def test_accuracy_cost_against_the_fp32_run() -> None:
     assert ulps["float32"] < 1.0
     assert 5.0 < ulps["param"] < 40.0
     assert losses["float32"] < losses["param"] < 0.5
+
+
+def test_a_step_of_half_precision_state_allocates_a_few_mb(peak_allocated) -> None:
+    """state_dtype="param" computes in float32 a piece at a time: a step of a 4M-weight bf16 matrix allocates a few
+    MB, not float32 copies of the whole bucket (32 bytes per weight)."""
+    p = torch.nn.Parameter(torch.randn(2048, 2048, dtype=torch.bfloat16))
+    opt = GPAAdamW([p], lr=1e-3, state_dtype="param", foreach=True)
+    p.grad = torch.randn_like(p)
+    opt.step()  # state created
+    p.grad = torch.randn_like(p)
+    peak = peak_allocated(opt.step)
+    assert peak <= 48 << 20, peak / p.numel()

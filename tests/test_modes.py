@@ -283,25 +283,13 @@ def test_weights_written_in_eval_mode_are_kept_by_train(name: str, dtype: torch.
     assert all(torch.equal(p, b) for p, b in zip(params[1:], y_before[1:]))
 
 
-def _peak_allocated(fn) -> int:
-    """The peak of CPU memory torch allocates while ``fn`` runs, above what was allocated before (torch's profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    level = peak = 0
-    for event in sorted((e for e in events if e.device_type().name == "CPU"), key=lambda e: e.start_ns()):
-        level += event.nbytes()
-        peak = max(peak, level)
-    return peak
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_eval_and_train_switch_a_large_weight_in_chunks(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunked and whole-tensor switching give the same x, residual and overflow list, and y back bitwise."""
-    from hf_gpa.optim import _gpa_switch
+    from hf_gpa.optim import _tensors
 
     def run(chunk: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
-        monkeypatch.setattr(_gpa_switch, "CHUNK", chunk)
+        monkeypatch.setattr(_tensors, "CHUNK", chunk)
         p = torch.nn.Parameter(torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(dtype))
         opt = GPAAdamW([p], lr=1e-2, mu_x=0.9, mu_y=0.3)
         for i in range(3):
@@ -329,15 +317,15 @@ def test_eval_and_train_switch_a_large_weight_in_chunks(dtype: torch.dtype, monk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_eval_and_train_allocate_about_one_byte_per_weight(dtype: torch.dtype) -> None:
+def test_eval_and_train_allocate_about_one_byte_per_weight(dtype: torch.dtype, peak_allocated) -> None:
     """Beyond the int8 residual eval() keeps, neither call allocates more than a few MB for a 4M-weight matrix."""
     p = torch.nn.Parameter(torch.randn(2048, 2048).to(dtype))
     opt = GPAAdamW([p], lr=1e-2, mu_x=0.9, mu_y=0.3, foreach=True)
     for _ in range(2):
         p.grad = torch.randn_like(p)
         opt.step()
-    eval_peak = _peak_allocated(opt.eval)
-    train_peak = _peak_allocated(opt.train)
+    eval_peak = peak_allocated(opt.eval)
+    train_peak = peak_allocated(opt.train)
     numel, budget = p.numel(), 40 << 20  # a whole-tensor switch allocates several copies: >= 48 MB here
     assert eval_peak <= (numel if dtype == torch.float32 else 0) + budget, eval_peak / numel
     assert train_peak <= budget, train_peak / numel

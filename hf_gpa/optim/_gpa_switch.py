@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._residual import decode_residual, encode_residual
-from ._tensors import authoritative_y, is_dtensor, local_tensor, real_view, shard_like
+from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
 from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
 
@@ -33,20 +33,6 @@ def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
     return torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
 
 
-#: Elements switched per pass: eval()'s and train()'s temporaries (x, y's round trip, the bit difference, masks) are
-#: then a few MB whatever the size of the largest weight, instead of several copies of it at every evaluation and save.
-CHUNK = 1 << 20
-
-
-def _chunks(*tensors: torch.Tensor) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
-    """(offset, flat slices) of each run of `CHUNK` elements, when every tensor is contiguous; else one whole run."""
-    if not all(t.is_contiguous() for t in tensors):
-        return [(0, tensors)]
-    flat = [t.view(-1) for t in tensors]
-    n = flat[0].numel()
-    return [(i, tuple(f[i : i + CHUNK] for f in flat)) for i in range(0, max(n, 1), CHUNK)]
-
-
 class GPASwitch(TrainEvalOptimizer):
     """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
 
@@ -59,14 +45,14 @@ class GPASwitch(TrainEvalOptimizer):
             y, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
             if Y_FP32 in state:  # bf16/fp16: x from the float32 y; train() restores y from it, no residual
                 y32 = real_view(local_tensor(state[Y_FP32]))
-                for _, (yc, zc, y32c) in _chunks(y, z, y32):
+                for _, (yc, zc, y32c) in chunks(y, z, y32):
                     y32c.copy_(authoritative_y(yc, y32c, y32c.dtype))
                     yc.copy_(_x_from_y(y32c, zc, mu_y))
                 continue
             narrow = not is_dtensor(p)
             residual = torch.empty_like(y, dtype=torch.int8 if narrow else _int_dtype(y))
             overflows = []
-            for offset, (yc, zc, rc) in _chunks(y, z, residual):
+            for offset, (yc, zc, rc) in chunks(y, z, residual):
                 xc = _x_from_y(yc, zc, mu_y)
                 small, overflow = encode_residual(yc, _y_from_x(xc, zc, mu_y), narrow=narrow)
                 rc.copy_(small)
@@ -86,7 +72,7 @@ class GPASwitch(TrainEvalOptimizer):
             x, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
             if Y_FP32 in state:
                 y32 = real_view(local_tensor(state[Y_FP32]))
-                for _, (xc, zc, y32c) in _chunks(x, z, y32):
+                for _, (xc, zc, y32c) in chunks(x, z, y32):
                     written = xc != _x_from_y(y32c, zc, mu_y).to(xc.dtype)  # what eval() put there, recomputed bitwise
                     if bool(written.any()):
                         y32c.copy_(torch.where(written, _y_from_x(xc.to(y32c.dtype), zc, mu_y), y32c))
@@ -97,7 +83,7 @@ class GPASwitch(TrainEvalOptimizer):
                 continue
             residual = local_tensor(state.pop(Y_RESIDUAL))
             overflow = state.pop(Y_RESIDUAL_OVERFLOW, None)
-            for offset, (xc, zc, rc) in _chunks(x, z, residual):
+            for offset, (xc, zc, rc) in chunks(x, z, residual):
                 listed = None
                 if overflow is not None and overflow.numel():
                     bounds = torch.tensor([offset, offset + xc.numel()], device=overflow.device)

@@ -6,7 +6,7 @@ import torch
 
 from ._types import state_dtype_for  # noqa: F401 - importable from here too (the wrappers import it)
 
-__all__ = ["state_dtype_for", "is_dtensor", "local_tensor", "real_view", "shard_like", "authoritative_y"]
+__all__ = ["state_dtype_for", "is_dtensor", "local_tensor", "real_view", "shard_like", "authoritative_y", "chunks"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -44,3 +44,18 @@ def authoritative_y(param: torch.Tensor, y32: torch.Tensor | None, dtype: torch.
     if y32 is None:
         return param.to(dtype, copy=True)
     return torch.where(y32.to(param.dtype) == param, y32, param.to(dtype))
+
+
+#: Elements per piece of an elementwise pass that needs temporaries (eval()/train(), the step of half-precision state):
+#: they are then a few MB whatever the size of the largest weight, instead of several copies of it.
+CHUNK = 1 << 20
+
+
+def chunks(*tensors: torch.Tensor) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+    """(offset, flat slices) of each run of `CHUNK` elements of tensors of one shape, when every one is contiguous;
+    else one run of the whole tensors. The slices are views: an in-place write goes to the tensor."""
+    if not all(t.is_contiguous() for t in tensors):
+        return [(0, tensors)]
+    flat = [t.view(-1) for t in tensors]
+    n = flat[0].numel()
+    return [(i, tuple(f[i : i + CHUNK] for f in flat)) for i in range(0, max(n, 1), CHUNK)]

@@ -29,7 +29,7 @@ import torch
 
 from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
 from ._gpa_switch import GPASwitch
-from ._tensors import authoritative_y, local_tensor, real_view
+from ._tensors import authoritative_y, chunks, local_tensor, real_view
 from ._types import (
     AVERAGING,
     BETAS,
@@ -418,10 +418,18 @@ def _foreach_update(
     """`_multi_tensor_gpa_adamw` with the step counts already advanced (also the fused path's fallback)."""
     grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype([ys, gs, zs, ms, vs], with_indices=True)
     for (y_b, g_b, z_b, m_b, v_b), indices in grouped.values():
-        stored = None
-        if z_b[0].dtype in HALF_DTYPES:  # state_dtype="param": computed in float32, rounded once at the end
-            stored = z_b + m_b + v_b
-            z_b, m_b, v_b = ([t.float() for t in lst] for lst in (z_b, m_b, v_b))
+        if z_b[0].dtype in HALF_DTYPES:
+            # state_dtype="param": computed in float32 and rounded once at the end, a piece at a time, so that the
+            # float32 copies of z, m and v are a few MB, not the whole bucket (32 bytes per weight at once).
+            for k, i in enumerate(indices):
+                for _, (y, g, z, m, v) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k]):
+                    z32, m32, v32 = z.float(), m.float(), v.float()
+                    _foreach_update(
+                        [y], [g], [z32], [m32], [v32], [None], [step_counts[i]], lr=lr, beta1=beta1, beta2=beta2,
+                        eps=eps, weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize,
+                    )  # fmt: skip
+                    torch._foreach_copy_([z, m, v], [z32, m32, v32])
+            continue
         state_dtype = z_b[0].dtype
         g_acc = [g.to(state_dtype) for g in g_b]
         if maximize:
@@ -446,8 +454,6 @@ def _foreach_update(
         copied = [k for k, ip in enumerate(in_place) if not ip]
         if copied:
             torch._foreach_copy_([y_b[k] for k in copied], [y_acc[k] for k in copied])
-        if stored is not None:
-            torch._foreach_copy_(stored, z_b + m_b + v_b)
 
 
 def _fused_gpa_adamw(
