@@ -156,12 +156,12 @@ def test_wrapper_passes_match_their_closed_form(
     mids = [_round(0.97 * (start - 0.3 * _wide(z)), mid_dtype) for start, z in zip(starts, zs)]
     expected = [_round(mid + 0.4 * _wide(z_new), mid_dtype) for mid, z_new in zip(mids, new_zs)]
     params_before, zs_before = [y.clone() for y in ys], [z.clone() for z in zs]
-    _passes.foreach_axpby_(ys, zs, 0.3, 0.97, y32s)
+    _passes.pass_before_base_(ys, zs, 0.3, 0.97, y32s)
     if with_y32:
         assert all(torch.equal(y, before) for y, before in zip(ys, params_before))
     for z, z_new in zip(zs, new_zs):
         z.copy_(z_new)  # the base optimizer's step
-    _passes.foreach_add_scaled_(ys, zs, 0.4, y32s)
+    _passes.pass_after_base_(ys, zs, 0.4, y32s)
     for i, y in enumerate(ys):
         actual = _wide(y32s[i] if with_y32 else y)
         # Each stored value is rounded once more than in float64 (and the ops round, or fuse into an FMA): allow
@@ -190,7 +190,7 @@ def test_without_triton_the_triton_buckets_take_foreach(monkeypatch: pytest.Monk
         assert all(torch.equal(p, r) for p, r in zip(params, ref))
         monkeypatch.setitem(kernels.FORCE, "backend", "triton")
         ys, zs = [torch.ones(5)], [torch.full((5,), 2.0)]
-        _passes.foreach_axpby_(ys, zs, 0.5, 2.0)
+        _passes.pass_before_base_(ys, zs, 0.5, 2.0)
         assert torch.equal(ys[0], torch.zeros(5))
     finally:
         _triton.triton_available.cache_clear()

@@ -40,7 +40,7 @@ def test_first_pass_and_its_inverse_stay_within_the_bound(path: str, dtype: torc
                 y = (torch.randn(20000, generator=gen, dtype=torch.float64) * scale).to(dtype)
                 z = torch.randn(20000, generator=gen, dtype=torch.float64).to(dtype)
                 restored = y.clone()
-                _passes.foreach_axpby_([restored], [z], 1.0 - mu_y, mu_x)
+                _passes.pass_before_base_([restored], [z], 1.0 - mu_y, mu_x)
                 _unscale_([restored], [z], [None], 1.0 - mu_y, mu_x)
                 worst = max(worst, _excess(restored, y, z, mu_y))
     assert worst <= BOUND, worst

@@ -24,10 +24,10 @@ from ._tensors import authoritative_y, real_view
 from .kernels import STATE_DTYPE, fused_buckets
 from .kernels.cpu import load_cpu_kernel
 
-__all__ = ["foreach_axpby_", "foreach_add_scaled_"]
+__all__ = ["pass_before_base_", "pass_after_base_"]
 
 
-def foreach_axpby_(
+def pass_before_base_(
     ys: list[torch.Tensor],
     zs: list[torch.Tensor],
     alpha: float,
@@ -38,7 +38,7 @@ def foreach_axpby_(
     _wrapper_pass(ys, zs, y32s, alpha, scale, before=True)
 
 
-def foreach_add_scaled_(
+def pass_after_base_(
     ys: list[torch.Tensor], zs: list[torch.Tensor], c: float, y32s: list[torch.Tensor | None] | None = None
 ) -> None:
     """y <- y + c * z, with z possibly of a wider dtype than y (with a y32: y32 <- y32 + c z, y <- y32 rounded)."""

@@ -21,7 +21,7 @@ from ._gpa_switch import GPASwitch
 from ._tensors import local_tensor, real_view, state_dtype_for
 from ._types import AVERAGING, LR, MU_X, MU_Y, WEIGHT_SUM, Y_FP32, Z
 from ._wrapper import BaseOptimizerWrapper
-from ._wrapper_passes import foreach_add_scaled_, foreach_axpby_
+from ._wrapper_passes import pass_after_base_, pass_before_base_
 from .averaging import averaging_mu_x
 
 __all__ = ["GPA"]
@@ -142,7 +142,7 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
                     if mu_x != 0.0:
                         # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x, in place (its float32 copy alone, where there is
                         # one): needs z from before the base step. Undone by its inverse if the base raises.
-                        foreach_axpby_(ys, zs, 1.0 - mu_y, mu_x, y32s)
+                        pass_before_base_(ys, zs, 1.0 - mu_y, mu_x, y32s)
                         undo.on_error(functools.partial(_unscale_, ys, zs, y32s, 1.0 - mu_y, mu_x))
                     stepped.append((ys, zs, mu_x, mu_y, y32s))
                 self._base_step()
@@ -151,8 +151,8 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
                 z.grad = None
         for ys, zs, mu_x, mu_y, y32s in stepped:
             if mu_x == 0.0:  # the first pass gives 0 whatever z was: taken after the base step, nothing to undo
-                foreach_axpby_(ys, zs, 1.0 - mu_y, mu_x, y32s)
-            foreach_add_scaled_(ys, zs, 1.0 - mu_x * mu_y, y32s)  # y <- mu_x mu_y x + (1 - mu_x mu_y) z'
+                pass_before_base_(ys, zs, 1.0 - mu_y, mu_x, y32s)
+            pass_after_base_(ys, zs, 1.0 - mu_x * mu_y, y32s)  # y <- mu_x mu_y x + (1 - mu_x mu_y) z'
         return loss
 
 
