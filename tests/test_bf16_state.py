@@ -15,7 +15,7 @@ import torch
 from hf_gpa.optim import GPAAdamW
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_gpa import _least_squares_x  # noqa: E402
+from least_squares import least_squares_x  # noqa: E402
 
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "default": {}}
 
@@ -95,10 +95,10 @@ def test_accuracy_cost_against_the_fp32_run() -> None:
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(256, 16, generator=gen)
     b = a @ torch.randn(16, generator=gen)
-    x32 = _least_squares_x(torch.float32, {})
+    x32 = least_squares_x(torch.float32, {})
     ulps, losses = {}, {}
     for state_dtype in ("float32", "param"):
-        x16 = _least_squares_x(torch.bfloat16, {"state_dtype": state_dtype})
+        x16 = least_squares_x(torch.bfloat16, {"state_dtype": state_dtype})
         ulps[state_dtype] = ((x16 - x32).abs() / (torch.finfo(torch.bfloat16).eps * x32.abs().clamp_min(1e-3))).mean()
         losses[state_dtype] = ((a @ x16 - b) ** 2).mean().item()
     assert ulps["float32"] < 1.0

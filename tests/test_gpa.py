@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from least_squares import least_squares_x
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW, ReferenceGPA
 from hf_gpa.optim.kernels import cpu as _kernels
@@ -355,31 +356,11 @@ def test_kernel_fallback_warns_once_and_matches_foreach(monkeypatch: pytest.Monk
     assert all(torch.equal(p, q) for p, q in zip(a, b))
 
 
-def _least_squares_x(
-    dtype: torch.dtype, impl: dict, mu_y: float = 0.3, steps: int = 400, optimizer: type = GPAAdamW
-) -> torch.Tensor:
-    """x after a cosine-scheduled GPAAdamW (or GPA) run on noisy least squares; the loss is computed in float32."""
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(256, 16, generator=gen)
-    b = a @ torch.randn(16, generator=gen)
-    w = torch.nn.Parameter(torch.zeros(16, dtype=dtype))
-    opt = optimizer([w], lr=0.05, mu_x=0.98, mu_y=mu_y, **impl)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    for _ in range(steps):
-        idx = torch.randint(0, 256, (32,), generator=gen)
-        opt.zero_grad()
-        ((a[idx] @ w.float() - b[idx]) ** 2).mean().backward()
-        opt.step()
-        sched.step()
-    opt.eval()
-    return w.detach().float()
-
-
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_bf16_x_tracks_the_fp32_run(impl: str) -> None:
     """With bf16 parameters x stays within about a bf16 rounding of the fp32 run's x (y is kept in float32)."""
-    x32 = _least_squares_x(torch.float32, IMPLS[impl])
-    x16 = _least_squares_x(torch.bfloat16, IMPLS[impl])
+    x32 = least_squares_x(torch.float32, IMPLS[impl])
+    x16 = least_squares_x(torch.bfloat16, IMPLS[impl])
     ulps = (x16 - x32).abs() / (torch.finfo(torch.bfloat16).eps * x32.abs().clamp_min(1e-3))
     assert ulps.mean().item() < 1.0  # before y was kept in float32: ~30 bf16 ulps, and 0.95 loss against 1e-5
 
@@ -388,8 +369,8 @@ def test_bf16_x_tracks_the_fp32_run(impl: str) -> None:
 @pytest.mark.parametrize("base_kwargs", [{"foreach": True}, {"fused": True}], ids=["foreach_base", "fused_base"])
 def test_wrapper_low_precision_x_tracks_the_fp32_run(base_kwargs: dict, dtype: torch.dtype) -> None:
     """GPA(AdamW) with bf16/fp16 parameters keeps y in float32 too: x within about one rounding of the fp32 run's x."""
-    x32 = _least_squares_x(torch.float32, base_kwargs, optimizer=GPA)
-    x16 = _least_squares_x(dtype, base_kwargs, optimizer=GPA)
+    x32 = least_squares_x(torch.float32, base_kwargs, optimizer=GPA)
+    x16 = least_squares_x(dtype, base_kwargs, optimizer=GPA)
     ulps = (x16 - x32).abs() / (torch.finfo(dtype).eps * x32.abs().clamp_min(1e-3))
     assert ulps.mean().item() < 1.0  # with y rounded to the parameter dtype at every step: tens of ulps
 

@@ -187,7 +187,7 @@ def bf16_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, 
     ``full_determinism`` makes the CUDA kernels (attention backward, embedding gradients) deterministic, which a
     bitwise comparison of two runs needs; the global switch is turned off again afterwards.
     """
-    from test_trainer import run_llama
+    from helpers import run_llama
 
     root = tmp_path_factory.mktemp("bf16_cuda")
 
@@ -215,7 +215,7 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> float:
 @gpu
 def test_bf16_cuda_checkpoints_hold_x(bf16_runs: dict) -> None:
     """With --bf16 on CUDA every checkpoint's model.safetensors is x in fp32 (bitwise), not y; y is kept."""
-    from test_trainer import assert_equal_dicts, max_abs_diff
+    from helpers import assert_equal_dicts, max_abs_diff
     from transformers import LlamaForCausalLM
 
     trainer, snapshots = bf16_runs["full"]
@@ -234,7 +234,7 @@ def test_bf16_cuda_checkpoints_hold_x(bf16_runs: dict) -> None:
 @gpu
 def test_bf16_cuda_evaluation_runs_at_x(bf16_runs: dict) -> None:
     """The step-6 evaluation's loss is the loss of checkpoint-6's x under bf16 autocast, not the loss at y."""
-    from test_trainer import tiny_llama
+    from helpers import tiny_llama
     from transformers import LlamaForCausalLM
 
     trainer, snapshots = bf16_runs["full"]
@@ -250,7 +250,7 @@ def test_bf16_cuda_evaluation_runs_at_x(bf16_runs: dict) -> None:
 @gpu
 def test_bf16_cuda_resume_continues_bitwise(bf16_runs: dict) -> None:
     """Resuming the bf16 CUDA run at step 3 gives bitwise the uninterrupted run's losses and y at steps 4-6."""
-    from test_trainer import assert_equal_dicts, train_losses
+    from helpers import assert_equal_dicts, train_losses
 
     (full, full_snaps), (resumed, resumed_snaps) = bf16_runs["full"], bf16_runs["resumed"]
     full_losses, resumed_losses = train_losses(full), train_losses(resumed)

@@ -178,7 +178,7 @@ def lowbit_llama():
 def trainer_runs(tmp_path_factory):
     """Per base name: a 4-step run saving at steps 2 and 4, and one resumed from its step-2 checkpoint."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_trainer import Snapshots, TokenDataset, make_args
+    from helpers import Snapshots, TokenDataset, make_args
 
     from hf_gpa.trainer import GPATrainer
 

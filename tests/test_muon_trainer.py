@@ -8,8 +8,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from test_trainer import (
+from helpers import (
     TokenDataset,
     assert_equal_dicts,
     make_args,
@@ -19,6 +18,7 @@ from test_trainer import (
     tiny_llama,
     train_losses,
 )
+from safetensors.torch import load_file
 
 from hf_gpa import GPA, DiLoCo, GPATrainer, MuonWithAuxAdam
 from hf_gpa.checkpoint import unwrap_gpa_optimizer

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import tiny_llama
+from helpers import tiny_llama
 from transformers import TrainerCallback
 
 from hf_gpa.checkpoint import unwrap_gpa_optimizer, x_state_dict

@@ -1,0 +1,155 @@
+"""Helpers the trainer-side test files share (tiny models and data, arguments, snapshots, the shared Llama run).
+
+A plain module beside the tests, imported as ``from helpers import ...``: test modules do not import each other, and
+fixtures live in ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
+
+from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer
+from hf_gpa.trainer import GPATrainer
+from hf_gpa.training_args import GPATrainingArguments
+
+MU_X, MU_Y = 0.5, 0.7  # a short memory so that x, y and the initial weights are far apart after a few steps
+
+
+# ---- tiny models and data ----
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int, length: int = 16) -> None:
+        self.ids = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class TinyRegressor(nn.Module):
+    """A plain nn.Module (not a PreTrainedModel) the Trainer accepts: it returns a dict with the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.norm = nn.LayerNorm(8)
+        self.fc2 = nn.Linear(8, 1)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        out = self.fc2(torch.tanh(self.norm(self.fc1(features)))).squeeze(-1)
+        loss = None if labels is None else nn.functional.mse_loss(out, labels)
+        return {"loss": loss, "logits": out}
+
+
+class RegressionDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int, dtype: torch.dtype = torch.float64) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.features = torch.randn(n, 4, generator=g, dtype=dtype)
+        self.labels = torch.sin(self.features.sum(-1))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"features": self.features[i], "labels": self.labels[i]}
+
+
+def make_args(output_dir, **overrides) -> GPATrainingArguments:
+    kwargs = dict(
+        output_dir=str(output_dir),
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-2,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        optim="gpa_adamw",
+        gpa_mu_x=MU_X,
+        gpa_mu_y=MU_Y,
+    )
+    if overrides.get("gpa_averaging") == "schedule_free":
+        del kwargs["gpa_mu_x"]  # Schedule-Free's average has no mu_x: giving one is an error
+    if overrides.get("optim", kwargs["optim"]) not in ("gpa_adamw", "gpa"):
+        del kwargs["gpa_mu_x"], kwargs["gpa_mu_y"]  # an optimizer that does not read them refuses them
+    kwargs.update(overrides)
+    return GPATrainingArguments(**kwargs)
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_equal_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
+
+
+class Snapshots(TrainerCallback):
+    """Records y after every step and, at every save, y and x as the optimizer gives them (through eval())."""
+
+    def __init__(self) -> None:
+        self.at_start: tuple[bool, dict[str, torch.Tensor]] | None = None
+        self.y: dict[int, dict[str, torch.Tensor]] = {}
+        self.saved_y: dict[int, dict[str, torch.Tensor]] = {}
+        self.saved_x: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        inner = unwrap_gpa_optimizer(optimizer)
+        self.at_start = (inner is None or inner.train_mode, params_of(model))
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.y[state.global_step] = params_of(model)
+
+    def on_save(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.saved_y[state.global_step] = params_of(model)
+        with evaluation_weights(optimizer):
+            self.saved_x[state.global_step] = params_of(model)
+
+
+def train_losses(trainer: Trainer) -> dict[int, tuple[float, float]]:
+    return {e["step"]: (e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e}
+
+
+RUN = dict(max_steps=6, save_strategy="steps", save_steps=3, lr_scheduler_type="cosine", warmup_steps=0.1)
+
+
+def run_llama(output_dir, resume: str | None = None, **overrides) -> tuple[GPATrainer, Snapshots]:
+    """Six steps, 4 per epoch (so the resume at step 3 is mid-epoch and crosses an epoch boundary)."""
+    snapshots = Snapshots()
+    args = make_args(output_dir, **{**RUN, **overrides})
+    trainer = GPATrainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=TokenDataset(16, seed=1),
+        eval_dataset=TokenDataset(8, seed=2),
+        callbacks=[snapshots],
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, snapshots
