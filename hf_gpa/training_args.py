@@ -49,6 +49,14 @@ from hf_gpa.optim import (
 
 # The defaults, ranges and checks are the optimizers' own: one source of truth, called here with the flag's name.
 from hf_gpa.optim._checks import (
+    check_averaging,
+    check_inner_steps,
+    check_mu_x,
+    check_mu_y,
+    check_outer_lr,
+    check_outer_momentum,
+)
+from hf_gpa.optim._types import (
     AVERAGING_MODES,
     DEFAULT_AVERAGING,
     DEFAULT_INNER_STEPS,
@@ -56,12 +64,6 @@ from hf_gpa.optim._checks import (
     DEFAULT_MU_Y,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
-    check_averaging,
-    check_inner_steps,
-    check_mu_x,
-    check_mu_y,
-    check_outer_lr,
-    check_outer_momentum,
 )
 
 __all__ = [

@@ -16,17 +16,7 @@ from typing import Any
 
 import torch
 
-from ._types import (  # noqa: F401 - kept importable from here (training_args imports them from _checks)
-    AVERAGING_MODES,
-    DEFAULT_AVERAGING,
-    DEFAULT_INNER_STEPS,
-    DEFAULT_MU_X,
-    DEFAULT_MU_Y,
-    DEFAULT_OUTER_LR,
-    DEFAULT_OUTER_MOMENTUM,
-    HALF_STATE_MODES,
-    Averaging,
-)
+from ._types import AVERAGING_MODES, HALF_STATE_MODES, Averaging
 
 
 def _number(value: Any, name: str, allowed: str) -> float:

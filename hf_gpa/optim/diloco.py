@@ -19,9 +19,20 @@ from typing import Any
 
 import torch
 
-from ._checks import DEFAULT_INNER_STEPS, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, check_diloco
+from ._checks import check_diloco
 from ._tensors import local_tensor, state_dtype_for
-from ._types import INNER, INNER_STEP, INNER_STEPS, OUTER, OUTER_LR, OUTER_MOMENTUM, OUTER_MOMENTUM_BUFFER
+from ._types import (
+    DEFAULT_INNER_STEPS,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    INNER,
+    INNER_STEP,
+    INNER_STEPS,
+    OUTER,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    OUTER_MOMENTUM_BUFFER,
+)
 from ._wrapper import BaseOptimizerWrapper
 
 __all__ = ["DiLoCo"]

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ._checks import DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, check_averaging, check_mu
+from ._checks import check_averaging, check_mu
 from ._gpa_switch import GPASwitch
 from ._tensors import local_tensor, real_view, state_dtype_for
-from ._types import AVERAGING, LR, MU_X, MU_Y, WEIGHT_SUM, Y_FP32, Z
+from ._types import AVERAGING, DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, LR, MU_X, MU_Y, WEIGHT_SUM, Y_FP32, Z
 from ._wrapper import BaseOptimizerWrapper
 from ._wrapper_passes import pass_after_base_, pass_before_base_
 from .averaging import averaging_mu_x
