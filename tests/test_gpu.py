@@ -415,3 +415,44 @@ def test_benchmark_refuses_an_unusable_device(
         module.main(["--device", device])
     assert exit_info.value.code == 2
     assert "argument --device:" in capsys.readouterr().err  # argparse's report of a rejected value
+
+
+@gpu
+@pytest.mark.parametrize("name", ["AdamW8bit", "PagedAdamW8bit"])
+def test_gpa_around_bitsandbytes_8bit(name: str) -> None:
+    """GPA around bitsandbytes' 8-bit AdamW (and its paged variant) on CUDA: mu_x = 0 is the base bitwise, eval()/
+    train() are exact, and GPA's state (z in float32 + the base's 8-bit m, v) is below fp32 AdamW's 8 bytes."""
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
+    base = getattr(bnb.optim, name)
+    shapes = [(256, 256), (256,)]  # bitsandbytes keeps tensors under 4096 elements in 32 bits
+
+    def params() -> list[torch.nn.Parameter]:
+        g = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(s, generator=g).cuda()) for s in shapes]
+
+    def run(opt: torch.optim.Optimizer, ps: list[torch.nn.Parameter]) -> None:
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 + step)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).cuda()
+            opt.step()
+
+    ours, theirs = params(), params()
+    run(GPA(ours, base=base, lr=1e-2, mu_x=0.0, mu_y=0.7), ours)
+    run(base(theirs, lr=1e-2), theirs)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+    ps = params()
+    opt = GPA(ps, base=base, lr=1e-2, mu_x=0.9, mu_y=0.7)
+    run(opt, ps)
+    y = [p.detach().clone() for p in ps]
+    opt.eval()
+    opt.train()
+    assert all(torch.equal(a, b) for a, b in zip(ps, y))
+    state = sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in [*s.values(), *s.get("base", {}).values()]
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    assert state < 8 * sum(p.numel() for p in ps)
