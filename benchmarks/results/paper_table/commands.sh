@@ -55,6 +55,14 @@ one --out "$out/steps6000" --steps 6000 --extra muon,lr=0.02,seed=1
 one --out "$out/steps6000" --steps 6000 --extra gpa_muon,lr=0.02,H=8,mu_y=0.5,seed=1
 # Queued but not run (out of time): 2000 steps muon lr 0.01, gpa_muon lr 0.01 (and 0.08, since 0.04 is the grid's
 # edge), diloco_muon lr 0.005 and 0.02; 6000 steps diloco_muon lr 0.01 H 16; every family's seeds 1-2 at 6000 steps.
+# 5b. afterwards, on a quieter machine (one worker, nice 10): seeds 1-2 of Muon and GPA-Muon's 2,000-step best, the
+#     DiLoCo-Muon lr grid at 2,000 steps, and at 6,000 steps GPA-Muon and Muon at lr 0.04, DiLoCo-Muon at lr 0.01 and
+#     the third seed of the Muon pair at lr 0.02.
+one --out "$out" --extra muon,lr=0.02,seed=1 --extra muon,lr=0.02,seed=2 \
+    --extra gpa_muon,lr=0.04,H=8,mu_y=0.5,seed=1 --extra gpa_muon,lr=0.04,H=8,mu_y=0.5,seed=2 \
+    --extra diloco_muon,lr=0.02,H=16,seed=0 --extra diloco_muon,lr=0.005,H=16,seed=0
+one --out "$out/steps6000" --steps 6000 --extra gpa_muon,lr=0.04,H=8,mu_y=0.5,seed=0 --extra muon,lr=0.04,seed=0 \
+    --extra diloco_muon,lr=0.01,H=16,seed=0 --extra muon,lr=0.02,seed=2 --extra gpa_muon,lr=0.02,H=8,mu_y=0.5,seed=2
 # 6. the report of both budgets (table.md gains "Budgets side by side" once steps6000/results.json exists)
 python benchmarks/paper_table.py --out "$out" --report-only
 python benchmarks/paper_table.py --out "$out/steps6000" --report-only
