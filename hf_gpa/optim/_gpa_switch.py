@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._residual import decode_residual, encode_residual
+from ._residual import decode_residual, encode_residual, residual_dtype
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
 from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
@@ -50,7 +50,7 @@ class GPASwitch(TrainEvalOptimizer):
                     yc.copy_(_x_from_y(y32c, zc, mu_y))
                 continue
             narrow = not is_dtensor(p)
-            residual = torch.empty_like(y, dtype=torch.int8 if narrow else _int_dtype(y))
+            residual = torch.empty_like(y, dtype=residual_dtype(y.dtype, narrow))
             overflows = []
             for offset, (yc, zc, rc) in chunks(y, z, residual):
                 xc = _x_from_y(yc, zc, mu_y)
@@ -83,15 +83,13 @@ class GPASwitch(TrainEvalOptimizer):
                 continue
             residual = local_tensor(state.pop(Y_RESIDUAL))
             overflow = state.pop(Y_RESIDUAL_OVERFLOW, None)
-            for offset, (xc, zc, rc) in chunks(x, z, residual):
+            pieces = chunks(x, z, residual)
+            if overflow is not None and overflow.numel():
+                # Where each piece's entries start in the (index-sorted) list: one search, one read to the host.
+                starts = torch.tensor([offset for offset, _ in pieces] + [x.numel()], device=overflow.device)
+                rows = torch.searchsorted(overflow[:, 0].contiguous(), starts).tolist()
+            for k, (offset, (xc, zc, rc)) in enumerate(pieces):
                 listed = None
                 if overflow is not None and overflow.numel():
-                    bounds = torch.tensor([offset, offset + xc.numel()], device=overflow.device)
-                    lo, hi = torch.searchsorted(overflow[:, 0].contiguous(), bounds).tolist()
-                    listed = overflow[lo:hi] - torch.tensor([offset, 0], device=overflow.device)
+                    listed = overflow[rows[k] : rows[k + 1]] - torch.tensor([offset, 0], device=overflow.device)
                 xc.copy_(decode_residual(_y_from_x(xc, zc, mu_y), rc, listed))
-
-
-def _int_dtype(t: torch.Tensor) -> torch.dtype:
-    """The integer dtype of ``t``'s bit pattern (the width of a DTensor shard's residual)."""
-    return {8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["encode_residual", "decode_residual"]
+__all__ = ["encode_residual", "decode_residual", "residual_dtype"]
 
 _INT_VIEW = {
     torch.float64: torch.int64,
@@ -22,6 +22,11 @@ _INT_VIEW = {
     torch.bfloat16: torch.int16,
     torch.float16: torch.int16,
 }
+
+
+def residual_dtype(dtype: torch.dtype, narrow: bool = True) -> torch.dtype:
+    """The dtype of `encode_residual`'s residual for a target of ``dtype``: int8, or its full bit width."""
+    return torch.int8 if narrow else _INT_VIEW[dtype]
 
 
 def encode_residual(
