@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from distributed_workers import ADAMW_KW, GLOBAL_BATCH, TokenDataset, build_mlp, global_batch, mse, tiny_llama
+from distributed_workers import ADAMW_KW, GLOBAL_BATCH, TokenDataset, build_mlp, global_batch, mse
+from helpers import tiny_llama
 
 from hf_gpa.accelerate_utils import evaluation_weights, load_state, save_state, save_x_model
 from hf_gpa.checkpoint import x_state_dict

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-import test_batchnorm as tb  # noqa: E402  (the models and data of the single-process tests)
+from batchnorm_models import conv_net, make_trainer  # noqa: E402
 
 from hf_gpa.batchnorm import norm_statistics, recalibrate_norm_statistics  # noqa: E402
 
@@ -38,7 +38,7 @@ from hf_gpa.batchnorm import norm_statistics, recalibrate_norm_statistics  # noq
 def recalibrate(out: Path, rank: int) -> None:
     """`recalibrate_norm_statistics` on rank-specific batches (a different count per rank), local and reduced."""
     torch.manual_seed(0)
-    model = tb.conv_net(torch.float64)
+    model = conv_net(torch.float64)
     generator = torch.Generator().manual_seed(100 + rank)
     batches = [torch.randn(6, 3, 6, 6, dtype=torch.float64, generator=generator) * (1 + rank) for _ in range(2 + rank)]
     local = copy.deepcopy(model)
@@ -59,7 +59,7 @@ def trainer(out: Path, rank: int) -> None:
             self.x_stats = norm_statistics(model)
 
     probe = Probe()
-    run = tb.make_trainer(
+    run = make_trainer(
         out / "run", [probe], max_steps=2, per_device_train_batch_size=16, eval_strategy="steps", eval_steps=2
     )
     run.train()
@@ -83,7 +83,7 @@ def two_nodes(out: Path, node: int) -> None:
 
     warnings = Warnings()
     logging.getLogger("hf_gpa").addHandler(warnings)
-    run = tb.make_trainer(
+    run = make_trainer(
         out / f"node{node}",
         max_steps=4,
         per_device_train_batch_size=16,

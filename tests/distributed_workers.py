@@ -63,22 +63,6 @@ DDP_STEPS = 4  # checkpoints at steps 2 and 4; the resume starts from step 2
 DDP_PER_DEVICE_BATCH = 2  # x NPROC ranks = the oracle's single-process batch
 
 
-def tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-
 class TokenDataset(torch.utils.data.Dataset):
     """Fixed-length random token sequences: every rank's mean loss has the same token count, so DDP's gradient
     average is the global batch's."""
@@ -118,6 +102,8 @@ def trainer_args(output_dir: Path, per_device_train_batch_size: int, **overrides
 
 
 def make_trainer(output_dir: Path, per_device_train_batch_size: int, **overrides: Any) -> Any:
+    from helpers import tiny_llama
+
     from hf_gpa import GPATrainer
 
     return GPATrainer(

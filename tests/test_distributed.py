@@ -20,6 +20,7 @@ from unittest import mock
 import distributed_workers as dw
 import pytest
 import torch
+from helpers import tiny_llama
 from launching import LAUNCH_TIMEOUT_S, free_port, launch_env, run_logged
 from safetensors.torch import load_file
 
@@ -50,7 +51,6 @@ def launch(launcher: list[str], scenario: str, out: Path, timeout: float = LAUNC
 def torchrun(scenario: str, out: Path) -> list[dict[str, Any]]:
     """``torchrun --standalone``: NPROC CPU ranks on a port the OS picks."""
     return launch(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}"], scenario, out)
-
 
 
 def _alive(pid: int) -> bool:
@@ -217,7 +217,6 @@ def test_fsdp2_eval_mode_checkpoint_resumes_bitwise(fsdp2: tuple) -> None:
     assert all(f["resume_eval_mode_bitwise"] for f in facts)
 
 
-
 # ---------------------------------------------------------------- the configs, as `accelerate launch` reads them
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -310,7 +309,7 @@ def test_ddp_saved_x_matches_single_process(ddp: tuple, single_process: tuple, s
     assert actual.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], **DDP_TOL)
-    initial = dw.tiny_llama().state_dict()
+    initial = tiny_llama().state_dict()
     moved = max((expected[n] - initial[n]).abs().max().item() for n in expected)
     assert moved > 100 * DDP_TOL["atol"]  # the tolerance is far below what training changed
 
