@@ -505,11 +505,14 @@ class ResultsFile:
         self.data: dict[str, Any] = {"workload": asdict(workload), "plan": asdict(plan), "runs": []}
         if path.is_file():
             previous = json.loads(path.read_text())
-            if previous.get("workload") == self.data["workload"]:
-                # everything recorded before (runs, the selections, notes) is kept; the plan is this call's
-                self.data = {**previous, **self.data, "runs": previous["runs"]}
-            else:
-                logger.warning("%s holds another workload; starting a new record", path)
+            recorded = previous.get("workload", {})
+            differing = {k: (recorded.get(k), v) for k, v in self.data["workload"].items() if recorded.get(k) != v}
+            if differing and previous.get("runs"):
+                # never overwrite recorded runs: a record holds one workload (--steps, --weight-decay, --quick)
+                said = ", ".join(f"{k} {old!r} there, {new!r} here" for k, (old, new) in differing.items())
+                raise ValueError(f"{path} records another workload ({said}); pass another --out for this one")
+            # everything recorded before (runs, the selections, notes) is kept; the plan is this call's
+            self.data = {**previous, **self.data, "runs": previous.get("runs", [])}
         self.data["environment"] = {"torch": torch.__version__, "num_threads": 1}
 
     @property
@@ -1000,7 +1003,8 @@ def write_report(json_path: Path, out_dir: Path | None = None) -> str:
         f"vocab {workload['vocab_size']}, {data.get('parameters', '?')} parameters, seq {workload['seq_len']} x "
         f"batch {workload['batch_size']}, {workload['steps']} steps "
         f"({workload['steps'] * workload['seq_len'] * workload['batch_size'] / 1e6:.2f}M tokens), "
-        f"eval every {workload['eval_every']} steps on {workload['val_windows']} fixed windows.\n\n"
+        f"weight decay {workload['weight_decay']:g}, eval every {workload['eval_every']} steps on "
+        f"{workload['val_windows']} fixed windows.\n\n"
     )
     table = header + markdown_table(data)
     longer = sorted(json_path.parent.glob("steps*/results.json"), key=lambda path: int(path.parent.name[5:]))
@@ -1086,6 +1090,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--report-only", action="store_true", help="regenerate table and plots from the JSON")
     parser.add_argument("--workers", type=int, default=1, help="parallel processes, one thread each")
     parser.add_argument("--steps", type=int, default=None, help="override the full budget")
+    parser.add_argument(
+        "--weight-decay", type=float, default=None, help=f"override the weight decay (default {Workload.weight_decay})"
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="override the full-budget seeds")
     parser.add_argument("--inner-steps", type=int, nargs="+", default=None, help="override the H grid")
     parser.add_argument(
@@ -1109,7 +1116,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     import_schedulefree()  # before any run, not when the pipeline reaches sf_ref
     workload, plan = (QUICK_WORKLOAD, QUICK_PLAN) if args.quick else (Workload(), Plan())
     if args.steps is not None:
+        if args.steps < 1:
+            raise SystemExit(f"--steps must be >= 1, got {args.steps}")
         workload = dataclasses.replace(workload, steps=args.steps)
+    if args.weight_decay is not None:
+        if not 0.0 <= args.weight_decay < 1.0:
+            raise SystemExit(f"--weight-decay must lie in [0, 1), got {args.weight_decay}")
+        workload = dataclasses.replace(workload, weight_decay=args.weight_decay)
     if args.seeds is not None:
         plan = dataclasses.replace(plan, seeds=tuple(args.seeds))
     if args.inner_steps is not None:

@@ -177,3 +177,17 @@ def test_results_file_keeps_what_was_recorded(paper_table, tmp_path):
     data = json.loads(path.read_text())
     assert data["notes"] == ["by hand"] and data["selected"] == {"adamw": {"lr": 0.01}}
     assert [run["key"] for run in data["runs"]] == ["a"]
+
+
+def test_a_record_of_another_workload_is_refused_not_overwritten(paper_table, tmp_path):
+    """--steps or --weight-decay into a folder that records another workload raises before any run, naming the
+    difference; the record keeps its runs."""
+    path = tmp_path / "results.json"
+    first = paper_table.ResultsFile(path, paper_table.Workload(steps=10), paper_table.Plan())
+    first.add({"key": "a", "spec": {}})
+    for workload in (paper_table.Workload(steps=20), paper_table.Workload(steps=10, weight_decay=0.0)):
+        with pytest.raises(ValueError, match="another workload .*(steps 10 there, 20 here|weight_decay 0.1 there)"):
+            paper_table.ResultsFile(path, workload, paper_table.Plan())
+    assert [run["key"] for run in json.loads(path.read_text())["runs"]] == ["a"]
+    with pytest.raises(SystemExit, match="--weight-decay must lie in"):
+        paper_table.main(["--quick", "--weight-decay", "-0.1", "--out", str(tmp_path)])
