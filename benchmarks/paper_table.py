@@ -65,8 +65,9 @@ BASELINE = {method: "muon" if method.endswith("muon") else "adamw" for method in
 #: runs, for every method. The bold Llama-160M choice (0.975, 0.9), tuned at 262K-token batches, fails at our 1K-token
 #: batches: in a 500-step pilot AdamW ended at 4.78 with it and at 4.08 with (0.9, 0.95), while Schedule-Free reached
 #: 3.81. Schedule-Free-AdamW is run as published (Defazio et al., 2024): no gradient momentum (its beta 0.9 is the
-#: y-interpolation, ``SF_MU_Y``); ours is GPAAdamW with beta1 = 0 and ``averaging="schedule_free"``, the same
-#: algorithm as ``schedulefree.AdamWScheduleFree(betas=(0.9, beta2))`` (their sweep losses agree to 1e-3).
+#: y-interpolation, ``SF_MU_Y``); ours is GPAAdamW with beta1 = 0 and ``averaging="schedule_free"``. It differs from
+#: ``schedulefree.AdamWScheduleFree(betas=(0.9, beta2))`` only in where weight decay acts: on z, as in the paper's
+#: Algorithm 1, where schedulefree evaluates it at y; with --weight-decay 0 the two end at the same loss.
 BETAS = {
     "adamw": (0.9, 0.95),
     "sf": (0.0, 0.95),
@@ -718,9 +719,9 @@ def all_configurations_table(data: dict[str, Any]) -> list[str]:
     muon_reference = _reference(configs, "muon")
     muon_lr = muon_reference[0]["spec"]["lr"] if muon_reference else None
     vs_muon = f" The last column: the Muon families' mean curve against Muon at lr {muon_lr}."
+    against = f"speedups against AdamW at lr {ref_lr:g}" if reference else "no AdamW run recorded, so no speedups"
     lines = [
-        f"All full-budget configurations (pipeline and extra runs); speedup against AdamW at lr {ref_lr}:"
-        + (vs_muon if muon_reference else ""),
+        f"All full-budget configurations (pipeline and extra runs); {against}." + (vs_muon if muon_reference else ""),
         "",
         "| Method | H | lr | mu_y | seeds | final val loss | at y / inner | speedup vs AdamW (%) | seeds reaching "
         "| speedup of mean curve (%) |" + (" vs Muon: speedup of mean curve (%) |" if muon_reference else ""),

@@ -66,3 +66,59 @@ one --out "$out/steps6000" --steps 6000 --extra gpa_muon,lr=0.04,H=8,mu_y=0.5,se
 # 6. the report of both budgets (table.md gains "Budgets side by side" once steps6000/results.json exists)
 python benchmarks/paper_table.py --out "$out" --report-only
 python benchmarks/paper_table.py --out "$out/steps6000" --report-only
+# 7. a later session (two workers, nice 10): the Muon families' H grid and seeds at 2,000 steps; at 6,000 steps the lr
+#    re-tuned for every family, H at that budget, seeds 1-2 of each family's best; the Schedule-Free weight-decay check.
+python benchmarks/paper_table.py --workers 2 --extras-only --no-report --out "$out" \
+  --extra muon,lr=0.01,seed=0 \
+  --extra gpa_muon,lr=0.08,H=8,mu_y=0.5,seed=0 \
+  --extra gpa_muon,lr=0.04,H=16,mu_y=0.5,seed=0 \
+  --extra gpa_muon,lr=0.04,H=32,mu_y=0.5,seed=0 \
+  --extra gpa_muon,lr=0.04,H=64,mu_y=0.5,seed=0 \
+  --extra gpa_muon,lr=0.04,H=8,mu_y=0.7,seed=0 \
+  --extra diloco_muon,lr=0.04,H=16,seed=0 \
+  --extra diloco_muon,lr=0.02,H=8,seed=0 \
+  --extra diloco_muon,lr=0.02,H=32,seed=0 \
+  --extra diloco_muon,lr=0.02,H=64,seed=0
+python benchmarks/paper_table.py --workers 2 --extras-only --no-report --out "$out"/steps6000 --steps 6000 \
+  --extra sf,lr=0.02,seed=0 --extra sf,lr=0.08,seed=0 \
+  --extra sf_ref,lr=0.01,seed=0 --extra sf_ref,lr=0.04,seed=0 \
+  --extra diloco,lr=0.005,H=16,seed=0 --extra diloco,lr=0.02,H=16,seed=0 \
+  --extra diloco_muon,lr=0.005,H=16,seed=0 --extra diloco_muon,lr=0.02,H=16,seed=0 \
+  --extra muon,lr=0.01,seed=0 --extra muon,lr=0.08,seed=0 \
+  --extra gpa_muon,lr=0.01,H=8,mu_y=0.5,seed=0 --extra gpa,lr=0.08,H=8,mu_y=0.5,seed=0 \
+  --extra gpa,lr=0.04,H=16,mu_y=0.5,seed=0 --extra gpa,lr=0.04,H=32,mu_y=0.5,seed=0 \
+  --extra gpa_muon,lr=0.02,H=16,mu_y=0.5,seed=0 --extra gpa_muon,lr=0.02,H=32,mu_y=0.5,seed=0 \
+  --extra diloco,lr=0.01,H=32,seed=0 --extra diloco_muon,lr=0.01,H=32,seed=0
+python benchmarks/paper_table.py --workers 2 --extras-only --no-report --out "$out" \
+  --extra gpa_muon,lr=0.04,H=16,mu_y=0.5,seed=1 --extra gpa_muon,lr=0.04,H=16,mu_y=0.5,seed=2 \
+  --extra diloco_muon,lr=0.02,H=32,seed=1 --extra diloco_muon,lr=0.02,H=32,seed=2
+python benchmarks/paper_table.py --workers 2 --extras-only --no-report --steps 6000 --weight-decay 0 \
+  --out benchmarks/results/paper_table/sf_no_decay --extra sf,lr=0.02,seed=0 --extra sf_ref,lr=0.02,seed=0
+python benchmarks/paper_table.py --workers 2 --extras-only --no-report --steps 6000 \
+  --out benchmarks/results/paper_table/steps6000 \
+  --extra muon,lr=0.005,seed=0 --extra gpa_muon,lr=0.005,H=8,mu_y=0.5,seed=0 \
+  --extra sf,lr=0.01,seed=0 --extra gpa_muon,lr=0.01,H=16,mu_y=0.5,seed=0
+python benchmarks/paper_table.py --workers 2 --extras-only --no-report --out benchmarks/results/paper_table \
+  --extra gpa_muon,lr=0.02,H=16,mu_y=0.5,seed=0 --extra gpa_muon,lr=0.08,H=16,mu_y=0.5,seed=0
+python benchmarks/paper_table.py --workers 2 --extras-only --no-report --steps 6000 --out benchmarks/results/paper_table/steps6000 \
+  --extra gpa_muon,lr=0.01,H=32,mu_y=0.5,seed=0 --extra gpa_muon,lr=0.01,H=64,mu_y=0.5,seed=0 \
+  --extra gpa_muon,lr=0.02,H=64,mu_y=0.5,seed=0 --extra diloco_muon,lr=0.01,H=64,seed=0 \
+  --extra diloco_muon,lr=0.02,H=32,seed=0 --extra diloco_muon,lr=0.005,H=32,seed=0 \
+  --extra gpa,lr=0.04,H=64,mu_y=0.5,seed=0 --extra gpa,lr=0.02,H=32,mu_y=0.5,seed=0 \
+  --extra adamw,lr=0.02,seed=1 --extra adamw,lr=0.02,seed=2
+python benchmarks/paper_table.py --workers 2 --extras-only --no-report --steps 6000 \
+  --out benchmarks/results/paper_table/steps6000 \
+  --extra muon,lr=0.01,seed=1 --extra muon,lr=0.01,seed=2 \
+  --extra sf,lr=0.02,seed=1 --extra sf,lr=0.02,seed=2 \
+  --extra sf_ref,lr=0.02,seed=1 --extra sf_ref,lr=0.02,seed=2 \
+  --extra diloco,lr=0.01,H=16,seed=1 --extra diloco,lr=0.01,H=16,seed=2
+python benchmarks/paper_table.py --workers 2 --extras-only --no-report --steps 6000 \
+  --out benchmarks/results/paper_table/steps6000 \
+  --extra diloco_muon,lr=0.01,H=64,seed=1 --extra diloco_muon,lr=0.01,H=64,seed=2 \
+  --extra gpa_muon,lr=0.02,H=32,mu_y=0.5,seed=1 --extra gpa_muon,lr=0.02,H=32,mu_y=0.5,seed=2 \
+  --extra gpa,lr=0.04,H=32,mu_y=0.5,seed=1 --extra gpa,lr=0.04,H=32,mu_y=0.5,seed=2 \
+  --extra diloco_muon,lr=0.01,H=128,seed=0 --extra gpa_muon,lr=0.02,H=128,mu_y=0.5,seed=0 \
+  --extra diloco,lr=0.01,H=64,seed=0
+python benchmarks/paper_table.py --out "$out/sf_no_decay" --report-only
+python benchmarks/paper_table.py --out "$out/steps6000" --report-only
+python benchmarks/paper_table.py --out "$out" --report-only
