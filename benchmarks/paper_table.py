@@ -508,12 +508,15 @@ class ResultsFile:
             previous = json.loads(path.read_text())
             recorded = previous.get("workload", {})
             differing = {k: (recorded.get(k), v) for k, v in self.data["workload"].items() if recorded.get(k) != v}
-            if differing and previous.get("runs"):
+            if not differing:
+                # everything recorded before (runs, the selections, notes) is kept; the plan is this call's
+                self.data = {**previous, **self.data, "runs": previous["runs"]}
+            elif previous.get("runs"):
                 # never overwrite recorded runs: a record holds one workload (--steps, --weight-decay, --quick)
                 said = ", ".join(f"{k} {old!r} there, {new!r} here" for k, (old, new) in differing.items())
                 raise ValueError(f"{path} records another workload ({said}); pass another --out for this one")
-            # everything recorded before (runs, the selections, notes) is kept; the plan is this call's
-            self.data = {**previous, **self.data, "runs": previous.get("runs", [])}
+            else:
+                logger.warning("%s holds another workload and no runs; starting a new record", path)
         self.data["environment"] = {"torch": torch.__version__, "num_threads": 1}
 
     @property

@@ -189,5 +189,8 @@ def test_a_record_of_another_workload_is_refused_not_overwritten(paper_table, tm
         with pytest.raises(ValueError, match="another workload .*(steps 10 there, 20 here|weight_decay 0.1 there)"):
             paper_table.ResultsFile(path, workload, paper_table.Plan())
     assert [run["key"] for run in json.loads(path.read_text())["runs"]] == ["a"]
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"workload": {"steps": 10}, "runs": [], "notes": ["of another workload"]}))
+    assert "notes" not in paper_table.ResultsFile(empty, paper_table.Workload(steps=20), paper_table.Plan()).data
     with pytest.raises(SystemExit, match="--weight-decay must lie in"):
         paper_table.main(["--quick", "--weight-decay", "-0.1", "--out", str(tmp_path)])
