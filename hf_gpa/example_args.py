@@ -21,7 +21,7 @@ import transformers
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_gpa.training_args import unused_flags
+from hf_gpa.optimizers import unused_flags
 
 __all__ = [
     "given_flag_names",

@@ -66,7 +66,8 @@ from hf_gpa.batchnorm import (
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
 from hf_gpa.optim._loading import saved_optimizer_name
 from hf_gpa.optim._train_eval import TrainEvalOptimizer
-from hf_gpa.training_args import DEEPSPEED_REFUSAL, HF_GPA_OPTIMIZERS, GPAOptimizerNames, optimizer_cls_and_kwargs
+from hf_gpa.optimizers import HF_GPA_OPTIMIZERS, GPAOptimizerNames, muon_split, optimizer_cls_and_kwargs
+from hf_gpa.training_args import DEEPSPEED_REFUSAL
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -98,20 +99,23 @@ _MUON_CARD_NAME = (
 )
 
 
-def gpa_model_card_section(args: TrainingArguments) -> str:
-    """The model-card paragraph naming the optimizer and its constants (empty for a stock ``--optim``)."""
+def gpa_model_card_section(args: TrainingArguments, model: nn.Module | None = None) -> str:
+    """The model-card paragraph naming the optimizer and its constants (empty for a stock ``--optim``); with the
+    ``model``, where Muon is involved, also what went to Muon and what to AdamW."""
     if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
         return ""
     name = args.optim.value
+    uses_muon = "muon" in (name, args.gpa_base_optim, name.removeprefix("diloco_"))
+    split = f" {muon_split(model)}." if uses_muon and model is not None else ""
     if args.optim == GPAOptimizerNames.MUON:
-        return f"## Optimizer: Muon (hf_gpa)\n\nTrained with `--optim {name}`: {_MUON_CARD_NAME}.\n"
+        return f"## Optimizer: Muon (hf_gpa)\n\nTrained with `--optim {name}`: {_MUON_CARD_NAME}.{split}\n"
     if args.optim in (GPAOptimizerNames.DILOCO_ADAMW, GPAOptimizerNames.DILOCO_MUON):
         inner = "AdamW" if args.optim == GPAOptimizerNames.DILOCO_ADAMW else _MUON_CARD_NAME
         return (
             "## Optimizer: single-worker DiLoCo (hf_gpa)\n\n"
             f"Trained with `--optim {name}`: {inner} inner steps with H = {args.diloco_inner_steps} inner steps, "
             f"outer learning rate {args.diloco_outer_lr} and outer Nesterov momentum {args.diloco_outer_momentum}. "
-            "The weights in this repository are the outer (slow) weights.\n"
+            f"The weights in this repository are the outer (slow) weights.{split}\n"
         )
     base = "AdamW" if args.optim == GPAOptimizerNames.GPA_ADAMW else f"`{args.gpa_base_optim}`"
     if args.gpa_base_optim == GPAOptimizerNames.MUON.value:
@@ -126,7 +130,7 @@ def gpa_model_card_section(args: TrainingArguments) -> str:
     return (
         "## Optimizer: GPA (hf_gpa)\n\n"
         f"Trained with `--optim {name}`: Generalized Primal Averaging around {base} with {constants}. "
-        "The weights in this repository are GPA's evaluation sequence x.\n"
+        f"The weights in this repository are GPA's evaluation sequence x.{split}\n"
     )
 
 
@@ -509,7 +513,7 @@ class GPATrainer(Trainer):
         The next class decides the signature (`Trainer` takes ``language, license, tags, ...``, TRL's trainers
         ``model_name, dataset_name, tags``); the hf_gpa tags are added to ``tags`` wherever it takes them.
         """
-        section = gpa_model_card_section(self.args)
+        section = gpa_model_card_section(self.args, self.model)
         if section:
             args, kwargs = _with_gpa_tags(super().create_model_card, args, kwargs, ("hf_gpa", self.args.optim.value))
         super().create_model_card(*args, **kwargs)

@@ -18,43 +18,31 @@ loaded.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import inspect
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-import torch
-from torch import nn
 from transformers import TrainingArguments
-from transformers.trainer_optimizer import is_optimizer_factory
 from transformers.training_args import OptimizerNames
-from transformers.utils import ExplicitEnum
 from transformers.utils.generic import strtobool
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches
-from hf_gpa.optim import (
-    GPA,
-    DiLoCo,
-    GPAAdamW,
-    MuonWithAuxAdam,
-    inner_steps_from_mu_x,
-    mu_x_from_inner_steps,
-    muon_param_groups,
-)
+from hf_gpa.optim import inner_steps_from_mu_x, mu_x_from_inner_steps
 
 # The defaults, ranges and checks are the optimizers' own: one source of truth, called here with the flag's name.
 from hf_gpa.optim._checks import (
     check_averaging,
     check_inner_steps,
+    check_lr,
     check_mu_x,
     check_mu_y,
     check_outer_lr,
     check_outer_momentum,
+    check_weight_decay,
 )
 from hf_gpa.optim._types import (
     AVERAGING_MODES,
@@ -65,15 +53,22 @@ from hf_gpa.optim._types import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
 )
+from hf_gpa.optimizers import (
+    FLAG_READERS,
+    GPA_OPTIM_NAMES,
+    HF_GPA_OPTIMIZERS,
+    STOCK_OPTIM_NAMES,
+    GPAOptimizerNames,
+    check_base_optim,
+    optim_help,
+    optim_value,
+    unused_flags,
+)
 
 __all__ = [
     "DEFAULT_MU_X",
     "DEFAULT_MU_Y",
-    "HF_GPA_OPTIMIZERS",
-    "GPAOptimizerNames",
     "GPATrainingArguments",
-    "OptimizerSpec",
-    "optimizer_cls_and_kwargs",
 ]
 
 DEEPSPEED_REFUSAL = (
@@ -82,211 +77,6 @@ DEEPSPEED_REFUSAL = (
     "checkpoint would silently be y. Shard with FSDP2 instead (accelerate launch --config_file "
     "configs/accelerate_fsdp2.yaml), or use DDP."
 )
-
-STOCK_OPTIM_NAMES: tuple[str, ...] = tuple(name.value for name in OptimizerNames)
-
-# Stock optimizers that `--optim gpa` cannot wrap: LOMO fuses its update into backward, the layer-wise variants
-# step inside hooks (the Trainer only sees a dummy optimizer), and Schedule-Free already averages its iterates.
-_UNWRAPPABLE_BASES: frozenset[str] = frozenset(
-    name
-    for name in STOCK_OPTIM_NAMES
-    if name in ("lomo", "adalomo") or name.endswith("_layerwise") or name.startswith("schedule_free")
-)
-
-
-# ---- the --optim names hf_gpa adds: one table ----
-
-Builder = Callable[["GPATrainingArguments", "nn.Module | None"], tuple[type, dict[str, Any]]]
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """One ``--optim`` name added by hf_gpa: what it is, how it is built, and which hf_gpa flags it reads.
-
-    A flag of this file that the chosen ``--optim`` does not read (and that differs from its default) is refused,
-    naming the ``--optim`` values that read it; the example scripts leave out their defaults for such flags.
-    """
-
-    #: The --help text of the name (in parentheses after it).
-    description: str
-    #: ``build(args, model) -> (optimizer class, keyword arguments)``, as transformers' optimizer handlers.
-    build: Builder
-    #: The GPATrainingArguments fields it reads (the stock flags such as --learning_rate are not listed).
-    flags: tuple[str, ...]
-    #: The class name a checkpoint of it records (``saved_optimizer_name``), to name the --optim that resumes it.
-    optimizer_name: str
-    #: Whether ``--optim gpa --gpa_base_optim NAME`` may wrap it.
-    gpa_base: bool = False
-    #: Whether it keeps evaluation weights x apart from the training weights (False: a plain optimizer, muon).
-    evaluation_weights: bool = True
-
-
-def _adam_kwargs(args: TrainingArguments) -> dict[str, Any]:
-    # The same keys, from the same flags, as the stock `--optim adamw_torch` handler.
-    return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
-
-
-def _gpa_kwargs(args: GPATrainingArguments) -> dict[str, Any]:
-    kwargs = {"mu_y": args.gpa_mu_y, "averaging": args.gpa_averaging}
-    if args.gpa_mu_x is not None:  # None with schedule_free averaging, which has no averaging constant
-        kwargs["mu_x"] = args.gpa_mu_x
-    return kwargs
-
-
-def _build_gpa_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    return GPAAdamW, {**_adam_kwargs(args), **_gpa_kwargs(args)}
-
-
-def _build_gpa(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    # Whatever `--optim <base>` builds, with the same flags, becomes GPA's base optimizer.
-    base_args = copy.copy(args)
-    base_args.optim = _as_optim_member(args.gpa_base_optim)
-    base_cls, base_kwargs = optimizer_cls_and_kwargs(base_args, model)
-    if is_optimizer_factory(base_cls) or "model" in base_kwargs or "optimizer_dict" in base_kwargs:
-        raise ValueError(
-            f"--gpa_base_optim {args.gpa_base_optim} does not build a plain torch.optim.Optimizer in this "
-            "transformers version, so GPA cannot wrap it"
-        )
-    clashes = {"base", "mu_x", "mu_y", "averaging"} & set(base_kwargs)
-    if clashes:
-        raise ValueError(f"--gpa_base_optim {args.gpa_base_optim} takes arguments GPA uses itself: {sorted(clashes)}")
-    return GPA, {"base": base_cls, **_gpa_kwargs(args), **base_kwargs}
-
-
-def _build_diloco_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    return DiLoCo, {
-        "base": torch.optim.AdamW,
-        "inner_steps": args.diloco_inner_steps,
-        "outer_lr": args.diloco_outer_lr,
-        "outer_momentum": args.diloco_outer_momentum,
-        **_adam_kwargs(args),
-    }
-
-
-def _build_muon(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    # The groups come with the kwargs ("params", as the stock GaLore handler does): Muon takes the hidden weight
-    # matrices, AdamW the rest, each split by the stock Trainer's weight-decay rule (no decay on biases and norms).
-    from transformers import Trainer
-
-    if model is None:
-        raise ValueError(f"--optim {args.optim} needs the model to build its groups (hidden matrices vs the rest)")
-    decay = set(Trainer.get_decay_parameter_names(None, model))  # the stock rule; it does not use the trainer
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = []
-    for group in muon_param_groups(model):
-        for weight_decay, params in (
-            (args.weight_decay, [p for p in group["params"] if names[id(p)] in decay]),
-            (0.0, [p for p in group["params"] if names[id(p)] not in decay]),
-        ):
-            if params:
-                groups.append({**group, "params": params, "weight_decay": weight_decay})
-    return MuonWithAuxAdam, {"params": groups, **_adam_kwargs(args)}
-
-
-def _build_diloco_muon(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    base_cls, base_kwargs = _build_muon(args, model)
-    _, diloco_kwargs = _build_diloco_adamw(args, model)
-    return DiLoCo, {**diloco_kwargs, **base_kwargs, "base": base_cls}
-
-
-#: GPA's averaging flags (read by every optimizer that keeps GPA's x, y and z).
-_GPA_AVERAGING_FLAGS = ("gpa_mu_x", "gpa_inner_steps", "gpa_mu_y", "gpa_averaging")
-#: Read by the Trainer for any hf_gpa optimizer with evaluation weights x.
-_EVALUATION_FLAGS = ("gpa_bn_recalibration_batches",)
-
-#: Every --optim name hf_gpa adds. Adding a name is one entry here (the enum below and --help follow).
-HF_GPA_OPTIMIZERS: dict[str, OptimizerSpec] = {
-    "gpa_adamw": OptimizerSpec(
-        "GPA around AdamW", _build_gpa_adamw, (*_GPA_AVERAGING_FLAGS, *_EVALUATION_FLAGS), "GPAAdamW"
-    ),
-    "gpa": OptimizerSpec(
-        "GPA around --gpa_base_optim",
-        _build_gpa,
-        ("gpa_base_optim", *_GPA_AVERAGING_FLAGS, *_EVALUATION_FLAGS),
-        "GPA",
-    ),
-    "diloco_adamw": OptimizerSpec(
-        "single-worker DiLoCo around AdamW",
-        _build_diloco_adamw,
-        ("diloco_inner_steps", "diloco_outer_lr", "diloco_outer_momentum", *_EVALUATION_FLAGS),
-        "DiLoCo",
-    ),
-    "muon": OptimizerSpec(
-        "Muon on the hidden weight matrices, AdamW on embeddings, heads, norms and biases: hf_gpa.MuonWithAuxAdam",
-        _build_muon,
-        (),
-        "MuonWithAuxAdam",
-        gpa_base=True,
-        evaluation_weights=False,
-    ),
-    "diloco_muon": OptimizerSpec(
-        "single-worker DiLoCo around muon",
-        _build_diloco_muon,
-        ("diloco_inner_steps", "diloco_outer_lr", "diloco_outer_momentum", *_EVALUATION_FLAGS),
-        "DiLoCo(MuonWithAuxAdam)",
-    ),
-}
-
-
-class _OptimName(ExplicitEnum):
-    """An --optim value that prints as itself (a model card reads ``gpa_adamw``, not the enum's member name)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
-GPAOptimizerNames = _OptimName(
-    "GPAOptimizerNames",
-    [(name.upper(), name) for name in HF_GPA_OPTIMIZERS],
-    module=__name__,
-    qualname="GPAOptimizerNames",
-)
-GPAOptimizerNames.__doc__ = (
-    "The `--optim` values added by hf_gpa (the stock ones stay `transformers.training_args.OptimizerNames`)."
-)
-GPA_OPTIM_NAMES: tuple[str, ...] = tuple(HF_GPA_OPTIMIZERS)
-
-#: The hf_gpa flags whose applicability depends on --optim: each is read by the names listed.
-_READ_BY: dict[str, tuple[str, ...]] = {}
-for _name, _spec in HF_GPA_OPTIMIZERS.items():
-    for _flag in _spec.flags:
-        _READ_BY.setdefault(_flag, ())
-        _READ_BY[_flag] += (_name,)
-
-
-def _optim_value(value: Any) -> Any:
-    """The plain string of an --optim value given as an enum member (stock or ours), else the value itself."""
-    return value.value if isinstance(value, Enum) else value
-
-
-def _as_optim_member(name: str) -> Enum:
-    """The enum member of an --optim name: ours from GPAOptimizerNames, a stock one from OptimizerNames."""
-    return GPAOptimizerNames(name) if name in HF_GPA_OPTIMIZERS else OptimizerNames(name)
-
-
-def optimizer_cls_and_kwargs(args: TrainingArguments, model: nn.Module | None = None) -> tuple[Any, dict[str, Any]]:
-    """The optimizer class and keyword arguments for ``args.optim``: hf_gpa's table, else the stock Trainer's."""
-    spec = HF_GPA_OPTIMIZERS.get(_optim_value(getattr(args, "optim", None)))
-    if spec is not None:
-        return spec.build(args, model)
-    from transformers import Trainer
-
-    return Trainer.get_optimizer_cls_and_kwargs(args, model)
-
-
-def unused_flags(optim: str) -> tuple[str, ...]:
-    """The hf_gpa flags that ``--optim optim`` does not read (their defaults are then left out by the scripts)."""
-    spec = HF_GPA_OPTIMIZERS.get(_optim_value(optim))
-    used = spec.flags if spec is not None else ()
-    return tuple(flag for flag in _READ_BY if flag not in used)
-
-
-def _optim_help() -> str:
-    ours = ", ".join(f"{name} ({spec.description})" for name, spec in HF_GPA_OPTIMIZERS.items())
-    return f"The optimizer to use: {ours}, or any stock transformers name."
 
 
 @dataclass
@@ -309,7 +99,7 @@ class GPATrainingArguments(TrainingArguments):
 
     optim: str = field(
         default=TrainingArguments.default_optim,
-        metadata={"help": _optim_help(), "choices": GPA_OPTIM_NAMES + STOCK_OPTIM_NAMES},
+        metadata={"help": optim_help(), "choices": GPA_OPTIM_NAMES + STOCK_OPTIM_NAMES},
     )
     gpa_base_optim: str | None = field(
         default=None,
@@ -379,7 +169,7 @@ class GPATrainingArguments(TrainingArguments):
     def __post_init__(self) -> None:
         # Validate our flags first: a wrong flag should fail before anything else happens.
         self.gpa_bn_recalibration_batches = check_recalibration_batches(self.gpa_bn_recalibration_batches)
-        optim = _optim_value(self.optim)
+        optim = optim_value(self.optim)
         if optim not in GPA_OPTIM_NAMES and optim not in STOCK_OPTIM_NAMES:
             raise ValueError(
                 f"--optim {optim!r} is not a known optimizer: use one of {', '.join(GPA_OPTIM_NAMES)} or a stock "
@@ -454,13 +244,16 @@ class GPATrainingArguments(TrainingArguments):
         raise ValueError(f"--optim {optim} cannot run under {route}: {DEEPSPEED_REFUSAL}")
 
     def _check_gpa_flags(self, optim: str) -> None:
-        given = {flag: getattr(self, flag) for flag in _READ_BY}
+        given = {flag: getattr(self, flag) for flag in FLAG_READERS}
+        # The stock flags every optimizer reads, checked here too: a bad one fails now, not after data loading.
+        check_lr(self.learning_rate, "--learning_rate")
+        check_weight_decay(self.weight_decay, "--weight_decay")
         if optim == "gpa":
             if self.gpa_base_optim is None:
                 raise ValueError(
                     "--optim gpa needs --gpa_base_optim NAME (a stock --optim name such as adamw_torch or sgd)"
                 )
-            self.gpa_base_optim = _check_base_optim(_optim_value(self.gpa_base_optim))
+            self.gpa_base_optim = check_base_optim(optim_value(self.gpa_base_optim))
 
         self.gpa_averaging = check_averaging(self.gpa_averaging, "--gpa_averaging")
         if self.gpa_averaging == "schedule_free":
@@ -501,13 +294,13 @@ class GPATrainingArguments(TrainingArguments):
 
     def _refuse_unused_flags(self, optim: str, given: dict[str, Any]) -> None:
         """A flag set away from its default that ``--optim optim`` does not read is an error, not silently ignored."""
-        defaults = {name: f.default for name, f in self.__dataclass_fields__.items() if name in _READ_BY}
+        defaults = {name: f.default for name, f in self.__dataclass_fields__.items() if name in FLAG_READERS}
         defaults_too = {"gpa_mu_x": (DEFAULT_MU_X,)}  # the value an unset --gpa_mu_x takes (a saved config has it)
         for flag in unused_flags(optim):
-            value = _optim_value(given[flag])
+            value = optim_value(given[flag])
             if value == defaults[flag] or value in defaults_too.get(flag, ()):
                 continue
-            readers = _READ_BY[flag]
+            readers = FLAG_READERS[flag]
             raise ValueError(
                 f"--{flag} {value} only applies to --optim {' or '.join(readers)} (got --optim {optim}), which "
                 f"{'reads' if len(readers) == 1 else 'read'} it; --optim {optim} would ignore it. Leave it out, or "
@@ -528,7 +321,7 @@ class GPATrainingArguments(TrainingArguments):
 
         A name or flag it rejects leaves the arguments exactly as they were.
         """
-        value = _optim_value(name)
+        value = optim_value(name)
         before = dict(self.__dict__)
         try:
             with self._stock_name_inside(value):
@@ -555,25 +348,6 @@ class GPATrainingArguments(TrainingArguments):
         if self.gpa_mu_x is None or not 0.0 < self.gpa_mu_x < 1.0:  # None: schedule_free, which has no mu_x
             return None
         return inner_steps_from_mu_x(self.gpa_mu_x, DEFAULT_OUTER_MOMENTUM)
-
-
-def _check_base_optim(base: str) -> str:
-    """``--gpa_base_optim base`` as a name GPA can wrap: a stock one (not LOMO, layer-wise or Schedule-Free) or an
-    hf_gpa one marked ``gpa_base``."""
-    wrappable_ours = [name for name, spec in HF_GPA_OPTIMIZERS.items() if spec.gpa_base]
-    if base in wrappable_ours:
-        return base
-    if base not in STOCK_OPTIM_NAMES:
-        allowed = [*wrappable_ours, *(n for n in STOCK_OPTIM_NAMES if n not in _UNWRAPPABLE_BASES)]
-        raise ValueError(
-            f"--gpa_base_optim {base!r} is not a stock transformers optimizer name; use one of {', '.join(allowed)}"
-        )
-    if base in _UNWRAPPABLE_BASES:
-        raise ValueError(
-            f"--gpa_base_optim {base} cannot be wrapped by GPA (LOMO and the layer-wise optimizers step "
-            "inside backward hooks, and Schedule-Free already averages its iterates)"
-        )
-    return base
 
 
 def _copy_field(original: dataclasses.Field) -> Any:

@@ -190,6 +190,50 @@ def test_groups_of_a_plain_module_name_its_head_and_skip_frozen() -> None:
     assert muon_param_groups(nn.Sequential(nn.LayerNorm(3)))[0]["use_muon"] is False  # no Muon group at all
 
 
+def test_groups_of_gpt2_take_its_conv1d_matrices() -> None:
+    """GPT-2's hidden matrices are transformers' Conv1D (a transposed Linear): all 8 of a 2-layer GPT-2 go to Muon."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2))
+    groups = muon_param_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = sorted(names[id(p)] for p in groups[0]["params"])
+    matrices = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert groups[0]["use_muon"]
+    assert muon_names == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2) for m in matrices)
+    assert {"transformer.wte.weight", "transformer.wpe.weight"} <= {names[id(p)] for p in groups[1]["params"]}
+
+
+def test_groups_of_mixtral_take_the_expert_stacks_and_muon_steps_each_matrix() -> None:
+    """Mixtral's 3-D expert weights go to Muon, whose step on a stack is torch's Muon on each of its matrices."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config)
+    groups = muon_param_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = {names[id(p)] for p in groups[0]["params"]}
+    assert {n for n, p in model.named_parameters() if p.ndim == 3} <= muon_names
+    assert "model.layers.0.mlp.experts.gate_up_proj" in muon_names
+    stack = nn.Parameter(torch.randn(3, 6, 5, generator=torch.Generator().manual_seed(0)))
+    slices = [nn.Parameter(m.detach().clone()) for m in stack.detach()]
+    opt = MuonWithAuxAdam([{"params": [stack], "use_muon": True}], lr=0.02)
+    refs = [torch.optim.Muon([m], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw") for m in slices]
+    for t in range(3):
+        _fake_grads([stack], t)
+        for m, ref, g in zip(slices, refs, stack.grad):
+            m.grad = g.clone()
+            ref.step()
+        opt.step()
+    _assert_equal(list(stack.detach()), slices)
+    assert opt.state[stack]["momentum_buffer"].shape == stack.shape
+
+
 # ---- bad input ----
 
 
@@ -200,6 +244,12 @@ def test_groups_of_a_plain_module_name_its_head_and_skip_frozen() -> None:
         ({"use_muon": 1}, "use_muon"),
         ({"use_muon": True, "lr": -1.0}, "lr"),
         ({"use_muon": True, "lr": "1e-3"}, "lr"),
+        ({"use_muon": True, "lr": float("inf")}, "lr"),
+        ({"use_muon": True, "lr": torch.tensor(-1.0)}, "lr"),
+        ({"use_muon": True, "lr": torch.tensor(float("nan"))}, "lr"),
+        ({"use_muon": True, "weight_decay": float("inf")}, "weight_decay"),
+        ({"use_muon": True, "ns_coefficients": (1.0, float("nan"), 2.0)}, "ns_coefficients"),
+        ({"use_muon": False, "eps": float("inf")}, "eps"),
         ({"use_muon": True, "weight_decay": -0.1}, "weight_decay"),
         ({"use_muon": True, "momentum": 1.0}, "momentum"),
         ({"use_muon": True, "nesterov": "yes"}, "nesterov"),
@@ -208,9 +258,9 @@ def test_groups_of_a_plain_module_name_its_head_and_skip_frozen() -> None:
         ({"use_muon": True, "ns_steps": 100}, "ns_steps"),
         ({"use_muon": True, "ns_eps": 0.0}, "ns_eps"),
         ({"use_muon": True, "adjust_lr_fn": "moonshot"}, "adjust_lr_fn"),
-        ({"use_muon": False, "betas": (0.9, 1.0)}, r"betas\[1\]"),
+        ({"use_muon": False, "betas": (0.9, 1.0)}, r"beta parameter at index 1"),
         ({"use_muon": False, "betas": (0.9,)}, "betas"),
-        ({"use_muon": False, "eps": -1e-8}, "eps"),
+        ({"use_muon": False, "eps": -1e-8}, "epsilon"),
         ({"use_muon": False, "foreach": "auto"}, "foreach"),
     ],
 )

@@ -134,6 +134,24 @@ def test_model_card_names_the_base(name: str, words: list[str], tmp_path) -> Non
         assert word in section, (word, section)
 
 
+@pytest.mark.parametrize("name", list(FLAGS))
+def test_model_card_says_what_went_to_muon(name: str, tmp_path) -> None:
+    """With the model, the card counts what Muon took (the 14 projections of the tiny Llama) and what AdamW took."""
+    model = tiny_llama()
+    section = gpa_model_card_section(make_args(tmp_path, **FLAGS[name]), model)
+    muon = sum(p.numel() for n, p in model.named_parameters() if any(proj in n for proj in PROJECTIONS))
+    assert f"Muon took 14 hidden weight matrices ({muon:,} weights), AdamW the other 7 parameters" in section, section
+
+
+@pytest.mark.parametrize("name", list(FLAGS))
+def test_a_model_without_hidden_matrices_is_refused(name: str, tmp_path) -> None:
+    """Where nothing would go to Muon (only norms and biases), --optim muon raises instead of training AdamW alone."""
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.LayerNorm(4))
+    trainer = GPATrainer(model=model, args=make_args(tmp_path, **FLAGS[name]), train_dataset=TokenDataset(8, 1))
+    with pytest.raises(ValueError, match="no hidden weight matrix for Muon"):
+        trainer.create_optimizer()
+
+
 def test_gpa_over_muon_parses_from_the_command_line(tmp_path) -> None:
     """--optim gpa --gpa_base_optim muon passes HfArgumentParser and keeps its base name."""
     from transformers import HfArgumentParser

@@ -128,6 +128,21 @@ def test_out_of_range_values_name_the_flag(kwargs, message, tmp_path):
         make(tmp_path, optim="gpa_adamw", **kwargs)
 
 
+@pytest.mark.parametrize("optim", ["gpa_adamw", "muon", "adamw_torch"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--learning_rate", "-1"], r"Invalid learning rate --learning_rate: -1.0 \(must be finite and >= 0\)"),
+        (["--learning_rate", "inf"], r"Invalid learning rate --learning_rate: inf"),
+        (["--weight_decay", "inf"], r"Invalid --weight_decay: inf \(must be finite and >= 0\)"),
+    ],
+)
+def test_bad_learning_rate_and_weight_decay_fail_at_parsing(optim, argv, message, tmp_path):
+    """--learning_rate and --weight_decay are checked when the arguments are parsed, naming the flag."""
+    with pytest.raises(ValueError, match=message):
+        parse(["--optim", optim, *argv], tmp_path)
+
+
 def test_mu_x_zero_allowed(tmp_path):
     """mu_x = 0 (GPA reduces to its base optimizer) is inside the valid range."""
     assert make(tmp_path, optim="gpa_adamw", gpa_mu_x=0.0).gpa_mu_x == 0.0
@@ -430,7 +445,7 @@ def test_inner_steps_whose_mu_x_rounds_to_one_is_refused_at_parse_time(tmp_path)
 
 def test_optimizer_table_covers_every_name_and_flag():
     """The one table: every hf_gpa --optim name has an entry, and every gpa_*/diloco_* field is read by one."""
-    from hf_gpa.training_args import HF_GPA_OPTIMIZERS
+    from hf_gpa.optimizers import HF_GPA_OPTIMIZERS
 
     assert [m.value for m in GPAOptimizerNames] == list(HF_GPA_OPTIMIZERS)
     hf_fields = {f.name for f in dataclasses.fields(GPATrainingArguments) if f.name.startswith(("gpa_", "diloco_"))}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ._types import AVERAGING_MODES, HALF_STATE_MODES, Averaging
+from ._types import ADJUST_LR_FNS, AVERAGING_MODES, HALF_STATE_MODES, Averaging
 
 
 def _number(value: Any, name: str, allowed: str) -> float:
@@ -107,20 +107,76 @@ def check_diloco(inner_steps: Any, outer_lr: Any, outer_momentum: Any) -> None:
     check_outer_momentum(outer_momentum)
 
 
-def check_weight_decay(weight_decay: Any) -> None:
-    _finite_at_least_zero(weight_decay, "weight_decay value")
+def check_weight_decay(weight_decay: Any, name: str = "weight_decay value") -> None:
+    _finite_at_least_zero(weight_decay, name)
 
 
-def check_adam(betas: Any, eps: Any, weight_decay: Any) -> None:
-    """AdamW's betas (a pair in [0, 1)), eps (>= 0) and decoupled weight decay (>= 0), all finite numbers."""
+def check_eps(eps: Any, name: str = "epsilon value") -> None:
+    _finite_at_least_zero(eps, name)
+
+
+def check_betas(betas: Any, name: str = "betas") -> None:
+    """A pair (beta1, beta2) of numbers in [0, 1)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
+        raise ValueError(f"Invalid {name}: {betas!r} (must be a pair (beta1, beta2))")
     for index, beta in enumerate(betas):
         value = _number(beta, f"beta parameter at index {index}", "in [0, 1)")
         if not 0.0 <= value < 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta!r} (beta{index + 1} must lie in [0, 1))")
-    _finite_at_least_zero(eps, "epsilon value")
+
+
+def check_adam(betas: Any, eps: Any, weight_decay: Any) -> None:
+    """AdamW's betas (a pair in [0, 1)), eps (>= 0) and decoupled weight decay (>= 0), all finite numbers."""
+    check_betas(betas)
+    check_eps(eps)
     check_weight_decay(weight_decay)
+
+
+def check_muon_group(group: dict[str, Any]) -> None:
+    """A `MuonWithAuxAdam` param group: ``use_muon``, Muon's and AdamW's values, Muon's parameters (matrices)."""
+    use_muon = group.get("use_muon")
+    if not isinstance(use_muon, bool):
+        raise ValueError(
+            f"Invalid use_muon: {use_muon!r} (every param group of MuonWithAuxAdam must set use_muon=True (Muon: "
+            "hidden 2-D weight matrices) or use_muon=False (AdamW: embeddings, output head, norms, biases); "
+            "muon_param_groups(model) builds them)"
+        )
+    check_lr(group["lr"])
+    check_weight_decay(group["weight_decay"])
+    momentum = _number(group["momentum"], "momentum", "in [0, 1)")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"Invalid momentum: {group['momentum']!r} (must lie in [0, 1))")
+    check_flag(group["nesterov"], "nesterov")
+    coefficients = group["ns_coefficients"]
+    if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
+        raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (must be three finite numbers (a, b, c))")
+    for value in coefficients:
+        if not math.isfinite(_number(value, "ns_coefficients", "(three finite numbers (a, b, c))")):
+            raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (must be three finite numbers (a, b, c))")
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps < 100:
+        raise ValueError(f"Invalid ns_steps: {steps!r} (must be an integer in [1, 100))")
+    ns_eps = _number(group["ns_eps"], "ns_eps", "> 0")
+    if not (ns_eps > 0.0 and math.isfinite(ns_eps)):
+        raise ValueError(f"Invalid ns_eps: {group['ns_eps']!r} (must be finite and > 0)")
+    if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(
+            f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be one of {', '.join(ADJUST_LR_FNS)}, or None "
+            "for torch's default 'original')"
+        )
+    check_betas(group["betas"])
+    check_eps(group["eps"])
+    check_flag(group["foreach"], "foreach", optional=True)
+    if use_muon:
+        for p in group["params"]:
+            if p.ndim not in (2, 3):
+                raise ValueError(
+                    f"Invalid param group: use_muon=True takes only 2-D parameters (hidden weight matrices) and 3-D "
+                    f"ones (a stack of matrices, such as MoE experts), got a parameter of shape {tuple(p.shape)}; put "
+                    "it in a use_muon=False (AdamW) group"
+                )
+            if torch.is_complex(p):
+                raise ValueError("Invalid param group: use_muon=True takes no complex parameters")
 
 
 def check_flag(value: Any, name: str, optional: bool = False) -> None:

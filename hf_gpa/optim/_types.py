@@ -62,6 +62,12 @@ DEFAULT_BETAS = (0.9, 0.999)
 DEFAULT_EPS = 1e-8
 DEFAULT_WEIGHT_DECAY = 0.0
 
+#: Muon's learning-rate adjustment: "match_rms_adamw" (Moonshot's 0.2 sqrt(max(A, B))) gives Muon's update the RMS
+#: of AdamW's, so one lr serves both kinds of group; "original" (Keller Jordan's sqrt(max(1, A / B))) is torch's
+#: default, with which Muon wants an lr about 0.2 sqrt(width) times AdamW's.
+ADJUST_LR_FNS = ("match_rms_adamw", "original")
+DEFAULT_ADJUST_LR_FN = "match_rms_adamw"
+
 # ---- per-parameter state keys ----
 
 STEP = "step"  # GPAAdamW's step count (a float32 0-d tensor on the CPU, as torch's AdamW)

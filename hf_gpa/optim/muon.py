@@ -10,8 +10,6 @@ code) holds both kinds in one optimizer: each param group says ``use_muon=True``
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,22 +18,13 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
+from ._checks import CheckedGroups, check_muon_group
+from ._types import DEFAULT_ADJUST_LR_FN
+
 __all__ = ["MuonWithAuxAdam", "muon_param_groups"]
 
-#: Muon's learning-rate adjustment: "match_rms_adamw" (Moonshot's 0.2 sqrt(max(A, B))) gives Muon's update the RMS
-#: of AdamW's, so one lr serves both kinds of group; "original" (Keller Jordan's sqrt(max(1, A / B))) is torch's
-#: default, with which Muon wants an lr about 0.2 sqrt(width) times AdamW's.
-ADJUST_LR_FNS = ("match_rms_adamw", "original")
-DEFAULT_ADJUST_LR_FN = "match_rms_adamw"
 
-
-def _number(value: Any, name: str, allowed: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"Invalid {name}: {value!r} (must be a number {allowed})")
-    return float(value)
-
-
-class MuonWithAuxAdam(torch.optim.Optimizer):
+class MuonWithAuxAdam(CheckedGroups):
     r"""Muon (``use_muon=True`` groups) and AdamW (``use_muon=False`` groups) in one optimizer.
 
     A ``use_muon=True`` group takes exactly ``torch.optim.Muon``'s step (torch's own functional ``muon``): Nesterov
@@ -47,7 +36,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     A ``use_muon=False`` group takes exactly ``torch.optim.AdamW``'s step (torch's own functional ``adam`` with
     decoupled weight decay, its for-loop or foreach implementation picked by torch's rule). Every group must say
-    which it is; `muon_param_groups` builds the groups from a model. Muon groups take only 2-D parameters.
+    which it is; `muon_param_groups` builds the groups from a model. Muon groups take 2-D parameters (matrices) and
+    3-D ones (a stack of matrices, such as MoE experts: each matrix is orthogonalized on its own, with its own lr
+    adjustment, and the stack keeps one momentum buffer of its shape).
 
     The adjustment ``adjust_lr_fn="match_rms_adamw"`` (the default here; torch's Muon defaults to "original") gives
     Muon's update the RMS of AdamW's, so one ``lr`` (and one LR schedule) serves both kinds of group. Every other
@@ -110,72 +101,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group, checked like the constructor's (a bad one raises and is not added)."""
-        super().add_param_group(param_group)
-        try:
-            self.check_group(self.param_groups[-1])
-        except ValueError:
-            self.param_groups.pop()
-            raise
+    def _check_group(self, group: dict[str, Any]) -> None:
+        self.check_group(group)
 
     @staticmethod
     def check_group(group: dict[str, Any]) -> None:
-        """Every check of a param group, the one place they live (constructor, ``add_param_group``, wrappers)."""
-        use_muon = group.get("use_muon")
-        if not isinstance(use_muon, bool):
-            raise ValueError(
-                f"Invalid use_muon: {use_muon!r} (every param group of MuonWithAuxAdam must set use_muon=True (Muon: "
-                "hidden 2-D weight matrices) or use_muon=False (AdamW: embeddings, output head, norms, biases); "
-                "muon_param_groups(model) builds them)"
-            )
-        lr = group["lr"]
-        if torch.is_tensor(lr):
-            if lr.numel() != 1:
-                raise ValueError(f"Invalid lr: a tensor lr must have one element, got shape {tuple(lr.shape)}")
-        elif not _number(lr, "lr", ">= 0") >= 0.0:
-            raise ValueError(f"Invalid lr: {lr!r} (must be >= 0)")
-        if not _number(group["weight_decay"], "weight_decay", ">= 0") >= 0.0:
-            raise ValueError(f"Invalid weight_decay: {group['weight_decay']!r} (must be >= 0)")
-        if not 0.0 <= _number(group["momentum"], "momentum", "in [0, 1)") < 1.0:
-            raise ValueError(f"Invalid momentum: {group['momentum']!r} (must lie in [0, 1))")
-        if not isinstance(group["nesterov"], bool):
-            raise ValueError(f"Invalid nesterov: {group['nesterov']!r} (must be True or False)")
-        coefficients = group["ns_coefficients"]
-        if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
-            raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (must be three numbers (a, b, c))")
-        for value in coefficients:
-            _number(value, "ns_coefficients", "(three numbers (a, b, c))")
-        steps = group["ns_steps"]
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps < 100:
-            raise ValueError(f"Invalid ns_steps: {steps!r} (must be an integer in [1, 100))")
-        ns_eps = _number(group["ns_eps"], "ns_eps", "> 0")
-        if not (ns_eps > 0.0 and math.isfinite(ns_eps)):
-            raise ValueError(f"Invalid ns_eps: {group['ns_eps']!r} (must be finite and > 0)")
-        if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-            raise ValueError(
-                f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be one of {', '.join(ADJUST_LR_FNS)}, or None "
-                "for torch's default 'original')"
-            )
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"Invalid betas: {betas!r} (must be a pair (beta1, beta2))")
-        for index, beta in enumerate(betas):
-            if not 0.0 <= _number(beta, f"betas[{index}]", "in [0, 1)") < 1.0:
-                raise ValueError(f"Invalid betas[{index}]: {beta!r} (must lie in [0, 1))")
-        if not _number(group["eps"], "eps", ">= 0") >= 0.0:
-            raise ValueError(f"Invalid eps: {group['eps']!r} (must be >= 0)")
-        if group["foreach"] not in (None, True, False):
-            raise ValueError(f"Invalid foreach: {group['foreach']!r} (must be None, True or False)")
-        if use_muon:
-            for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(
-                        f"Invalid param group: use_muon=True takes only 2-D parameters (hidden weight matrices), got "
-                        f"a parameter of shape {tuple(p.shape)}; put it in a use_muon=False (AdamW) group"
-                    )
-                if torch.is_complex(p):
-                    raise ValueError("Invalid param group: use_muon=True takes no complex parameters")
+        """Every check of a group (constructor, ``add_param_group``, the wrappers): ``_checks.check_muon_group``."""
+        check_muon_group(group)
 
     def _init_muon_group(
         self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor]
@@ -185,11 +117,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError("MuonWithAuxAdam does not support sparse gradients")
-            params.append(p)
-            grads.append(p.grad)
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            if p.ndim == 3:  # a stack of matrices (MoE experts): each matrix is orthogonalized on its own
+                params.extend(p.unbind(0))
+                grads.extend(p.grad.unbind(0))
+                bufs.extend(state["momentum_buffer"].unbind(0))
+                continue
+            params.append(p)
+            grads.append(p.grad)
             bufs.append(state["momentum_buffer"])
 
     def _init_adam_group(
@@ -278,15 +215,17 @@ def muon_param_groups(
 ) -> list[dict[str, Any]]:
     """The param groups of `MuonWithAuxAdam` for ``model``: hidden weight matrices to Muon, the rest to AdamW.
 
-    A trainable parameter goes to the Muon group (``use_muon=True``) when it is the weight of an ``nn.Linear``
-    inside the network and is not an output head; everything else goes to the AdamW group (``use_muon=False``):
-    embeddings, output heads (tied to the input embedding or not), norms, biases, convolutions. The output heads are
+    A trainable parameter goes to the Muon group (``use_muon=True``) when it is a hidden matrix: a 2-D parameter of
+    any module inside the network (``nn.Linear``, transformers' ``Conv1D`` of GPT-2, which is a transposed Linear,
+    ...) or a 3-D one, a stack of matrices such as the experts of a mixture-of-experts layer (Mixtral's
+    ``gate_up_proj``, ``down_proj``), whose matrices Muon orthogonalizes one by one. Everything else goes to the AdamW
+    group (``use_muon=False``): vectors (norms, biases), convolutions (4-D), and these matrices:
 
-    * the modules outside a transformers model's body (``model.base_model``: ``lm_head``, ``classifier``, ``score``)
-      and its ``get_output_embeddings()``;
-    * the modules given in ``heads`` (for a plain ``nn.Module``, whose last ``nn.Linear`` is otherwise taken for a
-      hidden layer: ``muon_param_groups(net, heads=[net.fc])``);
-    * any ``nn.Linear`` whose weight is also an ``nn.Embedding``'s (a tied head).
+    * embeddings: ``nn.Embedding`` weights, and any parameter whose name says ``embed`` (ViT's position embeddings);
+    * the output heads: the modules outside a transformers model's body (``model.base_model``: ``lm_head``,
+      ``classifier``, ``score``) and its ``get_output_embeddings()``; the modules given in ``heads`` (for a plain
+      ``nn.Module``, whose last layer is otherwise taken for a hidden one: ``muon_param_groups(net, heads=[net.fc])``);
+      any parameter tied to an embedding (a tied head).
 
     Frozen parameters (``requires_grad=False``) are left out. ``group_kwargs`` (``lr=...``, ``weight_decay=...``)
     go into both groups; an empty group is left out.
@@ -307,11 +246,8 @@ def muon_param_groups(
     for head in head_modules:
         excluded.update(id(p) for p in head.parameters())
     excluded.update(id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding))
-    hidden = {
-        id(m.weight)
-        for m in body.modules()
-        if isinstance(m, torch.nn.Linear) and m.weight.ndim == 2 and id(m.weight) not in excluded
-    }
+    excluded.update(id(p) for name, p in model.named_parameters(remove_duplicate=False) if "embed" in name.lower())
+    hidden = {id(p) for p in body.parameters() if p.ndim in (2, 3) and id(p) not in excluded}
     muon_params, adam_params = [], []
     for p in model.parameters():  # each parameter once, tied ones included
         if p.requires_grad:
