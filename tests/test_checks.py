@@ -111,3 +111,26 @@ def test_a_wrapper_checks_an_added_group_with_its_base(wrapper: str, bad: dict) 
     with pytest.raises(ValueError):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], **bad})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("wrapper", [GPA, DiLoCo])
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [(dict(eps=float("inf")), "epsilon"), (dict(betas=(0.9,)), "betas"), (dict(lr=float("nan")), "learning rate")],
+    ids=str,
+)
+def test_a_wrapper_refuses_what_its_base_would_accept(wrapper: type, bad: dict, match: str) -> None:
+    """GPA/DiLoCo refuse eps=inf (the step would do nothing) and a one-element betas with a ValueError naming them,
+    in the constructor and in add_param_group."""
+    with pytest.raises(ValueError, match=match):
+        wrapper([torch.nn.Parameter(torch.ones(3))], base=torch.optim.AdamW, **bad)
+    opt = wrapper([torch.nn.Parameter(torch.ones(3))], base=torch.optim.AdamW)
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], **bad})
+
+
+@pytest.mark.parametrize("wrapper", [GPA, DiLoCo])
+def test_a_misspelled_keyword_is_a_type_error(wrapper: type) -> None:
+    """A keyword neither the wrapper nor its base takes is a TypeError naming it, as torch's optimizers raise."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'weight_decy'"):
+        wrapper([torch.nn.Parameter(torch.ones(3))], base=torch.optim.AdamW, weight_decy=0.1)

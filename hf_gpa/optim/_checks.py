@@ -10,6 +10,7 @@ None, a bool) is rejected the same way rather than failing later with a ``TypeEr
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any
@@ -214,12 +215,22 @@ class CheckedGroups(torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         """Per-group argument checks; subclasses extend it (and call ``super()._check_group``)."""
-        if "lr" in group:
-            check_lr(group["lr"])
-        if "weight_decay" in group:
-            check_weight_decay(group["weight_decay"])
-        if "maximize" in group:
-            check_flag(group["maximize"], "maximize")
+        check_common(group)
+
+
+def check_common(values: dict[str, Any]) -> None:
+    """The values most optimizers share, where given: lr, weight_decay, a numeric eps (Adafactor's is a pair),
+    AdamW-style betas (a pair), maximize. A base optimizer's own checks come on top (``base_defaults``)."""
+    if "lr" in values:
+        check_lr(values["lr"])
+    if "weight_decay" in values:
+        check_weight_decay(values["weight_decay"])
+    if isinstance(values.get("eps"), numbers.Real):
+        check_eps(values["eps"])
+    if isinstance(values.get("betas"), (tuple, list)) and len(values["betas"]) <= 2:
+        check_betas(values["betas"])
+    if "maximize" in values:
+        check_flag(values["maximize"], "maximize")
 
 
 def base_defaults(base: Any, base_kwargs: dict[str, Any], reserved: tuple[str, ...], owner: str) -> dict[str, Any]:
@@ -231,18 +242,33 @@ def base_defaults(base: Any, base_kwargs: dict[str, Any], reserved: tuple[str, .
     """
     if not (isinstance(base, type) and issubclass(base, torch.optim.Optimizer)):
         raise ValueError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass)")
-    if "lr" in base_kwargs:
-        check_lr(base_kwargs["lr"])
-    if "weight_decay" in base_kwargs:
-        check_weight_decay(base_kwargs["weight_decay"])
+    accepted = constructor_arguments(base)
+    unknown = sorted(set(base_kwargs) - accepted) if accepted is not None else []
+    if unknown:  # a misspelled keyword: a TypeError, as torch's optimizers and any Python function raise
+        raise TypeError(
+            f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r} (neither {owner}'s nor its base "
+            f"{base.__name__}'s)"
+        )
+    check_common(base_kwargs)
     try:
         defaults = dict(base([probe_group(base, torch.zeros(2, 2, requires_grad=True))], **base_kwargs).defaults)
-    except TypeError as err:  # e.g. eps="x": torch compares it with a number; say which argument, as a ValueError
+    except (TypeError, IndexError) as err:  # e.g. eps="x", betas=(0.9,): say which arguments, as a ValueError
         raise ValueError(f"Invalid argument for {base.__name__}({', '.join(base_kwargs)}): {err}") from err
     overlap = sorted(set(defaults) & set(reserved))
     if overlap:
         raise ValueError(f"Invalid base: {base.__name__} uses hyper-parameter names reserved by {owner}: {overlap}")
     return defaults
+
+
+def constructor_arguments(base: type[torch.optim.Optimizer]) -> frozenset[str] | None:
+    """The keyword arguments ``base(params, ...)`` takes by name, or None if it takes any (``**kwargs``).
+
+    A base's ``defaults`` may hold keys its constructor does not take (torch's AdamW: ``decoupled_weight_decay``).
+    """
+    parameters = inspect.signature(base.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.name not in ("self", "params"))
 
 
 def probe_group(base: Any, tensor: torch.Tensor) -> dict[str, Any]:

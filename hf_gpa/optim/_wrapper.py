@@ -20,13 +20,12 @@ its step. Everything about holding that base lives here, once:
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from ._checks import base_defaults, probe_group
+from ._checks import base_defaults, constructor_arguments, probe_group
 from ._loading import OPTIMIZER_KEY
 from ._train_eval import TrainEvalOptimizer
 
@@ -139,7 +138,7 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
             return
         # Any other base checks a group's values in its constructor (torch's AdamW: betas, eps, ...): run it on a
         # probe with this group's values, so a bad added group fails here, not at the next step.
-        accepted = _constructor_arguments(self.base_class)
+        accepted = constructor_arguments(self.base_class)
         hypers = {k: v for k, v in self._base_hypers(group).items() if accepted is None or k in accepted}
         base_defaults(self.base_class, hypers, (), type(self).__name__)
 
@@ -251,14 +250,3 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
         probe.grad = torch.ones_like(probe)
         unhooked_step(optimizer)
         return {str(k) for k in optimizer.state[probe]}
-
-
-def _constructor_arguments(base: type[torch.optim.Optimizer]) -> frozenset[str] | None:
-    """The keyword arguments ``base(params, ...)`` takes by name, or None if it takes any (``**kwargs``).
-
-    A base's ``defaults`` may hold keys its constructor does not take (torch's AdamW: ``decoupled_weight_decay``).
-    """
-    parameters = inspect.signature(base.__init__).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return frozenset(p.name for p in parameters)
