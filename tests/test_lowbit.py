@@ -159,6 +159,30 @@ def test_state_is_below_fp32_adamw(name, most, memory_table, eager):
     assert per_weight < most < memory_table.state_bytes(adamw) / p.numel() == pytest.approx(8.0, abs=0.01)
 
 
+@pytest.mark.parametrize("saver", ["AdamW8bit", "torch.optim.AdamW"])
+def test_an_adopted_state_keeps_the_low_bit_moments(saver, memory_table, eager):
+    """GPA(base=AdamW8bit) adopting an AdamW8bit (or torch AdamW) run keeps m, v quantized: the bytes per weight of a
+    fresh GPA(AdamW8bit), not fp32 moments (8 bytes per weight); the adopted values are kept within 8-bit rounding."""
+    cls = torchao_optim.AdamW8bit
+    params = make_params()
+    base = cls(params, **ADAM) if saver == "AdamW8bit" else torch.optim.AdamW(params, **ADAM)
+    run(base, params, range(3))
+    adopted_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    adopted = GPA(adopted_params, base=cls, mu_x=0.9, mu_y=0.7, **ADAM)
+    adopted.load_state_dict(base.state_dict())
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = GPA(fresh_params, base=cls, mu_x=0.9, mu_y=0.7, **ADAM)
+    run(fresh, fresh_params, range(1))
+    quantized = adopted.state[adopted_params[0]]["base"]["exp_avg"]
+    assert type(quantized).__name__.startswith("OptimState")
+    per_weight = memory_table.state_bytes(adopted) / sum(p.numel() for p in params)
+    assert per_weight == memory_table.state_bytes(fresh) / sum(p.numel() for p in params)
+    saved = _plain(base.state[params[0]]["exp_avg"])
+    torch.testing.assert_close(_plain(quantized), saved, atol=0.02 * saved.abs().max().item(), rtol=0)
+    run(adopted, adopted_params, range(3, 5))
+    assert all(torch.isfinite(p).all() for p in adopted_params)
+
+
 # ---- through GPATrainer: --optim gpa --gpa_base_optim adamw_torch_8bit / adamw_torch_4bit ----
 
 

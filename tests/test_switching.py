@@ -261,3 +261,84 @@ def test_an_adamw_state_of_another_shape_is_refused_naming_the_parameter(name: s
     after = loader.state_dict()
     assert after["param_groups"] == before["param_groups"]
     assert before["state"].keys() == after["state"].keys()
+
+
+# ---- the kind is checked first, and adoption creates the state in the receiving optimizer's modes ----
+
+
+def test_another_kind_with_another_grouping_is_refused_by_kind() -> None:
+    """A state of another optimizer kind and another grouping names both optimizers, not the group sizes: the kind
+    is checked before the layout (muon resumed with gpa_adamw, adamw resumed with gpa + muon)."""
+    from hf_gpa import MuonWithAuxAdam
+
+    params = _params()
+    muon = MuonWithAuxAdam([{"params": params[:1], "use_muon": True}, {"params": params[1:], "use_muon": False}])
+    _steps(muon, params, 0, 2)
+    with pytest.raises(ValueError, match=r"saved by MuonWithAuxAdam .*not by GPAAdamW"):
+        GPAAdamW(_clone(params)).load_state_dict(muon.state_dict())
+    adamw = torch.optim.AdamW(params)
+    _steps(adamw, params, 0, 2)
+    gpa = GPA([{"params": params[:1], "use_muon": True}, {"params": params[1:2], "use_muon": False},
+               {"params": params[2:], "use_muon": False}], base=MuonWithAuxAdam)  # fmt: skip
+    with pytest.raises(ValueError, match=r"saved by an optimizer outside .*\['exp_avg', .*not by GPA\(MuonWithAux"):
+        gpa.load_state_dict(adamw.state_dict())
+
+
+@pytest.mark.parametrize("wrapper", [GPA, DiLoCo])
+@pytest.mark.parametrize("groups", ["muon_and_adamw", "adamw_only"])
+def test_a_muon_with_aux_adam_run_continues_under_a_wrapper(wrapper: type, groups: str) -> None:
+    """GPA/DiLoCo(MuonWithAuxAdam) adopt a MuonWithAuxAdam state (Muon and AdamW groups, or AdamW groups only): the
+    base's state is carried over, and GPA with mu_x = 0 continues exactly as MuonWithAuxAdam."""
+    from hf_gpa import MuonWithAuxAdam
+
+    def grouping(ps: list) -> list[dict]:
+        if groups == "adamw_only":
+            return [{"params": ps, "use_muon": False}]
+        return [{"params": ps[:1], "use_muon": True}, {"params": ps[1:], "use_muon": False}]
+
+    params = _params()
+    muon = MuonWithAuxAdam(grouping(params), lr=1e-2)
+    _steps(muon, params, 0, 3)
+    loader_params = _clone(params)
+    kwargs = dict(mu_x=0.0) if wrapper is GPA else dict(inner_steps=100)
+    loader = wrapper(grouping(loader_params), base=MuonWithAuxAdam, lr=1e-2, **kwargs)
+    loader.load_state_dict(muon.state_dict())
+    for p, q in zip(params, loader_params):
+        for key, value in muon.state[p].items():
+            assert torch.equal(loader.state[q]["base"][key], value), key
+    _steps(muon, params, 3, 5)
+    _steps(loader, loader_params, 3, 5)
+    for p, q in zip(params, loader_params):
+        assert torch.equal(p, q)
+
+
+def _state_bytes_per_weight(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> float:
+    """Bytes of tensor state (nested base state included) per weight; 0-d step counts left out."""
+
+    def walk(value: object) -> int:
+        if isinstance(value, dict):
+            return sum(walk(v) for v in value.values())
+        return value.numel() * value.element_size() if torch.is_tensor(value) and value.dim() else 0
+
+    return sum(walk(optimizer.state[p]) for p in params) / sum(p.numel() for p in params)
+
+
+def test_an_adopted_adamw_state_keeps_state_dtype_param() -> None:
+    """GPAAdamW(state_dtype="param") adopting a bf16 AdamW run keeps z, m, v in bf16 and no y_fp32: 6 bytes per
+    weight, as a fresh run in that mode (not 16), and it continues as that fresh mode would from the same state."""
+    params = [nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    adamw = torch.optim.AdamW(params, lr=1e-2)
+    _steps(adamw, params, 0, 3)
+    loader_params = _clone(params)
+    loader = GPAAdamW(loader_params, lr=1e-2, mu_x=0.9, state_dtype="param")
+    loader.load_state_dict(adamw.state_dict())
+    assert _state_bytes_per_weight(loader, loader_params) == 6.0
+    for p in loader_params:
+        state = loader.state[p]
+        assert "y_fp32" not in state and {state[k].dtype for k in ("z", "exp_avg", "exp_avg_sq")} == {torch.bfloat16}
+    fresh_params = _clone(params)
+    fresh = GPAAdamW(fresh_params, lr=1e-2, mu_x=0.9, state_dtype="param")
+    _steps(fresh, fresh_params, 0, 1)
+    assert _state_bytes_per_weight(fresh, fresh_params) == 6.0
+    _steps(loader, loader_params, 3, 5)  # a group of adopted states steps (foreach by default)
+    assert all(torch.isfinite(p).all() for p in loader_params)

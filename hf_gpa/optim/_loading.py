@@ -1,85 +1,161 @@
-"""Which optimizer saved a state dict, and the dtype-safe restore of loaded state (shared by every optimizer)."""
+"""Loading a state dict into an hf_gpa optimizer: the one place, with one order of checks.
+
+1. **Kind.** Every hf_gpa optimizer records its name in its param groups (``group["optimizer"]``: "GPAAdamW",
+   "GPA(AdamW)", "DiLoCo(MuonWithAuxAdam)"), which travels with ``state_dict()`` through torch.save, accelerate and
+   torch.distributed.checkpoint alike. A state of the same name is loaded. A state without a name was saved by an
+   optimizer outside the GPA family (torch's AdamW, ``MuonWithAuxAdam``, a torchao AdamW): it is adopted when the
+   receiving optimizer continues such a run (GPAAdamW an Adam/AdamW run, a wrapper a run of its base) and every saved
+   per-parameter state has the keys that run creates; anything else raises a ``ValueError`` naming both optimizers.
+2. **Layout.** The saved param groups must match in number and sizes (and an adopted state's tensors the parameters'
+   shapes).
+3. **Dtypes, as the receiving optimizer's modes want them.** Its own state keeps the saved dtypes (torch would cast
+   the float32 z of a bf16 parameter to bf16); an adopted state is first created in the receiving optimizer's modes
+   (GPAAdamW's ``state_dtype``, a low-bit base's quantized moments), and the saved values are copied into it.
+
+Nothing changes before all three checks passed.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._types import BASE, EXP_AVG, INNER_STEPS, OPTIMIZER, STEP, TRAIN_MODE
+from ._types import INITIAL_LR, LR, OPTIMIZER, STEP, TRAIN_MODE
 
-__all__ = [
-    "OPTIMIZER_KEY",
-    "saved_optimizer_name",
-    "describe_stock",
-    "same_optimizer",
-    "restore_dtypes",
-    "tensor_steps",
-]
+if TYPE_CHECKING:
+    from ._train_eval import TrainEvalOptimizer
 
-
-# The param-group key naming the optimizer that wrote a state dict ("GPAAdamW", "GPA(AdamW)", "DiLoCo(SGD)"): it
-# travels with ``state_dict()`` through torch.save, accelerate and torch.distributed.checkpoint alike.
-OPTIMIZER_KEY = OPTIMIZER
-
-# Names for state dicts saved before the name was recorded: the family, read from the per-parameter state's keys.
-_SOME_GPA = "GPA"  # no per-parameter state yet: GPAAdamW or a GPA wrapper, nothing to tell them apart
-_GPA_WRAPPER = "GPA(base unknown)"  # z with a nested base state: a GPA wrapper of an unknown base
-_DILOCO = "DiLoCo(base unknown)"  # a DiLoCo wrapper of an unknown base
+__all__ = ["saved_optimizer_name", "load_checked"]
 
 
 def saved_optimizer_name(state_dict: dict[str, Any]) -> str | None:
-    """The hf_gpa optimizer that saved ``state_dict`` ("GPAAdamW", "GPA(AdamW)", "DiLoCo(AdamW)"), else None.
-
-    State dicts written before the name was recorded are recognized by their keys: the groups' ``train_mode`` makes
-    them hf_gpa's, ``inner_steps`` DiLoCo's; the per-parameter state tells GPAAdamW (z, exp_avg, ...) from a GPA
-    wrapper (z and the base's state under "base"); the wrappers' base stays unknown.
-    """
+    """The hf_gpa optimizer that saved ``state_dict`` ("GPAAdamW", "GPA(AdamW)", "DiLoCo(AdamW)"), else None."""
     groups = state_dict.get("param_groups") or [{}]
-    group = groups[0]
-    if OPTIMIZER_KEY in group and TRAIN_MODE in group:
-        return str(group[OPTIMIZER_KEY])
-    if TRAIN_MODE not in group:
-        return None
-    if INNER_STEPS in group:
-        return _DILOCO
-    states = [s for s in state_dict.get("state", {}).values() if s]
-    if any(EXP_AVG in s for s in states):
-        return "GPAAdamW"
-    if any(BASE in s for s in states):
-        return _GPA_WRAPPER
-    return _SOME_GPA
+    name = groups[0].get(OPTIMIZER)
+    return None if name is None else str(name)
 
 
-def describe_stock(state_dict: dict[str, Any]) -> str:
+def load_checked(
+    optimizer: TrainEvalOptimizer, state_dict: dict[str, Any], load: Callable[[dict[str, Any]], None]
+) -> None:
+    """Check ``state_dict`` against ``optimizer`` (kind, layout), then load it with ``load`` (torch's own loader) and
+    restore the saved dtypes, or adopt it in the optimizer's modes."""
+    saved = saved_optimizer_name(state_dict)
+    if saved is not None and saved != optimizer.optimizer_name:
+        raise ValueError(_mismatch(optimizer, f"{saved} (an hf_gpa optimizer of another kind)"))
+    if saved is None:
+        _check_adoptable(optimizer, state_dict)
+    _check_layout(optimizer, state_dict)
+    if saved is None:
+        _check_shapes(optimizer, state_dict)
+        _adopt(optimizer, state_dict)
+        return
+    load(state_dict)
+    for param, saved_state in _saved_param_states(optimizer, state_dict):
+        _restore_dtypes(optimizer.state[param], saved_state)
+
+
+def _describe(state_dict: dict[str, Any]) -> str:
     keys = sorted({str(k) for s in state_dict.get("state", {}).values() for k in s})
-    return f"a torch.optim optimizer with per-parameter state {keys}" if keys else "a torch.optim optimizer"
+    groups = state_dict.get("param_groups", [])
+    who = "MuonWithAuxAdam" if any("use_muon" in g for g in groups) else "an optimizer outside hf_gpa's GPA family"
+    return f"{who} with per-parameter state {keys}" if keys else who
 
 
-def same_optimizer(saved: str, mine: str) -> bool:
-    """Same name, or a state dict from before names were recorded whose keys belong to this optimizer's family."""
-    if saved == _SOME_GPA:
-        return mine == "GPAAdamW" or mine.startswith("GPA(")
-    if saved == _GPA_WRAPPER:
-        return mine.startswith("GPA(")
-    if saved == _DILOCO:
-        return mine.startswith("DiLoCo(")
-    return saved == mine
+def _mismatch(optimizer: TrainEvalOptimizer, saved: str) -> str:
+    name = optimizer.optimizer_name
+    return (
+        f"{name}.load_state_dict(): the state dict was saved by {saved}, not by {name}. Resume with the optimizer "
+        "that saved it (the same --optim and base), or start a new run from the checkpoint's weights without its "
+        "optimizer state (hf_gpa checkpoints hold x)."
+    )
 
 
-def restore_dtypes(state: dict[str, Any], saved: dict[str, Any]) -> None:
+def _check_adoptable(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> None:
+    """Kind of a state without a name: each saved group's per-parameter states have the keys the run it continues
+    creates (``optimizer._adoptable_keys(saved_group)``; None: this optimizer continues no such run)."""
+    for saved_group in state_dict["param_groups"]:
+        keys = optimizer._adoptable_keys(saved_group)
+        states = [state_dict["state"].get(i) for i in saved_group["params"]]
+        if keys is None or any(set(s) != keys for s in states if s):
+            what = optimizer._adopts()
+            also = f" {optimizer.optimizer_name} continues only a run of {what}." if what else ""
+            raise ValueError(_mismatch(optimizer, _describe(state_dict)) + also)
+
+
+def _check_layout(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> None:
+    saved = [len(g["params"]) for g in state_dict["param_groups"]]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != mine:
+        raise ValueError(
+            f"{optimizer.optimizer_name}.load_state_dict(): the state dict has parameter groups of sizes {saved}, "
+            f"this optimizer {mine}: it belongs to another model or grouping"
+        )
+
+
+def _check_shapes(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> None:
+    saved_ids = [(g, i, index) for g, group in enumerate(state_dict["param_groups"])
+                 for i, index in enumerate(group["params"])]  # fmt: skip
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for (g, i, index), param in zip(saved_ids, params):
+        for key, value in (state_dict["state"].get(index) or {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(
+                    f"{optimizer.optimizer_name}.load_state_dict(): the saved {key} of parameter {index} "
+                    f"(param_groups[{g}]['params'][{i}]) has shape {tuple(value.shape)}, the parameter "
+                    f"{tuple(param.shape)}: the state belongs to another model"
+                )
+
+
+def _saved_param_states(
+    optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]
+) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+    """(parameter, its saved state) in the order torch's ``load_state_dict`` pairs them, skipping empty states."""
+    saved_ids = (i for g in state_dict["param_groups"] for i in g["params"])
+    params = (p for g in optimizer.param_groups for p in g["params"])
+    for index, param in zip(saved_ids, params):
+        saved = state_dict["state"].get(index)
+        if saved:
+            yield param, saved
+
+
+def _restore_dtypes(state: dict[str, Any], saved: dict[str, Any]) -> None:
     """Undo torch's cast of loaded state to the parameter dtype (fp32 z of a bf16 parameter must stay fp32)."""
     for key, value in saved.items():
         if isinstance(value, dict) and isinstance(state.get(key), dict):
-            restore_dtypes(state[key], value)
+            _restore_dtypes(state[key], value)
         elif torch.is_tensor(value) and key != STEP and value.dtype != state[key].dtype:
             state[key] = value.to(device=state[key].device, copy=True)
 
 
-def tensor_steps(state: dict[str, Any], base_device: torch.device | None = None) -> None:
-    """A ``step`` saved as a Python number (torch < 1.12) as the float32 tensor torch keeps now, as torch's
-    ``Adam.__setstate__`` converts it on load: GPAAdamW's on the CPU, the one in a wrapper's base state
-    (``state["base"]``) on ``base_device`` (the parameter's device for fused/capturable bases, else the CPU)."""
-    for target, device in ((state, None), (state.get(BASE), base_device)):
-        if isinstance(target, dict) and STEP in target and not torch.is_tensor(target[STEP]):
-            target[STEP] = torch.tensor(float(target[STEP]), dtype=torch.float32, device=device)
+def _adopt(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> None:
+    """Continue another optimizer's run: the state created as a first step would (in this optimizer's modes), the
+    saved values copied into it, then the schedule's position (``lr``, ``initial_lr``) and train mode.
+
+    Every other hyper-parameter stays this optimizer's own; LR schedulers restore their own state separately and
+    write ``lr`` only at their next step, so the saved ``lr`` is the one the next step must use.
+    """
+    saved = list(_saved_param_states(optimizer, state_dict))
+    optimizer._reset_state()
+    optimizer._create_state()
+    for param, saved_state in saved:
+        target = optimizer._adopted_state(param)
+        for key, value in saved_state.items():
+            current = target.get(key)
+            if torch.is_tensor(current) and torch.is_tensor(value):
+                current.copy_(value)  # into the dtype, device and layout (quantized moments too) this optimizer keeps
+            elif torch.is_tensor(current):
+                current.fill_(value)
+            else:
+                target[key] = value.clone() if torch.is_tensor(value) else value
+    for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
+        for key in (LR, INITIAL_LR):
+            if key not in saved_group:
+                continue
+            if torch.is_tensor(group.get(key)):
+                group[key].fill_(saved_group[key])
+            else:
+                group[key] = saved_group[key]
+        group[TRAIN_MODE] = True

@@ -9,14 +9,14 @@ switched is each family's own (``_gpa_switch`` for GPA, ``diloco`` for DiLoCo).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ._checks import CheckedGroups
-from ._loading import OPTIMIZER_KEY, describe_stock, restore_dtypes, same_optimizer, saved_optimizer_name, tensor_steps
-from ._types import FUSED, INITIAL_LR, LR, TRAIN_MODE
+from ._loading import load_checked
+from ._types import OPTIMIZER, TRAIN_MODE
 
 __all__ = ["TrainEvalOptimizer"]
 
@@ -27,22 +27,12 @@ class TrainEvalOptimizer(CheckedGroups):
     Subclasses implement ``_params_to_eval(group)`` and ``_params_to_train(group)``. The mode lives in each param
     group (``group[TRAIN_MODE]``) so that it travels with ``state_dict()``, and so does the optimizer's name
     (``group["optimizer"]``), which ``load_state_dict`` checks: a state saved by another optimizer raises a
-    ``ValueError`` naming both, unless the subclass knows how to adopt it (``_load_stock_state_dict``).
+    ``ValueError`` naming both, unless the subclass continues that run (``_adoptable_keys``; see ``_loading``).
     """
 
     def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
-        defaults = {**defaults, TRAIN_MODE: True, OPTIMIZER_KEY: self.optimizer_name}
+        defaults = {**defaults, TRAIN_MODE: True, OPTIMIZER: self.optimizer_name}
         super().__init__(params, defaults)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # torch calls this for pickles and at the end of load_state_dict: older states get today's conventions.
-        super().__setstate__(state)
-        for group in self.param_groups:
-            group.setdefault(TRAIN_MODE, True)
-            capturable = group.get(FUSED) or group.get("capturable")
-            for p in group["params"]:
-                if p in self.state:
-                    tensor_steps(self.state[p], p.device if capturable else None)
 
     @property
     def optimizer_name(self) -> str:
@@ -86,32 +76,9 @@ class TrainEvalOptimizer(CheckedGroups):
             self.eval()
 
     def _create_state(self) -> None:
-        """Create the state of every parameter that requires a gradient (GPAAdamW creates it directly).
-
-        This default is torch's own initializer (``torch.distributed.checkpoint``'s ``_init_optim_state``): one
-        step with zero gradients and zero learning rates, the group values then restored (in train mode); it runs
-        only while there is no state at all.
-        """
-        if self.state:
-            return
-        grads = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    grads[p] = p.grad
-                    p.grad = torch.zeros_like(p)
-        saved = [dict(group) for group in self.param_groups]
-        for group in self.param_groups:
-            if LR in group:
-                group[LR] = 0.0
-        try:
-            self.step()
-        finally:
-            for group, old in zip(self.param_groups, saved):
-                # The step left the optimizer in train mode with y in the parameters; keep that flag.
-                group.update({k: v for k, v in old.items() if k not in ("params", TRAIN_MODE)})
-            for p, g in grads.items():
-                p.grad = g
+        """Create the state of every parameter that requires a gradient and has none yet, as a first step would find
+        it, without changing the parameters, the group values or any existing state."""
+        raise NotImplementedError
 
     def _params_to_eval(self, group: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -138,89 +105,25 @@ class TrainEvalOptimizer(CheckedGroups):
         """Load a state dict, keeping the saved dtypes of the state (torch would cast it to the param dtype).
 
         The parameters must hold what they held when the state was saved: x if it was saved in eval mode. A state
-        saved by another optimizer raises a ``ValueError`` before anything changes, except where this optimizer
-        can continue that run (``_load_stock_state_dict``: an AdamW run switched to GPA).
+        saved by another optimizer raises a ``ValueError`` naming both before anything changes, except where this
+        optimizer continues that run (an AdamW run switched to GPA); see ``_loading`` for the order of the checks.
         """
-        self._check_layout(state_dict)
-        saved = saved_optimizer_name(state_dict)
-        if saved is None:
-            self._load_stock_state_dict(state_dict)
-            return
-        if not same_optimizer(saved, self.optimizer_name):
-            raise ValueError(self._mismatch(f"{saved} (an hf_gpa optimizer of another kind)"))
-        super().load_state_dict(state_dict)
-        saved_ids: Iterable[int] = (i for g in state_dict["param_groups"] for i in g["params"])
-        params = (p for g in self.param_groups for p in g["params"])
-        for index, param in zip(saved_ids, params):
-            saved = state_dict["state"].get(index)
-            if saved:
-                restore_dtypes(self.state[param], saved)
+        load_checked(self, state_dict, super().load_state_dict)
 
-    def _load_stock_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """A stock torch optimizer's state: refused here; subclasses that can continue such a run adopt it."""
-        raise ValueError(self._mismatch(describe_stock(state_dict)))
+    # ---- what ``_loading`` asks of a subclass that continues another optimizer's run ----
 
-    def _mismatch(self, saved: str) -> str:
-        return (
-            f"{self.optimizer_name}.load_state_dict(): the state dict was saved by {saved}, not by "
-            f"{self.optimizer_name}. Resume with the optimizer that saved it (the same --optim and base), or start a "
-            "new run from the checkpoint's weights without its optimizer state (hf_gpa checkpoints hold x)."
-        )
+    def _adoptable_keys(self, saved_group: dict[str, Any]) -> set[str] | None:
+        """The per-parameter state keys of a run this optimizer continues, for a param group saved with
+        ``saved_group``'s values; None: it continues no run of another optimizer (the default)."""
+        return None
 
-    def _check_layout(self, state_dict: dict[str, Any]) -> None:
-        """The saved param groups must match ours in number and sizes (checked before anything is changed)."""
-        saved = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(
-                f"{self.optimizer_name}.load_state_dict(): the state dict has parameter groups of sizes "
-                f"{[len(g['params']) for g in saved]}, this optimizer "
-                f"{[len(g['params']) for g in self.param_groups]}: it belongs to another model or grouping"
-            )
+    def _adopts(self) -> str:
+        """The optimizer whose runs this one continues, as an error message names it ("" for none)."""
+        return ""
 
-    def _saved_param_states(self, state_dict: dict[str, Any]) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
-        """(parameter, its saved state) in the order torch's ``load_state_dict`` pairs them, skipping empty states."""
-        saved_ids = (i for g in state_dict["param_groups"] for i in g["params"])
-        params = (p for g in self.param_groups for p in g["params"])
-        for index, param in zip(saved_ids, params):
-            saved = state_dict["state"].get(index)
-            if saved:
-                yield param, saved
-
-    def _check_stock_state(self, state_dict: dict[str, Any], keys: set[str], what: str) -> None:
-        """A stock state can be adopted only when every saved per-parameter state has exactly ``keys``."""
-        amsgrad = any(g.get("amsgrad") for g in state_dict["param_groups"])
-        if amsgrad or any(set(s) != keys for s in state_dict["state"].values() if s):
-            raise ValueError(
-                self._mismatch(describe_stock(state_dict) + (" with amsgrad" if amsgrad else ""))
-                + f" {self.optimizer_name} continues only a run of {what} (per-parameter state {sorted(keys)})."
-            )
-        saved_ids = [(g, i, index) for g, group in enumerate(state_dict["param_groups"]) for i, index in
-                     enumerate(group["params"])]  # fmt: skip
-        params = [p for group in self.param_groups for p in group["params"]]
-        for (g, i, index), param in zip(saved_ids, params):
-            for key, value in (state_dict["state"].get(index) or {}).items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
-                    raise ValueError(
-                        f"{self.optimizer_name}.load_state_dict(): the saved {key} of parameter {index} "
-                        f"(param_groups[{g}]['params'][{i}]) has shape {tuple(value.shape)}, the parameter "
-                        f"{tuple(param.shape)}: the state belongs to another model"
-                    )
-
-    def _adopt_schedule(self, state_dict: dict[str, Any]) -> None:
-        """After adopting a stock state: the saved lr schedule position (``lr``, ``initial_lr``), train mode.
-
-        Every other hyper-parameter stays this optimizer's own; LR schedulers restore their own state separately
-        and write ``lr`` only at their next step, so the saved ``lr`` is the one the next step must use.
-        """
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            for key in (LR, INITIAL_LR):
-                if key not in saved:
-                    continue
-                if torch.is_tensor(group.get(key)):
-                    group[key].fill_(saved[key])
-                else:
-                    group[key] = saved[key]
-            group[TRAIN_MODE] = True
+    def _adopted_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """Where the adopted state of ``p`` goes, once ``_create_state`` created it."""
+        return self.state[p]
 
     def _reset_state(self) -> None:
         self.state = defaultdict(dict)

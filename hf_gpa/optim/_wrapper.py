@@ -14,7 +14,8 @@ its step. Everything about holding that base lives here, once:
   current (added, loaded, copied) tensors at the next step;
 * its step runs without torch's step hooks, so global optimizer hooks fire once per wrapper step, around it;
 * a step whose base raises leaves the parameters and this optimizer's state as they were (``_rollback_on_error``);
-* a state dict saved by the base class itself is adopted: switching a base-optimizer run to the wrapper mid-training.
+* a state dict saved by the base class itself is adopted: switching a base-optimizer run to the wrapper mid-training
+  (the base's state is created as a first step would, in the base's own modes, and the saved values copied into it).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ._checks import base_defaults, constructor_arguments, probe_group
-from ._loading import OPTIMIZER_KEY
+from ._checks import base_defaults, constructor_arguments
 from ._train_eval import TrainEvalOptimizer
+from ._types import BASE, LR, OPTIMIZER, STEP, TRAIN_MODE
 
 __all__ = ["BaseOptimizerWrapper", "unhooked_step"]
 
@@ -95,7 +96,7 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
         self, params: Any, base: type[torch.optim.Optimizer], base_kwargs: dict[str, Any], defaults: dict[str, Any]
     ) -> None:
         owner = type(self).__name__
-        base_hypers = base_defaults(base, base_kwargs, (*defaults, "train_mode", OPTIMIZER_KEY), owner)
+        base_hypers = base_defaults(base, base_kwargs, (*defaults, TRAIN_MODE, OPTIMIZER), owner)
         self.base_class = base
         self._base_keys = tuple(base_hypers)
         self._base: torch.optim.Optimizer | None = None
@@ -215,38 +216,62 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
             self._base = None  # rebuilt on the restored state at the next step
             raise
 
-    # ---- switching a run of the base optimizer to this wrapper ----
+    # ---- the state before a first step, and switching a run of the base optimizer to this wrapper ----
 
-    def _load_stock_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Adopt a state dict saved by the base class itself: its state carries over, the weights start the wrapper.
+    def _create_state(self) -> None:
+        """This optimizer's tensors (GPA's z, DiLoCo's outer weights) and the base's state, as a first step finds them.
 
-        Refused (``ValueError``) unless every saved per-parameter state has the keys the base creates.
+        The base's state is made by torch's own initializer (``torch.distributed.checkpoint``'s
+        ``_init_optim_state``: one step with zero gradients and zero lr), run by a separate instance of the base on
+        the base's tensors of the parameters that have no state yet, so the parameters, the existing state and the
+        group values are left as they are; the step counts it advanced are set back to 0.
         """
-        self._check_stock_state(state_dict, self._probe_base_state_keys(), self.base_class.__name__)
-        saved = dict(self._saved_param_states(state_dict))
-        self._reset_state()
-        self._base = None
-        self._adopt_schedule(state_dict)
-        for p in saved:
-            self._base_tensor(p, create=True)
-        base = self.base_optimizer
-        index = {id(t): i for i, t in enumerate(t for g in base.param_groups for t in g["params"])}
-        base.load_state_dict(
-            {
-                "state": {index[id(t)]: saved[p] for p, t in self._base_pairs if p in saved},
-                "param_groups": [
-                    {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(t)] for t in g["params"]]}
-                    for g in base.param_groups
-                ],
-            }
-        )
-        self._link_base_state(base, self._base_pairs)
+        pairs, groups = [], []
+        for group in self.param_groups:
+            tensors = []
+            for p in group["params"]:
+                if p.requires_grad and not self.state.get(p, {}).get(BASE):
+                    t = self._base_tensor(p, create=True)
+                    tensors.append(t)
+                    pairs.append((p, t))
+            if tensors:
+                hypers = self._base_hypers(group)
+                groups.append({**hypers, "params": tensors, **({LR: 0.0} if LR in hypers else {})})
+        if not pairs:
+            return
+        grads = [t.grad for _, t in pairs]
+        try:
+            for _, t in pairs:
+                t.grad = torch.zeros_like(t)
+            initializer = self.base_class(groups)
+            unhooked_step(initializer)
+        finally:
+            for (_, t), g in zip(pairs, grads):
+                t.grad = g
+        for p, t in pairs:
+            state = initializer.state[t]
+            if torch.is_tensor(state.get(STEP)):
+                state[STEP].zero_()
+            elif STEP in state:
+                state[STEP] = 0
+            self.state[p][BASE] = state
+        self._base = None  # rebuilt on (and linked to) this state at the next step
 
-    def _probe_base_state_keys(self) -> set[str]:
-        """The per-parameter state keys the base creates, from one step on a 2x2 probe tensor."""
+    def _adoptable_keys(self, saved_group: dict[str, Any]) -> set[str] | None:
+        """The per-parameter state keys the base creates for a group like ``saved_group``: from one step on a probe
+        tensor, with the saved group's values of the keys the base's groups must carry (``use_muon``)."""
+        required = getattr(self.base_class, "probe_group", {})
+        if any(key not in saved_group for key in required):
+            return None  # not a state of this base (an AdamW state for a MuonWithAuxAdam base)
         probe = torch.zeros(2, 2, requires_grad=True)
-        group = probe_group(self.base_class, probe)
-        optimizer = self.base_class([{**group, **self._base_hypers(self.defaults), **group}])
+        own = {key: saved_group[key] for key in required}
+        optimizer = self.base_class([{**self._base_hypers(self.defaults), "params": [probe], **own}])
         probe.grad = torch.ones_like(probe)
         unhooked_step(optimizer)
         return {str(k) for k in optimizer.state[probe]}
+
+    def _adopts(self) -> str:
+        return self.base_class.__name__
+
+    def _adopted_state(self, p: torch.Tensor) -> dict[str, Any]:
+        return self.state[p][BASE]

@@ -19,7 +19,19 @@ import torch
 from ._checks import check_averaging, check_mu
 from ._gpa_switch import GPASwitch
 from ._tensors import local_tensor, real_view, state_dtype_for
-from ._types import AVERAGING, DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, LR, MU_X, MU_Y, WEIGHT_SUM, Y_FP32, Z
+from ._types import (
+    AVERAGING,
+    DEFAULT_AVERAGING,
+    DEFAULT_MU_X,
+    DEFAULT_MU_Y,
+    HALF_DTYPES,
+    LR,
+    MU_X,
+    MU_Y,
+    WEIGHT_SUM,
+    Y_FP32,
+    Z,
+)
 from ._wrapper import BaseOptimizerWrapper
 from ._wrapper_passes import pass_after_base_, pass_before_base_
 from .averaging import averaging_mu_x
@@ -109,6 +121,17 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
         self.state[p][Z] = z
         return z
 
+    def _init_y_fp32(self, p: torch.Tensor) -> None:
+        """y in float32 beside a bf16/fp16 parameter that holds it rounded, as in GPAAdamW: x stays as exact as z."""
+        state = self.state[p]
+        if p.dtype in HALF_DTYPES and Y_FP32 not in state:
+            state[Y_FP32] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+
+    def _create_state(self) -> None:
+        super()._create_state()
+        for p in list(self.state):
+            self._init_y_fp32(p)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the loss at y (optional)."""
@@ -126,18 +149,14 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
                         z = state[Z]
                         z.grad = p.grad if p.grad.dtype == z.dtype else p.grad.to(z.dtype)
                         with_grad.append(z)
-                        if p.dtype in (torch.bfloat16, torch.float16) and Y_FP32 not in state:
-                            # y in float32 beside the rounded parameter, as in GPAAdamW: x stays as exact as z.
-                            state[Y_FP32] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+                        self._init_y_fp32(p)
                         ys.append(real_view(local_tensor(p)))
                         zs.append(real_view(local_tensor(z)))
                         y32s.append(real_view(local_tensor(state[Y_FP32])) if Y_FP32 in state else None)
                     if not ys:
                         continue
                     lr = float(group.get(LR, 0.0))
-                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(
-                        group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM]
-                    )
+                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM])
                     mu_y = group[MU_Y]
                     if mu_x != 0.0:
                         # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x, in place (its float32 copy alone, where there is

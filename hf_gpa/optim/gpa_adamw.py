@@ -162,16 +162,6 @@ class GPAAdamW(GPASwitch):
         check_implementation(group[FOREACH], group[FUSED])
         check_state_dtype(group[HALF_STATE])
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:  # groups pickled before these keys existed
-            group.setdefault(MAXIMIZE, False)
-            group.setdefault(FOREACH, None)
-            group.setdefault(FUSED, None)
-            group.setdefault(AVERAGING, DEFAULT_AVERAGING)
-            group.setdefault(WEIGHT_SUM, 0.0)
-            group.setdefault(HALF_STATE, DEFAULT_HALF_STATE)
-
     def _init_state(self, p: torch.Tensor, half_state: str = DEFAULT_HALF_STATE) -> dict[str, Any]:
         """Create what is missing of ``p``'s state (z = y, m = v = 0, step 0; y's float32 copy for bf16/fp16
         parameters whose state is float32, ``half_state`` deciding that for new state)."""
@@ -185,7 +175,6 @@ class GPAAdamW(GPASwitch):
             state[EXP_AVG] = torch.zeros_like(z, memory_format=torch.preserve_format)
             state[EXP_AVG_SQ] = torch.zeros_like(z, memory_format=torch.preserve_format)
         if p.dtype in HALF_DTYPES and Y_FP32 not in state and state[Z].dtype == torch.float32:
-            # Also for state saved before this copy existed: the parameter holds y rounded, a fine start.
             state[Y_FP32] = p.detach().to(dtype=torch.float32, copy=True, memory_format=torch.preserve_format)
         return state
 
@@ -228,21 +217,12 @@ class GPAAdamW(GPASwitch):
             state_steps.append(state[STEP])
         return has_complex
 
-    def _load_stock_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Switch an Adam/AdamW run to GPA-AdamW: z = y = the current weights, m, v and step carried over.
+    def _adoptable_keys(self, saved_group: dict[str, Any]) -> set[str] | None:
+        # An Adam/AdamW run (without amsgrad) continues as GPA-AdamW: z = y = the current weights, m, v, step kept.
+        return None if saved_group.get("amsgrad") else {STEP, EXP_AVG, EXP_AVG_SQ}
 
-        ``lr`` and ``initial_lr`` come from the saved groups (the schedule's position); every other hyper-parameter
-        stays this optimizer's own. Any other optimizer's state raises a ``ValueError`` naming both.
-        """
-        self._check_stock_state(state_dict, {STEP, EXP_AVG, EXP_AVG_SQ}, "Adam/AdamW")
-        saved = list(self._saved_param_states(state_dict))
-        self._reset_state()
-        for p, saved_state in saved:
-            state = self._init_state(p)
-            state[STEP] = torch.tensor(float(saved_state[STEP]), dtype=torch.float32)
-            for key in (EXP_AVG, EXP_AVG_SQ):
-                state[key] = saved_state[key].to(device=state[Z].device, dtype=state[Z].dtype, copy=True)
-        self._adopt_schedule(state_dict)
+    def _adopts(self) -> str:
+        return "Adam/AdamW (per-parameter state ['exp_avg', 'exp_avg_sq', 'step'], no amsgrad)"
 
     def _implementation(self, group: dict[str, Any], params: list[torch.Tensor]) -> str:
         """The group's path: "forloop", "foreach" or "fused" (`kernels.default_to_fused_or_foreach`)."""
@@ -367,8 +347,6 @@ def _single_tensor_gpa_adamw(
         if y32 is not None:
             y32.copy_(y_acc)
         y.copy_(y_acc)
-
-
 
 
 def _multi_tensor_gpa_adamw(
