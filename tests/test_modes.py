@@ -283,6 +283,58 @@ def test_weights_written_in_eval_mode_are_kept_by_train(name: str, dtype: torch.
     assert all(torch.equal(p, b) for p, b in zip(params[1:], y_before[1:]))
 
 
+SWITCHERS = {
+    "gpa_adamw": lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, mu_y=0.3),
+    "gpa(sgd)": lambda ps: GPA(ps, base=torch.optim.SGD, lr=1e-2, mu_x=0.9, mu_y=0.3),
+}
+
+
+def _with_state(name: str, y: list[float], z: list[float], dtype: torch.dtype) -> tuple:
+    """An optimizer whose one parameter holds y and whose state holds z (``init_state``, then z written)."""
+    p = torch.nn.Parameter(torch.tensor(y, dtype=torch.float64).to(dtype))
+    opt = SWITCHERS[name]([p])
+    opt.init_state()
+    opt.state[p]["z"].copy_(torch.tensor(z, dtype=torch.float64))
+    return opt, p
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(SWITCHERS))
+def test_x_written_in_eval_mode_wins_where_the_residual_overflowed(name: str, dtype: torch.dtype) -> None:
+    """Writing x in eval mode where |y| << |z| (residuals int8 cannot hold): train() gives y = mu_y x + (1 - mu_y) z
+    there, not the old x's residual added to it (which gave -4.10 instead of 1.75)."""
+    z = [1.0, -2.0, 0.4, 5.0]
+    opt, p = _with_state(name, [1e-6, -3e-7, 0.5, 2e-8], z, dtype)
+    opt.eval()
+    with torch.no_grad():
+        p.fill_(1.0)
+    opt.train()
+    expected = 0.3 * 1.0 + 0.7 * torch.tensor(z, dtype=torch.float64)
+    torch.testing.assert_close(p.detach().double(), expected, rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(SWITCHERS))
+def test_y_comes_back_where_x_is_nan(name: str, dtype: torch.dtype) -> None:
+    """Where eval() wrote a NaN x (z NaN, or y = z = inf), train() gives y back bitwise: a NaN x eval() wrote is
+    not a write."""
+    inf, nan = float("inf"), float("nan")
+    opt, p = _with_state(name, [5.0, inf, 0.25], [nan, inf, 0.5], dtype)
+    y = p.detach().clone()
+    opt.eval()
+    assert bool(p.detach()[:2].isnan().all())
+    opt.train()
+    assert torch.equal(p.detach(), y), p.detach()
+
+
+def test_x_of_mu_x_zero_is_z_exactly() -> None:
+    """With y = z (mu_x = 0 after a step), eval() gives x = z bitwise: x is computed as z + (y - z) / mu_y."""
+    z = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    opt, p = _with_state("gpa(sgd)", z.tolist(), z.tolist(), torch.float32)
+    opt.eval()
+    assert torch.equal(p.detach(), z)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_eval_and_train_switch_a_large_weight_in_chunks(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunked and whole-tensor switching give the same x, residual and overflow list, and y back bitwise."""

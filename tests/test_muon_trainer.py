@@ -119,6 +119,18 @@ def test_muon_baseline_checkpoint_is_its_weights(muon_runs) -> None:
     assert_equal_dicts(x_file, snapshots.y[3])
 
 
+def test_gpa_with_mu_x_zero_is_the_muon_run_bitwise(tmp_path) -> None:
+    """--optim gpa --gpa_base_optim muon --gpa_mu_x 0 gives --optim muon's weights bitwise after 4 Trainer steps
+    (the model at x at the end of training: x = z exactly where y = z)."""
+    runs = {}
+    for name, flags in (("muon", FLAGS["muon"]), ("gpa_muon", {**FLAGS["gpa_muon"], "gpa_mu_x": 0.0})):
+        args = make_args(tmp_path / name, max_steps=4, lr_scheduler_type="cosine", **flags)
+        trainer = GPATrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(16, seed=1))
+        trainer.train()
+        runs[name] = params_of(trainer.model)
+    assert_equal_dicts(runs["gpa_muon"], runs["muon"])
+
+
 @pytest.mark.parametrize(
     ("name", "words"),
     [

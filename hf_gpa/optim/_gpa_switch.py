@@ -6,7 +6,9 @@ the optimizer state holds z, and x is recovered only when ``eval()`` is called.
 bf16/fp16 parameters carry y in float32 (``state["y_fp32"]``, the parameter holds it rounded). The parameter stays
 authoritative, as in ``step()``: where it no longer equals that copy rounded (a ``load_state_dict``, a re-initialized
 head, clipped weights), ``eval()`` takes x from the written value; likewise, where x in the parameter was written
-while in eval mode, ``train()`` takes y from the written x, as fp32 parameters do.
+while in eval mode, ``train()`` takes y from the written x. fp32/fp64 parameters follow the same rule: where x is no
+longer bitwise what ``eval()`` wrote (recomputed from the restored y; a NaN x that eval() wrote is still its own), the
+written x wins and y = mu_y x + (1 - mu_y) z, instead of the residual of the old x being added to it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._residual import decode_residual, encode_residual, residual_dtype
+from ._residual import bits_differ, decode_residual, encode_residual, residual_dtype
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
 from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
@@ -24,8 +26,12 @@ __all__ = ["GPASwitch"]
 
 
 def _x_from_y(y: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
-    """x = (y - (1 - mu_y) z) / mu_y, computed in z's dtype, returned in y's dtype."""
-    return torch.sub(y.to(z.dtype), z, alpha=1.0 - mu_y).div_(mu_y).to(y.dtype)
+    """x = (y - (1 - mu_y) z) / mu_y, computed in z's dtype as z + (y - z) / mu_y, returned in y's dtype.
+
+    Written as a correction to z, x is z exactly where y = z: with mu_x = 0 (x = z after every step) the evaluation
+    weights are the base optimizer's bitwise, and where y and z are close the rounding is that of the small difference.
+    """
+    return torch.sub(y.to(z.dtype), z).div_(mu_y).add_(z).to(y.dtype)
 
 
 def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
@@ -73,7 +79,7 @@ class GPASwitch(TrainEvalOptimizer):
             if Y_FP32 in state:
                 y32 = real_view(local_tensor(state[Y_FP32]))
                 for _, (xc, zc, y32c) in chunks(x, z, y32):
-                    written = xc != _x_from_y(y32c, zc, mu_y).to(xc.dtype)  # what eval() put there, recomputed bitwise
+                    written = bits_differ(xc, _x_from_y(y32c, zc, mu_y).to(xc.dtype))  # eval()'s x, recomputed
                     if bool(written.any()):
                         y32c.copy_(torch.where(written, _y_from_x(xc.to(y32c.dtype), zc, mu_y), y32c))
                     xc.copy_(y32c)
@@ -92,4 +98,8 @@ class GPASwitch(TrainEvalOptimizer):
                 listed = None
                 if overflow is not None and overflow.numel():
                     listed = overflow[rows[k] : rows[k + 1]] - torch.tensor([offset, 0], device=overflow.device)
-                xc.copy_(decode_residual(_y_from_x(xc, zc, mu_y), rc, listed))
+                approx = _y_from_x(xc, zc, mu_y)
+                y = decode_residual(approx, rc, listed)
+                # The residual restores the y of the x eval() wrote; where x was written since, x wins (as for bf16).
+                written = bits_differ(xc, _x_from_y(y, zc, mu_y))
+                xc.copy_(torch.where(written, approx, y) if bool(written.any()) else y)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["encode_residual", "decode_residual", "residual_dtype"]
+__all__ = ["encode_residual", "decode_residual", "residual_dtype", "bits_differ"]
 
 _INT_VIEW = {
     torch.float64: torch.int64,
@@ -22,6 +22,15 @@ _INT_VIEW = {
     torch.bfloat16: torch.int16,
     torch.float16: torch.int16,
 }
+
+
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where the bit patterns of ``a`` and ``b`` (one dtype) differ: a NaN equals the same NaN, unlike with ``!=``.
+
+    What ``train()`` asks of x: is it still exactly what ``eval()`` put there (a NaN included), or was it written?
+    """
+    int_dtype = _INT_VIEW[a.dtype]
+    return a.view(int_dtype) != b.view(int_dtype)
 
 
 def residual_dtype(dtype: torch.dtype, narrow: bool = True) -> torch.dtype:
