@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches, recalibrated_norm_statistics
-from hf_gpa.optim._train_eval import TrainEvalOptimizer
+from hf_gpa.optim import TrainEvalOptimizer
 
 __all__ = [
     "SAFE_WEIGHTS_NAME",

@@ -64,8 +64,7 @@ from hf_gpa.batchnorm import (
     recalibrate_norm_statistics,
 )
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
-from hf_gpa.optim._loading import saved_optimizer_name
-from hf_gpa.optim._train_eval import TrainEvalOptimizer
+from hf_gpa.optim import TrainEvalOptimizer, saved_optimizer_name
 from hf_gpa.optimizers import HF_GPA_OPTIMIZERS, GPAOptimizerNames, muon_split, optimizer_cls_and_kwargs
 from hf_gpa.training_args import DEEPSPEED_REFUSAL
 

@@ -31,10 +31,16 @@ from transformers.training_args import OptimizerNames
 from transformers.utils.generic import strtobool
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches
-from hf_gpa.optim import inner_steps_from_mu_x, mu_x_from_inner_steps
 
 # The defaults, ranges and checks are the optimizers' own: one source of truth, called here with the flag's name.
-from hf_gpa.optim._checks import (
+from hf_gpa.optim import (
+    AVERAGING_MODES,
+    DEFAULT_AVERAGING,
+    DEFAULT_INNER_STEPS,
+    DEFAULT_MU_X,
+    DEFAULT_MU_Y,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
     check_averaging,
     check_inner_steps,
     check_lr,
@@ -43,15 +49,8 @@ from hf_gpa.optim._checks import (
     check_outer_lr,
     check_outer_momentum,
     check_weight_decay,
-)
-from hf_gpa.optim._types import (
-    AVERAGING_MODES,
-    DEFAULT_AVERAGING,
-    DEFAULT_INNER_STEPS,
-    DEFAULT_MU_X,
-    DEFAULT_MU_Y,
-    DEFAULT_OUTER_LR,
-    DEFAULT_OUTER_MOMENTUM,
+    inner_steps_from_mu_x,
+    mu_x_from_inner_steps,
 )
 from hf_gpa.optimizers import (
     FLAG_READERS,

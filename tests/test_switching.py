@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
 from hf_gpa.checkpoint import unwrap_gpa_optimizer
-from hf_gpa.optim._loading import saved_optimizer_name
+from hf_gpa.optim import saved_optimizer_name
 from hf_gpa.trainer import GPATrainer
 from hf_gpa.training_args import GPATrainingArguments
 

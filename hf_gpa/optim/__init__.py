@@ -1,4 +1,10 @@
-"""hf_gpa.optim: the GPA optimizers in pure PyTorch (imports nothing but torch)."""
+"""hf_gpa.optim: the GPA optimizers in pure PyTorch (imports nothing but torch).
+
+Besides the optimizers, the public names here are what the transformers side (`hf_gpa.training_args`,
+`hf_gpa.trainer`, `hf_gpa.checkpoint`) takes from this package: the defaults and range checks of the
+hyper-parameters (one source of truth, called there with the flag's name), the base class of every optimizer with
+train/eval modes, and the name a state dict records of the optimizer that saved it.
+"""
 
 import warnings
 
@@ -8,6 +14,27 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
+from ._checks import (
+    check_averaging,
+    check_inner_steps,
+    check_lr,
+    check_mu_x,
+    check_mu_y,
+    check_outer_lr,
+    check_outer_momentum,
+    check_weight_decay,
+)
+from ._loading import saved_optimizer_name
+from ._train_eval import TrainEvalOptimizer
+from ._types import (
+    AVERAGING_MODES,
+    DEFAULT_AVERAGING,
+    DEFAULT_INNER_STEPS,
+    DEFAULT_MU_X,
+    DEFAULT_MU_Y,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+)
 from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
 from .diloco import DiLoCo
 from .gpa import GPA
@@ -24,4 +51,21 @@ __all__ = [
     "muon_param_groups",
     "mu_x_from_inner_steps",
     "inner_steps_from_mu_x",
+    "TrainEvalOptimizer",
+    "saved_optimizer_name",
+    "AVERAGING_MODES",
+    "DEFAULT_AVERAGING",
+    "DEFAULT_INNER_STEPS",
+    "DEFAULT_MU_X",
+    "DEFAULT_MU_Y",
+    "DEFAULT_OUTER_LR",
+    "DEFAULT_OUTER_MOMENTUM",
+    "check_averaging",
+    "check_inner_steps",
+    "check_lr",
+    "check_mu_x",
+    "check_mu_y",
+    "check_outer_lr",
+    "check_outer_momentum",
+    "check_weight_decay",
 ]
