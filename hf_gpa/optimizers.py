@@ -35,6 +35,7 @@ __all__ = [
     "FLAG_READERS",
     "check_base_optim",
     "optim_help",
+    "optim_that_saved",
     "muon_split",
     "optim_value",
     "optimizer_cls_and_kwargs",
@@ -251,6 +252,12 @@ def optimizer_cls_and_kwargs(args: TrainingArguments, model: nn.Module | None = 
     from transformers import Trainer
 
     return Trainer.get_optimizer_cls_and_kwargs(args, model)
+
+
+def optim_that_saved(saved: str) -> str:
+    """The --optim name whose optimizer records ``saved`` (``"GPA(SGD)"`` -> ``gpa``) in its checkpoints."""
+    by_class = {spec.optimizer_name: name for name, spec in HF_GPA_OPTIMIZERS.items()}
+    return by_class.get(saved, by_class.get(saved.split("(")[0], "gpa_adamw"))  # "DiLoCo(MuonWithAuxAdam)" is its own
 
 
 def unused_flags(optim: str) -> tuple[str, ...]:

@@ -65,7 +65,12 @@ from hf_gpa.batchnorm import (
 )
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
 from hf_gpa.optim import TrainEvalOptimizer, saved_optimizer_name
-from hf_gpa.optimizers import HF_GPA_OPTIMIZERS, GPAOptimizerNames, muon_split, optimizer_cls_and_kwargs
+from hf_gpa.optimizers import (
+    GPAOptimizerNames,
+    muon_split,
+    optim_that_saved,
+    optimizer_cls_and_kwargs,
+)
 from hf_gpa.training_args import DEEPSPEED_REFUSAL
 
 if TYPE_CHECKING:
@@ -168,15 +173,9 @@ def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArgumen
         raise ValueError(
             f"{optimizer_file} was written by hf_gpa's {saved}, which --optim {optim} cannot resume (its state holds "
             "GPA's z and the weights beside it are the averaged x). Resume with the hf_gpa optimizer that wrote it "
-            f"(e.g. --optim {_optim_that_saved(saved)}), or start a new run from the checkpoint's weights "
+            f"(e.g. --optim {optim_that_saved(saved)}), or start a new run from the checkpoint's weights "
             "(--model_name_or_path / from_pretrained) without resume_from_checkpoint."
         )
-
-
-def _optim_that_saved(saved: str) -> str:
-    """The --optim name whose optimizer records ``saved`` (``"GPA(SGD)"`` -> ``gpa``) in its checkpoints."""
-    by_class = {spec.optimizer_name: name for name, spec in HF_GPA_OPTIMIZERS.items()}
-    return by_class.get(saved, by_class.get(saved.split("(")[0], "gpa_adamw"))  # "DiLoCo(MuonWithAuxAdam)" is its own
 
 
 #: What transformers' model card says of a model whose config names no base model (trained from scratch).
