@@ -263,3 +263,28 @@ def test_trainer_low_bit_base_saves_x_and_resumes_bitwise(base, trainer_runs, me
         assert torch.equal(resumed_snaps.y[4][name], y), name
     weights = sum(p.numel() for p in full.model.parameters())
     assert memory_table.state_bytes(gpa) < 8 * weights  # fp32 AdamW: m and v, 8 bytes per weight
+
+
+@pytest.mark.parametrize("saver", ["adamw_torch", "adamw_torch_8bit"])
+def test_trainer_adopts_a_run_into_a_low_bit_base_keeping_its_low_bit_moments(saver, tmp_path, memory_table, eager):
+    """--optim adamw_torch (or adamw_torch_8bit) saved at step 2, resumed with --optim gpa --gpa_base_optim
+    adamw_torch_8bit: the adopted m, v are 8-bit, as a fresh GPA(AdamW8bit) keeps them (not fp32 m and v)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from helpers import TokenDataset, make_args
+
+    from hf_gpa.checkpoint import unwrap_gpa_optimizer
+    from hf_gpa.trainer import GPATrainer
+
+    common = dict(max_steps=2, save_strategy="steps", save_steps=2, gpa_mu_x=None, gpa_mu_y=0.7)
+    stock = make_args(tmp_path / "stock", optim=saver, **common)
+    GPATrainer(model=lowbit_llama(), args=stock, train_dataset=TokenDataset(16, seed=1)).train()
+    args = make_args(tmp_path / "gpa", optim="gpa", gpa_base_optim="adamw_torch_8bit", **{**common, "max_steps": 3})
+    trainer = GPATrainer(model=lowbit_llama(), args=args, train_dataset=TokenDataset(16, seed=1))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "stock" / "checkpoint-2"))
+    gpa = unwrap_gpa_optimizer(trainer.optimizer)
+    weight = trainer.model.model.layers[0].mlp.up_proj.weight
+    assert gpa.state[weight]["base"]["step"].item() == 3
+    assert type(gpa.state[weight]["base"]["exp_avg"]).__name__ == "OptimState8bit"
+    weights = sum(p.numel() for p in trainer.model.parameters())
+    # z 4 bytes, m and v about 1 each, the eval-mode residual 1 (the trainer ends at x); fp32 m and v would be 13
+    assert memory_table.state_bytes(gpa) < 8 * weights
