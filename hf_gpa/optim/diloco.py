@@ -21,7 +21,7 @@ import torch
 
 from ._checks import check_diloco
 from ._residual import bits_differ
-from ._tensors import authoritative_y, local_tensor, state_dtype_for
+from ._tensors import authoritative_y, local_tensor
 from ._types import (
     DEFAULT_INNER_STEPS,
     DEFAULT_OUTER_LR,
@@ -33,6 +33,7 @@ from ._types import (
     OUTER_LR,
     OUTER_MOMENTUM,
     OUTER_MOMENTUM_BUFFER,
+    state_dtype_for,
 )
 from ._wrapper import BaseOptimizerWrapper
 

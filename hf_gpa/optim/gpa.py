@@ -18,7 +18,7 @@ import torch
 
 from ._checks import check_averaging, check_mu
 from ._gpa_switch import GPASwitch
-from ._tensors import local_tensor, real_view, state_dtype_for
+from ._tensors import local_tensor, real_view
 from ._types import (
     AVERAGING,
     DEFAULT_AVERAGING,
@@ -31,6 +31,7 @@ from ._types import (
     WEIGHT_SUM,
     Y_FP32,
     Z,
+    state_dtype_for,
 )
 from ._wrapper import BaseOptimizerWrapper
 from ._wrapper_passes import pass_after_base_, pass_before_base_
