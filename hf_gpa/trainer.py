@@ -511,7 +511,7 @@ class GPATrainer(Trainer):
         The next class decides the signature (`Trainer` takes ``language, license, tags, ...``, TRL's trainers
         ``model_name, dataset_name, tags``); the hf_gpa tags are added to ``tags`` wherever it takes them.
         """
-        section = gpa_model_card_section(self.args, self.model)
+        section = gpa_model_card_section(self.args, getattr(self, "model", None))
         if section:
             args, kwargs = _with_gpa_tags(super().create_model_card, args, kwargs, ("hf_gpa", self.args.optim.value))
         super().create_model_card(*args, **kwargs)
