@@ -62,8 +62,8 @@ Builder = Callable[["GPATrainingArguments", "nn.Module | None"], tuple[type, dic
 class OptimizerSpec:
     """One ``--optim`` name added by hf_gpa: what it is, how it is built, and which hf_gpa flags it reads.
 
-    A flag of this file that the chosen ``--optim`` does not read (and that differs from its default) is refused,
-    naming the ``--optim`` values that read it; the example scripts leave out their defaults for such flags.
+    A flag of `GPATrainingArguments` that the chosen ``--optim`` does not read (and that differs from its default) is
+    refused, naming the ``--optim`` values that read it; the example scripts leave out their defaults for such flags.
     """
 
     #: The --help text of the name (in parentheses after it).
