@@ -5,7 +5,8 @@ Every hf_gpa optimizer checks each param group here, the constructor's and those
 `GPATrainingArguments` calls the same functions with the flag's name (``name="--gpa_mu_x"``). A check raises a
 ``ValueError`` that names the argument, the value and the allowed range; a value that is not a number (a string,
 None, a bool) is rejected the same way rather than failing later with a ``TypeError``. The defaults live in
-``_types``.
+``_types``. `MuonWithAuxAdam`'s groups are checked here too (``check_muon_group``), and the wrappers check the values
+most bases share (``check_common``: torch's AdamW would take ``eps=inf``) before their base's own constructor checks.
 """
 
 from __future__ import annotations
