@@ -175,6 +175,7 @@ class GPAAdamW(GPASwitch):
             state[EXP_AVG] = torch.zeros_like(z, memory_format=torch.preserve_format)
             state[EXP_AVG_SQ] = torch.zeros_like(z, memory_format=torch.preserve_format)
         if p.dtype in HALF_DTYPES and Y_FP32 not in state and state[Z].dtype == torch.float32:
+            # Also for state saved before this copy existed: the parameter holds y rounded, a fine start.
             state[Y_FP32] = p.detach().to(dtype=torch.float32, copy=True, memory_format=torch.preserve_format)
         return state
 
@@ -347,6 +348,8 @@ def _single_tensor_gpa_adamw(
         if y32 is not None:
             y32.copy_(y_acc)
         y.copy_(y_acc)
+
+
 
 
 def _multi_tensor_gpa_adamw(

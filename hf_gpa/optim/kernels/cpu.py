@@ -48,20 +48,8 @@ LOCK_TIMEOUT_ENV = "HF_GPA_CPU_KERNEL_LOCK_TIMEOUT"
 DEFAULT_LOCK_TIMEOUT_S = 600.0  # a build takes ~40 s on 2 idle cores; a busy machine may need a few times that
 # /proc/cpuinfo fields that describe what -march=native compiles for (not per-core or time-varying ones like MHz).
 _CPU_FIELDS = frozenset(
-    (
-        "vendor_id",
-        "cpu family",
-        "model",
-        "model name",
-        "flags",
-        "features",
-        "cpu implementer",
-        "cpu architecture",
-        "cpu variant",
-        "cpu part",
-        "isa",
-        "cpu",
-    )
+    ("vendor_id", "cpu family", "model", "model name", "flags", "features", "cpu implementer", "cpu architecture",
+     "cpu variant", "cpu part", "isa", "cpu")
 )
 
 _lock = threading.Lock()
@@ -165,9 +153,8 @@ def _acquire(fd: int, timeout: float, folder: Path) -> None:
         if time.monotonic() >= deadline:
             raise _BuildLockTimeout
         if not announced:
-            logger.warning(
-                "hf_gpa: waiting (up to %.0f s) for another process building the CPU kernel in %s", timeout, folder
-            )
+            logger.warning("hf_gpa: waiting (up to %.0f s) for another process building the CPU kernel in %s",
+                           timeout, folder)
             announced = True
         time.sleep(0.2)
 
