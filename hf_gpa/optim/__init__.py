@@ -12,6 +12,7 @@ from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
 from .diloco import DiLoCo
 from .gpa import GPA
 from .gpa_adamw import GPAAdamW
+from .in_backward import StepInBackward, step_in_backward
 from .muon import MuonWithAuxAdam, muon_param_groups
 from .reference import ReferenceGPA
 
@@ -24,4 +25,6 @@ __all__ = [
     "muon_param_groups",
     "mu_x_from_inner_steps",
     "inner_steps_from_mu_x",
+    "step_in_backward",
+    "StepInBackward",
 ]
