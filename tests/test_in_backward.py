@@ -195,3 +195,96 @@ def test_optimizers_without_a_per_parameter_step_are_refused(make) -> None:
         step_in_backward(opt)
     net(torch.randn(8, 7), skip=False).backward()
     assert all(p.grad is not None for p in net.parameters())  # no hook was left behind
+
+
+# ---- GPATrainer and GPATrainingArguments: --gpa_step_in_backward ----
+
+
+def test_trainer_in_backward_is_bitwise_the_ordinary_run(tmp_path) -> None:
+    """--gpa_step_in_backward: every step's y, every saved x, the losses and the final x equal the ordinary run
+    (cosine schedule with warm-up, checkpoints); the logged grad norm is the ordinary one; gradients are freed."""
+    from helpers import run_llama, train_losses
+
+    ref, ref_snap = run_llama(tmp_path / "ref", max_grad_norm=0.0)
+    calls: list[int] = []
+    step_params = GPAAdamW._step_params
+
+    def counted(self, group, params, hyper):
+        calls.append(len(params))
+        step_params(self, group, params, hyper)
+
+    with mock.patch.object(GPAAdamW, "_step_params", counted):
+        ours, snap = run_llama(tmp_path / "in_backward", max_grad_norm=0.0, gpa_step_in_backward=True)
+    n_params = len(list(ours.model.parameters()))
+    assert calls == [1] * 6 * n_params  # every parameter stepped on its own, in backward
+    assert snap.y.keys() == ref_snap.y.keys() == set(range(1, 7))
+    for step in ref_snap.y:
+        for name, value in ref_snap.y[step].items():
+            assert torch.equal(snap.y[step][name], value), (step, name)
+    for step in ref_snap.saved_x:
+        for name, value in ref_snap.saved_x[step].items():
+            assert torch.equal(snap.saved_x[step][name], value), (step, name)
+    for (step, (loss, norm)), (ref_step, (ref_loss, ref_norm)) in zip(
+        train_losses(ours).items(), train_losses(ref).items()
+    ):
+        assert step == ref_step and loss == ref_loss
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+    assert all(p.grad is None for p in ours.model.parameters())
+    assert ours._step_in_backward is None  # hooks removed when train() returns
+    for p, r in zip(ours.model.parameters(), ref.model.parameters()):
+        assert torch.equal(p, r)  # both at x
+
+
+def test_trainer_resume_in_backward_matches_the_uninterrupted_run(tmp_path) -> None:
+    """A run resumed with --gpa_step_in_backward from a checkpoint it wrote ends bitwise where the uninterrupted
+    ordinary run ends."""
+    from helpers import run_llama
+
+    ref, _ = run_llama(tmp_path / "ref", max_grad_norm=0.0)
+    run_llama(tmp_path / "first", max_grad_norm=0.0, gpa_step_in_backward=True)
+    checkpoint = str(tmp_path / "first" / "checkpoint-3")
+    resumed, _ = run_llama(tmp_path / "resumed", resume=checkpoint, max_grad_norm=0.0, gpa_step_in_backward=True)
+    for p, r in zip(resumed.model.parameters(), ref.model.parameters()):
+        assert torch.equal(p, r)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "match"),
+    [
+        ({"max_grad_norm": 0.0, "optim": "gpa", "gpa_base_optim": "adamw_torch"}, {}, "--optim gpa: only --optim"),
+        ({"max_grad_norm": 0.0, "optim": "adamw_torch"}, {}, "--optim adamw_torch: only --optim gpa_adamw"),
+        ({"max_grad_norm": 0.0, "gradient_accumulation_steps": 2}, {}, "--gradient_accumulation_steps 2"),
+        ({}, {}, r"--max_grad_norm 1\.0 .*pass --max_grad_norm 0"),
+        ({"max_grad_norm": 0.0, "fp16": True}, {}, "--fp16"),
+        ({"max_grad_norm": 0.0}, {"WORLD_SIZE": "2"}, "2 processes"),
+        ({"max_grad_norm": 0.0}, {"ACCELERATE_USE_FSDP": "true"}, "FSDP"),
+        ({"max_grad_norm": 0.0, "fsdp": "full_shard"}, {}, "FSDP"),
+        (
+            {
+                "max_grad_norm": 0.0,
+                "gradient_checkpointing": True,
+                "gradient_checkpointing_kwargs": '{"use_reentrant": true}',
+            },
+            {},
+            "use_reentrant=True",
+        ),
+    ],
+    ids=["gpa", "stock", "accumulation", "clipping", "fp16", "ddp", "fsdp_env", "fsdp", "reentrant"],
+)
+def test_arguments_refuse_what_cannot_step_in_backward(tmp_path, overrides, env, match) -> None:
+    """Each setting --gpa_step_in_backward cannot honour is refused at parse time, by name, with the reason."""
+    from helpers import make_args
+
+    with (
+        mock.patch.dict("os.environ", env),
+        pytest.raises(ValueError, match=f"--gpa_step_in_backward cannot run.*{match}"),
+    ):
+        make_args(tmp_path, gpa_step_in_backward=True, **overrides)
+
+
+def test_arguments_accept_step_in_backward(tmp_path) -> None:
+    """--optim gpa_adamw with --max_grad_norm 0 on one process parses; the flag defaults to off."""
+    from helpers import make_args
+
+    assert make_args(tmp_path, gpa_step_in_backward=True, max_grad_norm=0.0).gpa_step_in_backward
+    assert not make_args(tmp_path).gpa_step_in_backward
