@@ -95,9 +95,6 @@ _UNWRAPPABLE_BASES: frozenset[str] = frozenset(
 )
 
 
-#: The --optim names whose optimizer has a per-parameter step (`hf_gpa.optim.in_backward`): --gpa_step_in_backward.
-STEP_IN_BACKWARD_OPTIMS: tuple[str, ...] = ("gpa_adamw",)
-
 # ---- the --optim names hf_gpa adds: one table ----
 
 Builder = Callable[["GPATrainingArguments", "nn.Module | None"], tuple[type, dict[str, Any]]]
@@ -201,7 +198,10 @@ _EVALUATION_FLAGS = ("gpa_bn_recalibration_batches",)
 #: Every --optim name hf_gpa adds. Adding a name is one entry here (the enum below and --help follow).
 HF_GPA_OPTIMIZERS: dict[str, OptimizerSpec] = {
     "gpa_adamw": OptimizerSpec(
-        "GPA around AdamW", _build_gpa_adamw, (*_GPA_AVERAGING_FLAGS, *_EVALUATION_FLAGS), "GPAAdamW"
+        "GPA around AdamW",
+        _build_gpa_adamw,
+        (*_GPA_AVERAGING_FLAGS, *_EVALUATION_FLAGS, "gpa_step_in_backward"),  # the one per-parameter step
+        "GPAAdamW",
     ),
     "gpa": OptimizerSpec(
         "GPA around --gpa_base_optim",
@@ -403,7 +403,7 @@ class GPATrainingArguments(TrainingArguments):
             )
         self._check_gpa_flags(optim)
         self._refuse_deepspeed(optim)
-        self._check_step_in_backward(optim)
+        self._check_step_in_backward()
         with self._stock_name_inside(optim):
             super().__post_init__()
 
@@ -470,16 +470,12 @@ class GPATrainingArguments(TrainingArguments):
             return
         raise ValueError(f"--optim {optim} cannot run under {route}: {DEEPSPEED_REFUSAL}")
 
-    def _check_step_in_backward(self, optim: str) -> None:
-        """--gpa_step_in_backward: refuse, by name and with the reason, every setting it cannot honour."""
+    def _check_step_in_backward(self) -> None:
+        """--gpa_step_in_backward: refuse, by name and with the reason, every setting it cannot honour (an --optim
+        that does not read it is refused with the other flags)."""
         if not self.gpa_step_in_backward:
             return
-        refusals = []
-        if optim not in STEP_IN_BACKWARD_OPTIMS:
-            refusals.append(
-                f"--optim {optim}: only --optim {' or '.join(STEP_IN_BACKWARD_OPTIMS)} has a per-parameter step (GPA "
-                "around a base optimizer steps all its tensors at once)"
-            )
+        refusals = []  # the --optim names that read the flag (have a per-parameter step) are the table's
         if self.gradient_accumulation_steps != 1:
             refusals.append(
                 f"--gradient_accumulation_steps {self.gradient_accumulation_steps}: every backward is a step, so "

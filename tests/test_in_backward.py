@@ -251,8 +251,6 @@ def test_trainer_resume_in_backward_matches_the_uninterrupted_run(tmp_path) -> N
 @pytest.mark.parametrize(
     ("overrides", "env", "match"),
     [
-        ({"max_grad_norm": 0.0, "optim": "gpa", "gpa_base_optim": "adamw_torch"}, {}, "--optim gpa: only --optim"),
-        ({"max_grad_norm": 0.0, "optim": "adamw_torch"}, {}, "--optim adamw_torch: only --optim gpa_adamw"),
         ({"max_grad_norm": 0.0, "gradient_accumulation_steps": 2}, {}, "--gradient_accumulation_steps 2"),
         ({}, {}, r"--max_grad_norm 1\.0 .*pass --max_grad_norm 0"),
         ({"max_grad_norm": 0.0, "fp16": True}, {}, "--fp16"),
@@ -269,7 +267,7 @@ def test_trainer_resume_in_backward_matches_the_uninterrupted_run(tmp_path) -> N
             "use_reentrant=True",
         ),
     ],
-    ids=["gpa", "stock", "accumulation", "clipping", "fp16", "ddp", "fsdp_env", "fsdp", "reentrant"],
+    ids=["accumulation", "clipping", "fp16", "ddp", "fsdp_env", "fsdp", "reentrant"],
 )
 def test_arguments_refuse_what_cannot_step_in_backward(tmp_path, overrides, env, match) -> None:
     """Each setting --gpa_step_in_backward cannot honour is refused at parse time, by name, with the reason."""
@@ -280,6 +278,17 @@ def test_arguments_refuse_what_cannot_step_in_backward(tmp_path, overrides, env,
         pytest.raises(ValueError, match=f"--gpa_step_in_backward cannot run.*{match}"),
     ):
         make_args(tmp_path, gpa_step_in_backward=True, **overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"optim": "gpa", "gpa_base_optim": "adamw_torch"}, {"optim": "adamw_torch"}], ids=["gpa", "stock"]
+)
+def test_arguments_refuse_step_in_backward_without_a_per_parameter_step(tmp_path, overrides) -> None:
+    """Any --optim but gpa_adamw (GPA around a base optimizer steps all its tensors at once) is refused by name."""
+    from helpers import make_args
+
+    with pytest.raises(ValueError, match="--gpa_step_in_backward True only applies to --optim gpa_adamw"):
+        make_args(tmp_path, gpa_step_in_backward=True, max_grad_norm=0.0, **overrides)
 
 
 def test_arguments_accept_step_in_backward(tmp_path) -> None:
