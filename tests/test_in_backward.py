@@ -164,6 +164,30 @@ def test_eval_mode_refuses_to_step_in_backward() -> None:
         net(torch.randn(8, 7), skip=False).backward()  # a new step starts normally after the refused one
 
 
+def test_a_backward_that_raised_does_not_leak_into_the_next_step() -> None:
+    """After a backward pass that raised half-way, the next backward is a new step: it takes the learning rate of
+    that step (0 here: with mu_x = 0 and y = z, nothing moves), not the one the failed pass read."""
+    net = _Net(torch.float32)
+    opt = GPAAdamW(net.parameters(), lr=0.1, mu_x=0.0)
+    hooks = step_in_backward(opt)
+    net(torch.randn(8, 7), skip=False).backward()
+
+    def fail(_: torch.Tensor) -> None:
+        raise ValueError("a failing hook")
+
+    failing = net.w2.register_post_accumulate_grad_hook(fail)  # w2's gradient is among the first: a pass cut short
+    with pytest.raises(ValueError, match="a failing hook"):
+        net(torch.randn(8, 7), skip=False).backward()
+    failing.remove()
+    for p in net.parameters():
+        p.grad = None
+    opt.param_groups[0]["lr"] = 0.0
+    before = [p.detach().clone() for p in net.parameters()]
+    net(torch.randn(8, 7), skip=False).backward()
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+    hooks.remove()
+
+
 def test_grad_norm_is_the_global_norm_of_the_step() -> None:
     """track_grad_norm: the norm of all the step's gradients, as clip_grad_norm_ reports it."""
     net = _Net(torch.float32)

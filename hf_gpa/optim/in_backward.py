@@ -15,7 +15,8 @@ for the hooked parameters, so a loop or a Trainer that calls them keeps working,
 What cannot work this way: gradient accumulation (every backward steps), clipping by the global gradient norm (the
 norm is known only after the last gradient, when every other parameter has moved), loss scaling that skips steps on
 overflow (fp16's GradScaler), and data-parallel wrappers whose hooks fire before the gradients are reduced (DDP,
-FSDP). Only optimizers with a per-parameter step (``GPAAdamW``) can be hooked; ``GPA(base=...)`` runs its base
+FSDP), and reentrant activation checkpointing (its nested backward passes would each count as a step). Only
+optimizers with a per-parameter step (``GPAAdamW``) can be hooked; ``GPA(base=...)`` runs its base
 optimizer's ``step()`` over all tensors at once and is refused.
 """
 
@@ -53,7 +54,7 @@ class StepInBackward:
         self.grad_norm: torch.Tensor | None = None
         self._hypers: dict[int, Any] = {}  # group index -> this step's hyper-parameters (_begin_group_step)
         self._sq_norms: list[torch.Tensor] = []
-        self._in_step = False
+        self._pass: int | None = None  # the autograd graph task of the step in progress, None between steps
         self._handles: list[Any] = []
         seen: set[int] = set()
         for index, group in enumerate(optimizer.param_groups):
@@ -78,15 +79,20 @@ class StepInBackward:
     @torch.no_grad()
     def _step(self, index: int, p: torch.Tensor) -> None:
         optimizer = self.optimizer
-        if not self._in_step:
+        this_pass = torch._C._current_graph_task_id()
+        if this_pass != self._pass:
+            # The first gradient of this backward pass: a new training step. (A pass that raised half-way never
+            # ran its end-of-step callback; its step is over all the same.)
             if not getattr(optimizer, "train_mode", True):
                 raise RuntimeError(
                     f"{type(optimizer).__name__} was asked to step inside backward in eval mode (the parameters "
                     "hold the averaged weights). Call optimizer.train() before training steps."
                 )
+            self._hypers.clear()
+            self._sq_norms = []
             # Closes the step when this backward pass ends (the engine runs queued callbacks after the last hook).
             torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
-            self._in_step = True
+            self._pass = this_pass
         group = optimizer.param_groups[index]
         hyper = self._hypers.get(index)
         if hyper is None:
@@ -98,7 +104,7 @@ class StepInBackward:
 
     def _end_step(self) -> None:
         self._hypers.clear()
-        self._in_step = False
+        self._pass = None
         if self.track_grad_norm:
             self.grad_norm = torch.stack(self._sq_norms).sum().sqrt() if self._sq_norms else None
             self._sq_norms = []
