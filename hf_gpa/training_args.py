@@ -500,7 +500,8 @@ class GPATrainingArguments(TrainingArguments):
         if world_size > 1:
             refusals.append(
                 f"{world_size} processes (WORLD_SIZE): DDP all-reduces the gradients after the hooks that would step "
-                "them have run; not supported yet, run on one process"
+                "them have run, and keeps its own gradient buckets, a full set of gradients, whatever the step does "
+                "(so there would be no memory to save); run on one process"
             )
         kwargs = self.gradient_checkpointing_kwargs or {}
         if isinstance(kwargs, str):  # a JSON string from the command line (the stock __post_init__ parses it later)
