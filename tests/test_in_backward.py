@@ -7,6 +7,7 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers import make_args, run_llama, train_losses
 from torch import nn
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
@@ -224,12 +225,12 @@ def test_optimizers_without_a_per_parameter_step_are_refused(make) -> None:
 # ---- GPATrainer and GPATrainingArguments: --gpa_step_in_backward ----
 
 
-def test_trainer_in_backward_is_bitwise_the_ordinary_run(tmp_path) -> None:
+@pytest.mark.parametrize("precision", [{}, {"bf16": True}], ids=["fp32", "bf16_autocast"])
+def test_trainer_in_backward_is_bitwise_the_ordinary_run(tmp_path, precision) -> None:
     """--gpa_step_in_backward: every step's y, every saved x, the losses and the final x equal the ordinary run
-    (cosine schedule with warm-up, checkpoints); the logged grad norm is the ordinary one; gradients are freed."""
-    from helpers import run_llama, train_losses
-
-    ref, ref_snap = run_llama(tmp_path / "ref", max_grad_norm=0.0)
+    (cosine schedule with warm-up, checkpoints; fp32 and bf16 autocast); the logged grad norm is the ordinary one;
+    gradients are freed."""
+    ref, ref_snap = run_llama(tmp_path / "ref", max_grad_norm=0.0, **precision)
     calls: list[int] = []
     step_params = GPAAdamW._step_params
 
@@ -238,7 +239,7 @@ def test_trainer_in_backward_is_bitwise_the_ordinary_run(tmp_path) -> None:
         step_params(self, group, params, hyper)
 
     with mock.patch.object(GPAAdamW, "_step_params", counted):
-        ours, snap = run_llama(tmp_path / "in_backward", max_grad_norm=0.0, gpa_step_in_backward=True)
+        ours, snap = run_llama(tmp_path / "in_backward", max_grad_norm=0.0, gpa_step_in_backward=True, **precision)
     n_params = len(list(ours.model.parameters()))
     assert calls == [1] * 6 * n_params  # every parameter stepped on its own, in backward
     assert snap.y.keys() == ref_snap.y.keys() == set(range(1, 7))
@@ -262,8 +263,6 @@ def test_trainer_in_backward_is_bitwise_the_ordinary_run(tmp_path) -> None:
 def test_trainer_resume_in_backward_matches_the_uninterrupted_run(tmp_path) -> None:
     """A run resumed with --gpa_step_in_backward from a checkpoint it wrote ends bitwise where the uninterrupted
     ordinary run ends."""
-    from helpers import run_llama
-
     ref, _ = run_llama(tmp_path / "ref", max_grad_norm=0.0)
     run_llama(tmp_path / "first", max_grad_norm=0.0, gpa_step_in_backward=True)
     checkpoint = str(tmp_path / "first" / "checkpoint-3")
@@ -295,8 +294,6 @@ def test_trainer_resume_in_backward_matches_the_uninterrupted_run(tmp_path) -> N
 )
 def test_arguments_refuse_what_cannot_step_in_backward(tmp_path, overrides, env, match) -> None:
     """Each setting --gpa_step_in_backward cannot honour is refused at parse time, by name, with the reason."""
-    from helpers import make_args
-
     with (
         mock.patch.dict("os.environ", env),
         pytest.raises(ValueError, match=f"--gpa_step_in_backward cannot run.*{match}"),
@@ -309,15 +306,11 @@ def test_arguments_refuse_what_cannot_step_in_backward(tmp_path, overrides, env,
 )
 def test_arguments_refuse_step_in_backward_without_a_per_parameter_step(tmp_path, overrides) -> None:
     """Any --optim but gpa_adamw (GPA around a base optimizer steps all its tensors at once) is refused by name."""
-    from helpers import make_args
-
     with pytest.raises(ValueError, match="--gpa_step_in_backward True only applies to --optim gpa_adamw"):
         make_args(tmp_path, gpa_step_in_backward=True, max_grad_norm=0.0, **overrides)
 
 
 def test_arguments_accept_step_in_backward(tmp_path) -> None:
     """--optim gpa_adamw with --max_grad_norm 0 on one process parses; the flag defaults to off."""
-    from helpers import make_args
-
     assert make_args(tmp_path, gpa_step_in_backward=True, max_grad_norm=0.0).gpa_step_in_backward
     assert not make_args(tmp_path).gpa_step_in_backward
