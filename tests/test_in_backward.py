@@ -314,3 +314,16 @@ def test_arguments_accept_step_in_backward(tmp_path) -> None:
     """--optim gpa_adamw with --max_grad_norm 0 on one process parses; the flag defaults to off."""
     assert make_args(tmp_path, gpa_step_in_backward=True, max_grad_norm=0.0).gpa_step_in_backward
     assert not make_args(tmp_path).gpa_step_in_backward
+
+
+def test_a_group_added_later_steps_after_backward() -> None:
+    """Parameters of a group added after the hooks keep their gradients; optimizer.step() steps them as usual."""
+    net = _Net(torch.float32)
+    opt = GPAAdamW([net.w1, net.b1, net.w2], lr=1e-2)
+    with step_in_backward(opt):
+        opt.add_param_group({"params": [net.unused]})
+        before = net.unused.detach().clone()
+        net(torch.randn(8, 7), skip=False).backward()
+        assert net.w1.grad is None and net.unused.grad is not None
+        opt.step()
+    assert not torch.equal(net.unused, before) and float(opt.state[net.unused]["step"]) == 1.0

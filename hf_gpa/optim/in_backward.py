@@ -22,6 +22,7 @@ optimizer's ``step()`` over all tensors at once and is refused.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -37,8 +38,10 @@ _PER_PARAMETER_STEP = ("_begin_group_step", "_step_params")
 class StepInBackward:
     """The hooks that step ``optimizer``'s parameters inside ``backward()``; ``remove()`` takes them away.
 
-    Also a context manager (the hooks are removed on exit). ``grad_norm`` is the global norm of the last step's
-    gradients (the norm ``clip_grad_norm_`` reports, not clipped) when ``track_grad_norm`` is set, else None.
+    The parameters of the optimizer's groups when it is called are hooked; a group added later keeps its gradients
+    for ``optimizer.step()``. Also a context manager (the hooks are removed on exit). ``grad_norm`` is the global
+    norm of the last step's gradients (the norm ``clip_grad_norm_`` reports, not clipped) when ``track_grad_norm``
+    is set, else None.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, track_grad_norm: bool = False) -> None:
@@ -56,6 +59,7 @@ class StepInBackward:
         self._sq_norms: list[torch.Tensor] = []
         self._pass: int | None = None  # the autograd graph task of the step in progress, None between steps
         self._handles: list[Any] = []
+        self._lock = threading.Lock()
         seen: set[int] = set()
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -79,26 +83,28 @@ class StepInBackward:
     @torch.no_grad()
     def _step(self, index: int, p: torch.Tensor) -> None:
         optimizer = self.optimizer
-        this_pass = torch._C._current_graph_task_id()
-        if this_pass != self._pass:
-            # The first gradient of this backward pass: a new training step. (A pass that raised half-way never
-            # ran its end-of-step callback; its step is over all the same.)
-            if not getattr(optimizer, "train_mode", True):
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} was asked to step inside backward in eval mode (the parameters "
-                    "hold the averaged weights). Call optimizer.train() before training steps."
-                )
-            self._hypers.clear()
-            self._sq_norms = []
-            # Closes the step when this backward pass ends (the engine runs queued callbacks after the last hook).
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
-            self._pass = this_pass
         group = optimizer.param_groups[index]
-        hyper = self._hypers.get(index)
-        if hyper is None:
-            hyper = self._hypers[index] = optimizer._begin_group_step(group)
-        if self.track_grad_norm:
-            self._sq_norms.append(torch.linalg.vector_norm(p.grad, dtype=torch.float32).square())
+        # The autograd engine runs the hooks of parameters on different GPUs on different threads.
+        with self._lock:
+            this_pass = torch._C._current_graph_task_id()
+            if this_pass != self._pass:
+                # The first gradient of this backward pass: a new training step. (A pass that raised half-way never
+                # ran its end-of-step callback; its step is over all the same.)
+                if not getattr(optimizer, "train_mode", True):
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} was asked to step inside backward in eval mode (the parameters "
+                        "hold the averaged weights). Call optimizer.train() before training steps."
+                    )
+                self._hypers.clear()
+                self._sq_norms = []
+                # Closes the step when this pass ends (the engine runs queued callbacks after the last hook).
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+                self._pass = this_pass
+            hyper = self._hypers.get(index)
+            if hyper is None:
+                hyper = self._hypers[index] = optimizer._begin_group_step(group)
+            if self.track_grad_norm:
+                self._sq_norms.append(torch.linalg.vector_norm(p.grad, dtype=torch.float32).square())
         optimizer._step_params(group, [p], hyper)
         p.grad = None  # the point of it all: the gradient is gone before the next one is computed
 
@@ -106,7 +112,8 @@ class StepInBackward:
         self._hypers.clear()
         self._pass = None
         if self.track_grad_norm:
-            self.grad_norm = torch.stack(self._sq_norms).sum().sqrt() if self._sq_norms else None
+            norms = [n.to(self._sq_norms[0].device) for n in self._sq_norms]
+            self.grad_norm = torch.stack(norms).sum().sqrt() if norms else None
             self._sq_norms = []
 
     def remove(self) -> None:
