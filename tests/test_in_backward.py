@@ -38,10 +38,12 @@ def _impl_kwargs(impl: str) -> dict:
     return {"forloop": {"foreach": False}, "foreach": {"foreach": True}}.get(impl, {"fused": True})
 
 
-def _run(impl: str, in_backward: bool, steps: int = 5, dtype: torch.dtype = torch.float32) -> tuple[_Net, GPAAdamW]:
+def _run(
+    impl: str, in_backward: bool, steps: int = 5, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[_Net, GPAAdamW]:
     """Train ``steps`` steps with a warm-up/decay schedule, three groups (one Schedule-Free, one maximizing), and a
     parameter that gets no gradient in every other step; ordinarily or inside backward."""
-    net = _Net(dtype)
+    net = _Net(dtype).to(device)
     groups = [
         {"params": [net.w1], "weight_decay": 0.1},
         {"params": [net.b1, net.unused], "averaging": "schedule_free", "mu_y": 0.5},
@@ -53,7 +55,7 @@ def _run(impl: str, in_backward: bool, steps: int = 5, dtype: torch.dtype = torc
     handle = step_in_backward(opt) if in_backward else None
     with mock.patch.dict(kernels.FORCE, backend="triton" if impl == "triton" else None):
         for t in range(steps):
-            net(torch.randn(8, 7, generator=gen).to(dtype), skip=t % 2 == 1).backward()
+            net(torch.randn(8, 7, generator=gen).to(device, dtype), skip=t % 2 == 1).backward()
             opt.step()
             opt.zero_grad()
             sched.step()
@@ -85,10 +87,23 @@ def test_in_backward_is_bitwise_the_ordinary_step(impl: str) -> None:
         assert torch.equal(p, r)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run `python -m pytest -m gpu`")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_in_backward_is_bitwise_the_ordinary_step_on_cuda(dtype: torch.dtype) -> None:
+    """On CUDA (the Triton kernel, the hooks on the engine's device thread): bitwise the ordinary step."""
+    ref_net, ref_opt = _run("fused", in_backward=False, dtype=dtype, device="cuda")
+    net, opt = _run("fused", in_backward=True, dtype=dtype, device="cuda")
+    for p, r in zip(net.parameters(), ref_net.parameters()):
+        assert torch.equal(p, r)
+        for key, value in ref_opt.state[r].items():
+            assert torch.equal(opt.state[p][key], value), key
+
+
 def test_in_backward_bf16_keeps_the_float32_copy_of_y() -> None:
     """bf16 parameters (state in float32, y's float32 copy): bitwise the ordinary step, on the default path."""
-    ref_net, ref_opt = _run("default", in_backward=False, dtype=torch.bfloat16)
-    net, opt = _run("default", in_backward=True, dtype=torch.bfloat16)
+    ref_net, ref_opt = _run("fused", in_backward=False, dtype=torch.bfloat16)
+    net, opt = _run("fused", in_backward=True, dtype=torch.bfloat16)
     for p, r in zip(net.parameters(), ref_net.parameters()):
         assert torch.equal(p, r)
         assert set(opt.state[p]) == set(ref_opt.state[r]) and "y_fp32" in opt.state[p]
