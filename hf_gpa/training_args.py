@@ -401,9 +401,9 @@ class GPATrainingArguments(TrainingArguments):
                 f"--optim {optim!r} is not a known optimizer: use one of {', '.join(GPA_OPTIM_NAMES)} or a stock "
                 f"transformers name ({', '.join(STOCK_OPTIM_NAMES)})"
             )
+        self._check_step_in_backward(optim)
         self._check_gpa_flags(optim)
         self._refuse_deepspeed(optim)
-        self._check_step_in_backward()
         with self._stock_name_inside(optim):
             super().__post_init__()
 
@@ -470,12 +470,19 @@ class GPATrainingArguments(TrainingArguments):
             return
         raise ValueError(f"--optim {optim} cannot run under {route}: {DEEPSPEED_REFUSAL}")
 
-    def _check_step_in_backward(self) -> None:
-        """--gpa_step_in_backward: refuse, by name and with the reason, every setting it cannot honour (an --optim
-        that does not read it is refused with the other flags)."""
+    def _check_step_in_backward(self, optim: str) -> None:
+        """--gpa_step_in_backward: refuse, by name and with the reason, every setting it cannot honour."""
+        if not isinstance(self.gpa_step_in_backward, bool):
+            raise ValueError(f"Invalid --gpa_step_in_backward: {self.gpa_step_in_backward!r} (true or false)")
         if not self.gpa_step_in_backward:
             return
-        refusals = []  # the --optim names that read the flag (have a per-parameter step) are the table's
+        refusals = []
+        readers = _READ_BY["gpa_step_in_backward"]  # the table's --optim names with a per-parameter step
+        if optim not in readers:
+            refusals.append(
+                f"--optim {optim}: only --optim {' or '.join(readers)} steps one parameter at a time (GPA around a "
+                "base optimizer, DiLoCo and the stock optimizers step all their tensors at once)"
+            )
         if self.gradient_accumulation_steps != 1:
             refusals.append(
                 f"--gradient_accumulation_steps {self.gradient_accumulation_steps}: every backward is a step, so "

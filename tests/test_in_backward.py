@@ -321,8 +321,14 @@ def test_arguments_refuse_what_cannot_step_in_backward(tmp_path, overrides, env,
 )
 def test_arguments_refuse_step_in_backward_without_a_per_parameter_step(tmp_path, overrides) -> None:
     """Any --optim but gpa_adamw (GPA around a base optimizer steps all its tensors at once) is refused by name."""
-    with pytest.raises(ValueError, match="--gpa_step_in_backward True only applies to --optim gpa_adamw"):
+    with pytest.raises(ValueError, match="--gpa_step_in_backward cannot run with --optim .*: only --optim gpa_adamw"):
         make_args(tmp_path, gpa_step_in_backward=True, max_grad_norm=0.0, **overrides)
+
+
+def test_arguments_refuse_a_step_in_backward_that_is_not_a_bool(tmp_path) -> None:
+    """A value that is not a bool (a string from Python code) is refused, naming the flag."""
+    with pytest.raises(ValueError, match="Invalid --gpa_step_in_backward: 'false'"):
+        make_args(tmp_path, gpa_step_in_backward="false", max_grad_norm=0.0)
 
 
 def test_arguments_accept_step_in_backward(tmp_path) -> None:
