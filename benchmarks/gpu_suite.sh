@@ -69,6 +69,10 @@ step throughput 150 "$PY" benchmarks/throughput.py --device cuda --out-dir "$OUT
 # the torchao rows need torchao (hf_gpa[lowbit]) and are left out where it does not import.
 step memory_table 240 "$PY" benchmarks/memory_table.py --device cuda --size llama1b --no-meta --timeout 60 \
     --out "$OUT/memory_cuda"
+# The peak of a whole training step of the 58M Llama with GPA-AdamW's step inside backward, and its step time against
+# the ordinary GPA-AdamW step (issue 25).
+step training_step 180 "$PY" benchmarks/memory_table.py --training-step --device cuda --timeout 60 \
+    --out "$OUT/memory_cuda"
 
 {
     echo "# hf_gpa GPU suite, $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -77,7 +81,8 @@ step memory_table 240 "$PY" benchmarks/memory_table.py --device cuda --size llam
     echo
     echo "Failed steps: ${failed[*]:-none}"
     tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null | sed 's/^/    /' || true
-    for table in "$OUT"/step_time_*.md "$OUT"/throughput_cuda.md "$OUT"/memory_cuda/table.md; do
+    for table in "$OUT"/step_time_*.md "$OUT"/throughput_cuda.md "$OUT"/memory_cuda/table.md \
+        "$OUT"/memory_cuda/training_step.md; do
         [ -f "$table" ] || continue
         echo
         echo "## $(basename "$table" .md)"

@@ -22,6 +22,14 @@ state is counted the same way (no peaks: meta tensors hold no memory).
     python benchmarks/memory_table.py                     # 58M list on CPU, then Llama-1B on meta
     python benchmarks/memory_table.py --size small        # a quick look
     python benchmarks/memory_table.py --device cuda --size llama1b --no-meta --out OUT   # CUDA peaks
+    python benchmarks/memory_table.py --training-step     # a whole training step, with the step in backward
+
+``--training-step`` measures what decides what fits: the peak of one training step (forward, backward, step) of the
+58M Llama itself, above the process before the model was built (parameters, gradients, state, activations and
+temporaries together), for AdamW, GPA-AdamW and GPA-AdamW stepping inside backward
+(``hf_gpa.optim.step_in_backward``), each in its own process; and the training step's time with the step in
+backward against the ordinary GPA-AdamW step, both models in one process, in interleaved rounds (medians).
+Results: ``training_step.md`` and ``training_step.json`` beside the table.
 
 Results: ``benchmarks/results/memory/table.md`` and ``memory.json``.
 """
@@ -218,10 +226,236 @@ def measure_meta(name: str, dtype: str, size: str) -> dict[str, Any]:
     return {"optimizer": name, "dtype": dtype, "numel": numel, "state_train": train / numel, "state_eval": evaluated}
 
 
+# ---- the training step: forward, backward and step, ordinary or inside backward (issue 25) ----
+
+#: (optimizer, whether it steps inside backward): the rows of the training-step table, in order.
+TRAINING_STEP_ROWS: list[tuple[str, bool]] = [
+    ("AdamW", False),
+    ("AdamW (fused)", False),
+    ("GPA-AdamW", False),
+    ("GPA-AdamW", True),
+]
+
+
+def _llama_config(size: str) -> Any:
+    """The ``LlamaConfig`` of ``size`` (imports transformers and hf_gpa, and loads the C++ kernel: called before the
+    baseline of a measurement is taken, so that none of that counts)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_time import SIZES
+    from transformers import LlamaConfig
+
+    from hf_gpa.optim.kernels.cpu import load_cpu_kernel
+
+    load_cpu_kernel()
+    return LlamaConfig(**SIZES[size])
+
+
+def _llama(size: str, device: str) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    config = _llama_config(size)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device)
+
+
+def _training_optimizer(name: str, model: torch.nn.Module, in_backward: bool) -> torch.optim.Optimizer:
+    from hf_gpa.optim import step_in_backward
+
+    params = list(model.parameters())
+    optimizer = (
+        torch.optim.AdamW(params, **ADAM, fused=True) if name == "AdamW (fused)" else make_optimizer(name, params)
+    )
+    if in_backward:
+        step_in_backward(optimizer)  # the hooks live as long as the parameters
+    return optimizer
+
+
+def _batch(size: str, batch: tuple[int, int], device: str) -> torch.Tensor:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_time import SIZES
+
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, SIZES[size]["vocab_size"], batch, generator=generator).to(device)
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
+    """One training step as the Trainer takes it: forward, backward, ``step()`` (nothing left to do in backward
+    mode), gradients set to None."""
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure_training_step(
+    name: str, in_backward: bool, size: str, steps: int, batch: tuple[int, int], device: str = "cpu"
+) -> dict[str, Any]:
+    """The peak of one training step above the process before the model existed, after ``steps`` warm-up steps."""
+    _llama_config(size)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+    else:
+        start = _status()["VmRSS"]
+    model = _llama(size, device)
+    numel = sum(p.numel() for p in model.parameters())
+    optimizer = _training_optimizer(name, model, in_backward)
+    ids = _batch(size, batch, device)
+    for _ in range(steps):
+        _train_step(model, optimizer, ids)
+    before = torch.cuda.memory_allocated() if device == "cuda" else _status()["VmRSS"]
+    peak = before - start + _peak_of(lambda: _train_step(model, optimizer, ids), device)
+    return {
+        "optimizer": name,
+        "in_backward": in_backward,
+        "numel": numel,
+        "batch": list(batch),
+        "device": device,
+        "peak": peak / numel,
+        "peak_mib": peak / 2**20,
+        "resident_between_steps": (before - start) / numel,
+    }
+
+
+def time_training_step(size: str, rounds: int, batch: tuple[int, int], device: str = "cpu") -> dict[str, Any]:
+    """GPA-AdamW's training step inside backward against the ordinary one: two models from the same seed in this
+    process, one step each per round in alternating order, medians; also the ordinary ``step()`` alone."""
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    setups = {mode: (_llama(size, device), mode) for mode in ("ordinary", "in backward")}
+    setups = {
+        mode: (model, _training_optimizer("GPA-AdamW", model, mode == "in backward"))
+        for mode, (model, _) in setups.items()
+    }
+    ids = _batch(size, batch, device)
+    times: dict[str, list[float]] = {"ordinary": [], "in backward": [], "ordinary step()": []}
+    for model, optimizer in setups.values():  # warm-up: state created, kernels built
+        _train_step(model, optimizer, ids)
+    for r in range(rounds):
+        order = ["ordinary", "in backward"] if r % 2 == 0 else ["in backward", "ordinary"]
+        for mode in order:
+            model, optimizer = setups[mode]
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            sync()
+            t1 = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            t2 = time.perf_counter()
+            times[mode].append(t2 - t0)
+            if mode == "ordinary":
+                times["ordinary step()"].append(t2 - t1)
+    medians = {mode: sorted(ts)[len(ts) // 2] for mode, ts in times.items()}
+    return {
+        "rounds": rounds,
+        "batch": list(batch),
+        "device": device,
+        "median_s": medians,
+        "ratio": medians["in backward"] / medians["ordinary"],
+        # the difference as a fraction of the ordinary optimizer step (what the in-backward step replaces)
+        "overhead_of_step": (medians["in backward"] - medians["ordinary"]) / medians["ordinary step()"],
+    }
+
+
+def training_step_table(data: dict[str, Any]) -> str:
+    rows = [r for r in data["memory"] if r]
+    adamw = next((r for r in rows if r["optimizer"] == "AdamW" and not r["in_backward"]), None)
+    numel = next((r["numel"] for r in rows), 0)
+    batch = "x".join(str(n) for n in data["batch"])
+    device = data["device"]
+    peak_source = "resident memory" if device == "cpu" else "torch.cuda.max_memory_allocated"
+    lines = [
+        f"Peak of one training step (forward, backward, step) of the {data['size']} Llama ({numel / 1e6:.1f}M "
+        f"weights, fp32, batch {batch} tokens) on {device}, above the process before the model was built "
+        f"({peak_source}; parameters, gradients, optimizer state, activations and temporaries), after "
+        f"{data['steps']} warm-up steps, each row in its own process.",
+        "",
+        "| optimizer | step | peak, bytes per weight | peak, MiB | vs AdamW |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = "—" if adamw is None else f"{r['peak'] / adamw['peak']:.3f}"
+        mode = "inside backward" if r["in_backward"] else "after backward"
+        lines.append(f"| {r['optimizer']} | {mode} | {r['peak']:.2f} | {r['peak_mib']:.0f} | {ratio} |")
+    timing = data.get("timing")
+    if timing:
+        m = timing["median_s"]
+        lines += [
+            "",
+            f"GPA-AdamW training step inside backward / ordinary: {timing['ratio']:.3f} (medians of "
+            f"{timing['rounds']} interleaved rounds: {m['in backward']:.3f} s against {m['ordinary']:.3f} s; the "
+            f"ordinary step() alone {m['ordinary step()']:.3f} s, so the difference is "
+            f"{100 * timing['overhead_of_step']:+.1f}% of the optimizer step).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def run_training_step(args: argparse.Namespace) -> None:
+    """The training-step table: each memory row in its own child process, then the timing child."""
+    batch = tuple(args.batch)
+    data: dict[str, Any] = {"size": args.size, "steps": args.steps, "batch": list(batch), "device": args.device}
+    data["environment"] = {"torch": torch.__version__, "device": args.device}
+    data["memory"] = []
+    common = ["--size", args.size, "--steps", str(args.steps), "--device", args.device, "--batch", *map(str, batch)]
+    for name, in_backward in TRAINING_STEP_ROWS:
+        extra = ["--child", name, "--training-step", *(["--in-backward"] if in_backward else [])]
+        result = _run_child_cmd(extra + common, args.timeout, f"{name} (training step)")
+        logger.info("%s", result)
+        data["memory"].append(result)
+    if args.rounds:
+        timing = _run_child_cmd(
+            ["--child", "timing", "--training-step", "--rounds", str(args.rounds), *common],
+            args.timeout,
+            "training-step timing",
+            resident_peaks=False,
+        )
+        logger.info("%s", timing)
+        data["timing"] = timing
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "training_step.json").write_text(json.dumps(data, indent=1))
+    table = training_step_table(data)
+    (args.out / "training_step.md").write_text(table)
+    sys.stdout.write(table)
+
+
+def _run_child_cmd(child_args: list[str], timeout: float, what: str, resident_peaks: bool = True) -> dict | None:
+    """Run this script as a child with ``child_args``; its RESULT line, or None (logged) when it fails or times out.
+    ``resident_peaks``: every tensor above 64 KiB its own mapping (see the module docstring); timings run without
+    it, as training does (a fresh mapping per gradient would time the kernel's page zeroing)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if resident_peaks:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, *child_args], env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        logger.warning("%s: timed out after %.0f s", what, timeout)
+        return None
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    logger.warning("%s failed:\n%s", what, done.stderr[-3000:])
+    return None
+
+
 # ---- the table ----
 
 
 def _child(args: argparse.Namespace) -> None:
+    if args.training_step:
+        batch = tuple(args.batch)
+        result = (
+            time_training_step(args.size, args.rounds, batch, args.device)
+            if args.child == "timing"
+            else measure_training_step(args.child, args.in_backward, args.size, args.steps, batch, args.device)
+        )
+        sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+        return
     result = (
         measure_meta(args.child, args.dtype, args.size)
         if args.meta
@@ -317,6 +551,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-meta", action="store_true", help="skip the meta-device accounting")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per optimizer")
+    parser.add_argument(
+        "--training-step",
+        action="store_true",
+        help="the peak and time of a whole training step, with the optimizer step inside backward (issue 25)",
+    )
+    parser.add_argument("--batch", type=int, nargs=2, default=(1, 128), help="--training-step: batch size, length")
+    parser.add_argument("--rounds", type=int, default=15, help="--training-step: timing rounds (0: no timing)")
+    parser.add_argument("--in-backward", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--meta", action="store_true", help=argparse.SUPPRESS)
@@ -327,6 +569,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.device == "cpu" and not Path("/proc/self/clear_refs").exists():
         raise SystemExit("memory_table.py measures peaks through /proc/self/clear_refs: it needs Linux")
+    if args.training_step:
+        run_training_step(args)
+        return
     rows = [r for r in ROWS if not args.rows or r[1] in args.rows]
     data: dict[str, Any] = {"size": args.size, "meta_size": args.meta_size, "steps": args.steps, "cpu": [], "meta": []}
     data["environment"] = {"torch": torch.__version__, "eager_torchao": args.eager, "device": args.device}

@@ -19,6 +19,7 @@ from .optim import (
     inner_steps_from_mu_x,
     mu_x_from_inner_steps,
     muon_param_groups,
+    step_in_backward,
 )
 
 __version__ = "0.1.0"
@@ -44,6 +45,7 @@ __all__ = [
     "muon_param_groups",
     "mu_x_from_inner_steps",
     "inner_steps_from_mu_x",
+    "step_in_backward",
     *_LAZY,
 ]
 

@@ -174,7 +174,10 @@ _EVALUATION_FLAGS = ("gpa_bn_recalibration_batches",)
 #: Every --optim name hf_gpa adds. Adding a name is one entry here (the enum below and --help follow).
 HF_GPA_OPTIMIZERS: dict[str, OptimizerSpec] = {
     "gpa_adamw": OptimizerSpec(
-        "GPA around AdamW", _build_gpa_adamw, (*_GPA_AVERAGING_FLAGS, *_EVALUATION_FLAGS), "GPAAdamW"
+        "GPA around AdamW",
+        _build_gpa_adamw,
+        (*_GPA_AVERAGING_FLAGS, *_EVALUATION_FLAGS, "gpa_step_in_backward"),  # the one per-parameter step
+        "GPAAdamW",
     ),
     "gpa": OptimizerSpec(
         "GPA around --gpa_base_optim",

@@ -64,7 +64,7 @@ from hf_gpa.batchnorm import (
     recalibrate_norm_statistics,
 )
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
-from hf_gpa.optim import TrainEvalOptimizer, saved_optimizer_name
+from hf_gpa.optim import StepInBackward, TrainEvalOptimizer, saved_optimizer_name, step_in_backward
 from hf_gpa.optimizers import (
     GPAOptimizerNames,
     muon_split,
@@ -324,9 +324,48 @@ class GPATrainer(Trainer):
             model(**inputs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """The next class's `training_step`; y's norm statistics come back first if x's were left in place."""
+        """The next class's `training_step`; y's norm statistics come back first if x's were left in place. With
+        ``--gpa_step_in_backward`` the optimizer steps inside its backward (`_hook_step_in_backward`)."""
         self._norm_statistics_to_y()
+        if getattr(self.args, "gpa_step_in_backward", False):
+            self._hook_step_in_backward()
         return super().training_step(*args, **kwargs)
+
+    # ---- --gpa_step_in_backward: the step inside backward, gradients freed as they are used ----
+
+    #: The hooks that step the optimizer inside backward while training with --gpa_step_in_backward, else None.
+    _step_in_backward: StepInBackward | None = None
+
+    def _hook_step_in_backward(self) -> None:
+        """Put the hooks on the optimizer the Trainer steps (once per `train()`): every parameter then steps in the
+        backward of `training_step`, and the Trainer's own ``optimizer.step()``/``zero_grad()`` find no gradients
+        left. The scheduler, logging, evaluation at x and checkpoints are the Trainer's, unchanged."""
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        handle = self._step_in_backward
+        if handle is not None and handle.active and handle.optimizer is inner:
+            return
+        if handle is not None:
+            handle.remove()
+        if self.args.n_gpu > 1 or self.args.world_size > 1:
+            # The arguments refuse WORLD_SIZE > 1; this catches DataParallel over several GPUs of one process.
+            raise ValueError(
+                f"--gpa_step_in_backward runs on one process and one device (got {self.args.n_gpu} GPUs, world size "
+                f"{self.args.world_size}): data-parallel wrappers reduce the gradients after the hooks that would "
+                "step them have run"
+            )
+        if inner is None:
+            raise ValueError(
+                f"--gpa_step_in_backward needs an hf_gpa optimizer with a per-parameter step (--optim gpa_adamw), got "
+                f"{type(self.optimizer).__name__}"
+            )
+        self._step_in_backward = step_in_backward(inner, track_grad_norm=True)
+
+    def _get_grad_norm(self, *args: Any, **kwargs: Any) -> Any:
+        # In backward the gradients are gone before the Trainer measures them: the hooks measured them on the way.
+        handle = self._step_in_backward
+        if handle is not None and handle.active:
+            return handle.grad_norm
+        return super()._get_grad_norm(*args, **kwargs)
 
     # ---- wrappers that hide the real parameters from the optimizer: refused before any step ----
 
@@ -498,7 +537,12 @@ class GPATrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """The next class's `train`; afterwards the model holds x (the next training step switches back to y)."""
-        output = super().train(*args, **kwargs)
+        try:
+            output = super().train(*args, **kwargs)
+        finally:
+            if self._step_in_backward is not None:  # no stepping in a backward outside training
+                self._step_in_backward.remove()
+                self._step_in_backward = None
         # Already x since on_train_end; also when a user removed that callback.
         self._hold_x()
         return output

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -165,6 +166,18 @@ class GPATrainingArguments(TrainingArguments):
         },
     )
 
+    gpa_step_in_backward: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Step each parameter inside backward as soon as its gradient is complete, and free the gradient "
+                "(hf_gpa.optim.step_in_backward): no full set of gradients is held, so GPA-AdamW needs AdamW's "
+                "memory. Same numbers as the ordinary step. With --optim gpa_adamw only, on one process, with "
+                "--gradient_accumulation_steps 1 and --max_grad_norm 0; not with --fp16 or DeepSpeed."
+            )
+        },
+    )
+
     def __post_init__(self) -> None:
         # Validate our flags first: a wrong flag should fail before anything else happens.
         self.gpa_bn_recalibration_batches = check_recalibration_batches(self.gpa_bn_recalibration_batches)
@@ -174,6 +187,7 @@ class GPATrainingArguments(TrainingArguments):
                 f"--optim {optim!r} is not a known optimizer: use one of {', '.join(GPA_OPTIM_NAMES)} or a stock "
                 f"transformers name ({', '.join(STOCK_OPTIM_NAMES)})"
             )
+        self._check_step_in_backward(optim)
         self._check_gpa_flags(optim)
         self._refuse_deepspeed(optim)
         with self._stock_name_inside(optim):
@@ -241,6 +255,58 @@ class GPATrainingArguments(TrainingArguments):
         else:
             return
         raise ValueError(f"--optim {optim} cannot run under {route}: {DEEPSPEED_REFUSAL}")
+
+    def _check_step_in_backward(self, optim: str) -> None:
+        """--gpa_step_in_backward: refuse, by name and with the reason, every setting it cannot honour."""
+        if not isinstance(self.gpa_step_in_backward, bool):
+            raise ValueError(f"Invalid --gpa_step_in_backward: {self.gpa_step_in_backward!r} (true or false)")
+        if not self.gpa_step_in_backward:
+            return
+        refusals = []
+        readers = FLAG_READERS["gpa_step_in_backward"]  # the table's --optim names with a per-parameter step
+        if optim not in readers:
+            refusals.append(
+                f"--optim {optim}: only --optim {' or '.join(readers)} steps one parameter at a time (GPA around a "
+                "base optimizer, DiLoCo and the stock optimizers step all their tensors at once)"
+            )
+        if self.gradient_accumulation_steps != 1:
+            refusals.append(
+                f"--gradient_accumulation_steps {self.gradient_accumulation_steps}: every backward is a step, so "
+                "gradients cannot be accumulated; use --gradient_accumulation_steps 1 with a larger batch"
+            )
+        if self.max_grad_norm and self.max_grad_norm > 0:
+            refusals.append(
+                f"--max_grad_norm {self.max_grad_norm} (the Trainer's default is 1.0): the global gradient norm is "
+                "known only after the last gradient, when every other parameter has already stepped; pass "
+                "--max_grad_norm 0 (the norm is still logged)"
+            )
+        if self.fp16:
+            refusals.append(
+                "--fp16: its loss scaling skips a step whose gradients overflow, which is known only after every "
+                "parameter has stepped; use --bf16"
+            )
+        if self.deepspeed or strtobool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
+            refusals.append("DeepSpeed: it owns the gradients and the optimizer step")
+        if self.fsdp or strtobool(os.environ.get("ACCELERATE_USE_FSDP", "false")):
+            refusals.append("FSDP: it reduces the gradients after the hooks that would step them have run")
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size > 1:
+            refusals.append(
+                f"{world_size} processes (WORLD_SIZE): DDP all-reduces the gradients after the hooks that would step "
+                "them have run, and keeps its own gradient buckets, a full set of gradients, whatever the step does "
+                "(so there would be no memory to save); run on one process"
+            )
+        kwargs = self.gradient_checkpointing_kwargs or {}
+        if isinstance(kwargs, str):  # a JSON string from the command line (the stock __post_init__ parses it later)
+            with contextlib.suppress(ValueError):
+                kwargs = json.loads(kwargs)
+        if self.gradient_checkpointing and isinstance(kwargs, dict) and kwargs.get("use_reentrant"):
+            refusals.append(
+                "--gradient_checkpointing with use_reentrant=True: its nested backward passes would split one "
+                "training step; use the default use_reentrant=False"
+            )
+        if refusals:
+            raise ValueError("--gpa_step_in_backward cannot run with " + "; ".join(refusals) + ".")
 
     def _check_gpa_flags(self, optim: str) -> None:
         given = {flag: getattr(self, flag) for flag in FLAG_READERS}

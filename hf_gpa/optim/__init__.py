@@ -39,6 +39,7 @@ from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
 from .diloco import DiLoCo
 from .gpa import GPA
 from .gpa_adamw import GPAAdamW
+from .in_backward import StepInBackward, step_in_backward
 from .muon import MuonWithAuxAdam, muon_param_groups
 from .reference import ReferenceGPA
 
@@ -68,4 +69,6 @@ __all__ = [
     "check_outer_lr",
     "check_outer_momentum",
     "check_weight_decay",
+    "step_in_backward",
+    "StepInBackward",
 ]

@@ -235,25 +235,39 @@ class GPAAdamW(GPASwitch):
         """Perform one optimization step; ``closure`` re-evaluates the loss at y (optional)."""
         loss = self._closure_loss(closure)
         for group in self.param_groups:
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            zs: list[torch.Tensor] = []
-            exp_avgs: list[torch.Tensor] = []
-            exp_avg_sqs: list[torch.Tensor] = []
-            y32s: list[torch.Tensor | None] = []
-            state_steps: list[torch.Tensor] = []
-            has_complex = self._init_group(group, params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps)
+            params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], group[LR], group[WEIGHT_SUM])
-            beta1, beta2 = group[BETAS]
-            gpa_adamw(
-                params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps,
-                foreach=group[FOREACH], fused=group[FUSED], has_complex=has_complex, lr=group[LR], beta1=beta1,
-                beta2=beta2, eps=group[EPS], weight_decay=group[WEIGHT_DECAY], mu_x=mu_x, mu_y=group[MU_Y],
-                maximize=group[MAXIMIZE],
-            )  # fmt: skip
+            hyper = self._begin_group_step(group)
+            self._step_params(group, params, hyper)
         return loss
+
+    def _begin_group_step(self, group: dict[str, Any]) -> dict[str, Any]:
+        """What runs once per group and training step, however its parameters are stepped: this step's mu_x (the
+        Schedule-Free weight sum advanced); returns the keyword arguments of `gpa_adamw` for the step."""
+        mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], group[LR], group[WEIGHT_SUM])
+        beta1, beta2 = group[BETAS]
+        return dict(
+            foreach=group[FOREACH], fused=group[FUSED], lr=group[LR], beta1=beta1, beta2=beta2, eps=group[EPS],
+            weight_decay=group[WEIGHT_DECAY], mu_x=mu_x, mu_y=group[MU_Y], maximize=group[MAXIMIZE],
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def _step_params(self, group: dict[str, Any], params: list[torch.Tensor], hyper: dict[str, Any]) -> None:
+        """Update exactly ``params`` (each with a gradient) of ``group`` with this step's ``hyper``
+        (`_begin_group_step`), creating missing state and advancing their step counts."""
+        grads: list[torch.Tensor] = []
+        zs: list[torch.Tensor] = []
+        exp_avgs: list[torch.Tensor] = []
+        exp_avg_sqs: list[torch.Tensor] = []
+        y32s: list[torch.Tensor | None] = []
+        state_steps: list[torch.Tensor] = []
+        local_params: list[torch.Tensor] = []
+        # _init_group reads the group's parameters and state dtype: handed the group with only these parameters.
+        has_complex = self._init_group(
+            {**group, "params": params}, local_params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps
+        )
+        gpa_adamw(local_params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps, has_complex=has_complex, **hyper)
 
 
 def gpa_adamw(
