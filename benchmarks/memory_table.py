@@ -42,6 +42,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from devices import device_arg  # noqa: E402  (benchmarks/devices.py, beside this file)
+
 logger = logging.getLogger("memory_table")
 
 ADAM = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -127,7 +130,7 @@ def _status() -> dict[str, int]:
 
 def _peak_of(action: Callable[[], Any], device: str = "cpu") -> int:
     """Bytes above the level before ``action`` at its peak: resident memory on CPU, allocated memory on CUDA."""
-    if device == "cuda":
+    if device != "cpu":  # cuda:N (benchmarks/devices.py)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", nargs="*", help="optimizer names to run (default: all rows)")
     parser.add_argument("--eager", action="store_true", help="torchao's step without torch.compile")
     parser.add_argument(
-        "--device", default="cpu", choices=("cpu", "cuda"), help="cuda: peaks from torch.cuda.max_memory_allocated"
+        "--device", type=device_arg, default="cpu", help="cpu or cuda[:N] (peaks from torch.cuda.max_memory_allocated)"
     )
     parser.add_argument("--no-meta", action="store_true", help="skip the meta-device accounting")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per optimizer")

@@ -401,7 +401,7 @@ BENCHMARKS = REPO / "benchmarks"
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal where CUDA is missing")
-@pytest.mark.parametrize("script", ["step_time", "throughput"])
+@pytest.mark.parametrize("script", ["step_time", "throughput", "memory_table"])
 @pytest.mark.parametrize("device", ["cuda", "tpu", "cuda:x"])
 def test_benchmark_refuses_an_unusable_device(
     script: str, device: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
@@ -456,3 +456,39 @@ def test_gpa_around_bitsandbytes_8bit(name: str) -> None:
         if torch.is_tensor(t) and t.dim() > 0
     )
     assert state < 8 * sum(p.numel() for p in ps)
+
+
+@pytest.mark.parametrize(("given", "current", "expected"), [("cuda", 0, "cuda:0"), ("cuda", 1, "cuda:1"),
+                                                            ("cuda:1", 0, "cuda:1"), ("cpu", 0, "cpu")])  # fmt: skip
+def test_benchmark_device_comes_back_indexed(
+    given: str, current: int, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--device cuda is the current CUDA device by index, which torch.cuda.set_device accepts (a bare "cuda" it
+    refuses with "Expected a torch.device with a specified index"); CUDA is mocked, 2 devices."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from devices import device_arg
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    device = device_arg(given)
+    assert device == expected
+    if device != "cpu":
+        # the check torch.cuda.set_device makes first, before it touches the driver
+        assert torch.cuda._utils._get_device_index(torch.device(device)) == int(expected[-1])
+    with pytest.raises(Exception, match="Expected a torch.device with a specified index"):
+        torch.cuda._utils._get_device_index(torch.device("cuda"))  # what throughput.py was handed before
+
+
+def test_benchmark_device_beyond_the_count_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda:2 with 2 CUDA devices (mocked) stops at parsing with the count named."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from devices import device_arg
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(argparse.ArgumentTypeError, match="only 2 CUDA device"):
+        device_arg("cuda:2")
