@@ -23,6 +23,7 @@ import dataclasses
 import inspect
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -250,6 +251,9 @@ GPAOptimizerNames.__doc__ = (
 GPA_OPTIM_NAMES: tuple[str, ...] = tuple(HF_GPA_OPTIMIZERS)
 
 #: The hf_gpa flags whose applicability depends on --optim: each is read by the names listed.
+#: ``--lr_scheduler_type`` values under which GPA averaging gets a warning (the lr never decays).
+CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")
+
 _READ_BY: dict[str, tuple[str, ...]] = {}
 for _name, _spec in HF_GPA_OPTIMIZERS.items():
     for _flag in _spec.flags:
@@ -389,6 +393,22 @@ class GPATrainingArguments(TrainingArguments):
         self._refuse_deepspeed(optim)
         with self._stock_name_inside(optim):
             super().__post_init__()
+        self._warn_constant_schedule(optim)
+
+    def _warn_constant_schedule(self, optim: str) -> None:
+        """GPA's exponential average needs a decaying lr: with a constant one x lags y to the end (warned, not refused:
+        a short constant-lr probe is legitimate). Schedule-Free averaging is made for a constant lr."""
+        schedule = _optim_value(self.lr_scheduler_type)
+        averages = "gpa_averaging" not in unused_flags(optim) and self.gpa_averaging == "gpa"
+        if averages and schedule in CONSTANT_SCHEDULES:
+            warnings.warn(
+                f"--optim {optim} with --lr_scheduler_type {schedule}: GPA's evaluation weights x average the last "
+                "~1 / (1 - mu_x) steps and only reach the training weights' quality when the lr decays; use "
+                "--lr_scheduler_type cosine (the paper's recipe, with --warmup_steps 0.1), or --gpa_averaging "
+                "schedule_free for a constant lr",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @contextlib.contextmanager
     def _stock_name_inside(self, optim: str) -> Iterator[None]:
