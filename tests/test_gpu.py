@@ -437,7 +437,7 @@ BENCHMARKS = REPO / "benchmarks"
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal where CUDA is missing")
-@pytest.mark.parametrize("script", ["step_time", "throughput", "memory_table"])
+@pytest.mark.parametrize("script", ["step_time", "throughput", "memory_table", "paper_table"])
 @pytest.mark.parametrize("device", ["cuda", "tpu", "cuda:x"])
 def test_benchmark_refuses_an_unusable_device(
     script: str, device: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
