@@ -169,6 +169,8 @@ def _shapes(size: str) -> list[tuple[int, ...]]:
 def measure(name: str, dtype: str, size: str, steps: int, device: str = "cpu") -> dict[str, Any]:
     """One optimizer on the parameter list of ``size``: state bytes in train and eval mode, step and save peaks."""
     start = time.perf_counter()
+    if device != "cpu":
+        torch.cuda.set_device(device)  # the peak counters below read the current device
     torch.manual_seed(0)
     torch_dtype = getattr(torch, dtype)
     params = [torch.nn.Parameter((torch.randn(s, device=device) * 0.02).to(torch_dtype)) for s in _shapes(size)]
