@@ -40,8 +40,8 @@ def _run(name: str, compiled: bool) -> list[torch.Tensor]:
 
 
 #: The wrappers (GPA, DiLoCo) build their base optimizer lazily inside ``step()``; dynamo before torch 2.13 refuses
-#: that attribute write ("Attempted setattr on a user-defined object ...", seen with torch 2.11). Strict: a torch that
-#: compiles them fails this mark, so the note in docs/install.md is dropped with it.
+#: that attribute write ("Attempted setattr on a user-defined object ...", seen with torch 2.10 and 2.11). Strict: a
+#: torch that compiles them fails this mark, so the note in docs/install.md is dropped with it.
 WRAPPERS_NEED_2_13 = pytest.mark.xfail(
     torch.torch_version.TorchVersion(torch.__version__) < "2.13",
     reason="torch.compile of the GPA/DiLoCo wrapper step needs torch >= 2.13",
