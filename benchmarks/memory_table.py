@@ -14,7 +14,8 @@ random gradients, each optimizer in its own process):
   Before a phase the peak counter is reset (``/proc/self/clear_refs`` = 5, Linux >= 4.0); after it the peak
   (``VmHWM``) minus the resident memory before it is that phase's extra memory, temporaries included. The step
   phase is one ``step()``; the save phase is what a checkpoint does: ``eval()`` (averaging optimizers),
-  ``torch.save(optimizer.state_dict(), file)``, ``train()``. Resolution: about 1 MB (0.02 bytes per weight).
+  ``torch.save(optimizer.state_dict(), f)`` into a file object that drops the bytes (the process holds what a real
+  save holds; nothing goes to disk), ``train()``. Resolution: about 1 MB (0.02 bytes per weight).
 
 Llama-3.2-1B is accounted on the meta device: the same optimizers step once on meta tensors of its shapes, and their
 state is counted the same way (no peaks: meta tensors hold no memory).
