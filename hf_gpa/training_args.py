@@ -23,7 +23,6 @@ import dataclasses
 import inspect
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -251,9 +250,6 @@ GPAOptimizerNames.__doc__ = (
 GPA_OPTIM_NAMES: tuple[str, ...] = tuple(HF_GPA_OPTIMIZERS)
 
 #: The hf_gpa flags whose applicability depends on --optim: each is read by the names listed.
-#: ``--lr_scheduler_type`` values under which GPA averaging gets a warning (the lr never decays).
-CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")
-
 _READ_BY: dict[str, tuple[str, ...]] = {}
 for _name, _spec in HF_GPA_OPTIMIZERS.items():
     for _flag in _spec.flags:
@@ -398,9 +394,11 @@ class GPATrainingArguments(TrainingArguments):
     def _warn_constant_schedule(self, optim: str) -> None:
         """GPA's exponential average needs a decaying lr: with a constant one x lags y to the end (warned, not refused:
         a short constant-lr probe is legitimate). Schedule-Free averaging is made for a constant lr."""
-        schedule = _optim_value(self.lr_scheduler_type)
+        import warnings  # here, not at the top: the one user in this file
+
+        schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))  # a SchedulerType member
         averages = "gpa_averaging" not in unused_flags(optim) and self.gpa_averaging == "gpa"
-        if averages and schedule in CONSTANT_SCHEDULES:
+        if averages and schedule in ("constant", "constant_with_warmup"):  # the lr never decays
             warnings.warn(
                 f"--optim {optim} with --lr_scheduler_type {schedule}: GPA's evaluation weights x average the last "
                 "~1 / (1 - mu_x) steps and only reach the training weights' quality when the lr decays; use "
