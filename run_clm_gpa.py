@@ -38,30 +38,35 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-import datasets
-import evaluate
-import torch
-import transformers
-from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
-from transformers import (
-    CONFIG_MAPPING,
-    MODEL_FOR_CAUSAL_LM_MAPPING,
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    EvalPrediction,
-    LlamaConfig,
-    PreTrainedConfig,
-    PreTrainedTokenizerBase,
-    default_data_collator,
-    set_seed,
-)
-from transformers.testing_utils import CaptureLogger
+from hf_gpa.extras import missing_extra
 
-from hf_gpa import GPATrainer, GPATrainingArguments
-from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
-from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging, size_in_parameters
-from hf_gpa.metrics import ACCURACY
+try:  # the examples extra; without it, stop here with the pip command that installs it
+    import datasets
+    import evaluate
+    import torch
+    import transformers
+    from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
+    from transformers import (
+        CONFIG_MAPPING,
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        EvalPrediction,
+        LlamaConfig,
+        PreTrainedConfig,
+        PreTrainedTokenizerBase,
+        default_data_collator,
+        set_seed,
+    )
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_gpa import GPATrainer, GPATrainingArguments
+    from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
+    from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging, size_in_parameters
+    from hf_gpa.metrics import ACCURACY
+except ModuleNotFoundError as error:
+    raise missing_extra("run_clm_gpa.py", "examples", error) from error
 
 logger = logging.getLogger(__name__)
 

@@ -48,31 +48,36 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import datasets
-import evaluate
-import numpy as np
-import torch
-from datasets import DatasetDict, load_dataset
-from PIL import Image
-from transformers import (
-    CONFIG_MAPPING,
-    MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
-    AutoConfig,
-    AutoImageProcessor,
-    AutoModelForImageClassification,
-    EvalPrediction,
-    PreTrainedConfig,
-    TrainerCallback,
-    ViTConfig,
-    ViTImageProcessorPil,
-    set_seed,
-)
-from transformers.image_processing_utils import BaseImageProcessor
+from hf_gpa.extras import missing_extra
 
-from hf_gpa import GPATrainer, GPATrainingArguments
-from hf_gpa.data import load_digits_dataset
-from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging, size_in_parameters
-from hf_gpa.metrics import ACCURACY
+try:  # the examples extra; without it, stop here with the pip command that installs it
+    import datasets
+    import evaluate
+    import numpy as np
+    import torch
+    from datasets import DatasetDict, load_dataset
+    from PIL import Image
+    from transformers import (
+        CONFIG_MAPPING,
+        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING,
+        AutoConfig,
+        AutoImageProcessor,
+        AutoModelForImageClassification,
+        EvalPrediction,
+        PreTrainedConfig,
+        TrainerCallback,
+        ViTConfig,
+        ViTImageProcessorPil,
+        set_seed,
+    )
+    from transformers.image_processing_utils import BaseImageProcessor
+
+    from hf_gpa import GPATrainer, GPATrainingArguments
+    from hf_gpa.data import load_digits_dataset
+    from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging, size_in_parameters
+    from hf_gpa.metrics import ACCURACY
+except ModuleNotFoundError as error:
+    raise missing_extra("run_vit_gpa.py", "examples", error) from error
 
 logger = logging.getLogger(__name__)
 

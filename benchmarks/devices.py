@@ -12,7 +12,11 @@ import torch
 
 
 def device_arg(value: str) -> str:
-    """An argparse ``type=``: ``cpu``, or ``cuda`` / ``cuda:N`` when that CUDA device exists."""
+    """An argparse ``type=``: ``cpu``, or ``cuda`` / ``cuda:N`` when that CUDA device exists.
+
+    A CUDA device comes back with its index (``cuda`` is the current device, ``cuda:0`` unless set otherwise), so
+    that every use of it (``torch.cuda.set_device``, ``torch.cuda.get_device_name``, ``.to``) names one device.
+    """
     try:
         device = torch.device(value)
     except RuntimeError as error:
@@ -23,6 +27,7 @@ def device_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{value!r}: the benchmarks run on cpu or cuda[:N]")
     if not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{value!r}: this torch ({torch.__version__}) sees no CUDA device")
-    if device.index is not None and device.index >= torch.cuda.device_count():
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{value!r}: only {torch.cuda.device_count()} CUDA device(s) here")
-    return str(device)
+    return f"cuda:{index}"

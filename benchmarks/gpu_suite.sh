@@ -17,6 +17,8 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 #       datasets==5.2.0 evaluate==0.4.6 dill==0.4.1 multiprocess==0.70.19
 # (datasets also needs pyarrow>=24 and huggingface_hub>=1.31; carry those too where the machine's are older.)
+# bitsandbytes, for the GPU tests of GPA around its 8-bit AdamWs (skipped where it does not import), goes the same
+# way: add `bitsandbytes` to the pip download line (a manylinux wheel with its CUDA kernels).
 set -euo pipefail
 
 OUT=${1:?usage: bash benchmarks/gpu_suite.sh OUT_DIR}
@@ -28,7 +30,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 WHEELS=${HF_GPA_WHEELS:-.whl}
-if ! "$PY" -c "import datasets, evaluate" 2>/dev/null && compgen -G "$WHEELS/*.whl" >/dev/null; then
+# The scratch folder comes after the machine's own site-packages on the path: a package the machine has wins.
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
     site=$(mktemp -d)
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$WHEELS"/*.whl
     export PYTHONPATH="$PYTHONPATH:$site"
@@ -56,7 +59,9 @@ print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.
 print(\"transformers\", transformers.__version__, \"accelerate\", accelerate.__version__)'; \
 \"$PY\" -c 'import triton; print(\"triton\", triton.__version__)'; \
 \"$PY\" -c 'import datasets, evaluate; print(\"datasets\", datasets.__version__, \"evaluate\", evaluate.__version__)' \
-    || echo 'datasets/evaluate missing: the accelerate-launch tests will skip (see HF_GPA_WHEELS above)'"
+    || echo 'datasets/evaluate missing: the accelerate-launch tests will skip (see HF_GPA_WHEELS above)'; \
+\"$PY\" -c 'import bitsandbytes; print(\"bitsandbytes\", bitsandbytes.__version__)' 2>/dev/null \
+    || echo 'bitsandbytes missing: its 8-bit AdamW tests will skip (see HF_GPA_WHEELS above)'"
 
 # Every test file that carries the gpu marker (not the whole suite: other files may need packages this machine lacks).
 mapfile -t gpu_tests < <(grep -l "pytest.mark.gpu" tests/test_*.py)
@@ -77,7 +82,7 @@ step training_step 180 "$PY" benchmarks/memory_table.py --training-step --device
 {
     echo "# hf_gpa GPU suite, $(date -u +%Y-%m-%dT%H:%MZ)"
     echo
-    grep -h -E "^(NVIDIA|torch|triton|transformers|datasets)" "$OUT/environment.log" 2>/dev/null || true
+    grep -h -E "^(NVIDIA|torch|triton|transformers|datasets|bitsandbytes)" "$OUT/environment.log" 2>/dev/null || true
     echo
     echo "Failed steps: ${failed[*]:-none}"
     tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null | sed 's/^/    /' || true

@@ -17,9 +17,18 @@ survive; tables and plots are regenerated from that JSON alone with ``--report-o
 Outputs: ``table.md`` (final validation loss per method and H, mean ± std, and the speedup over AdamW),
 ``val_loss.png`` (best run per method) and ``speedup.png`` (speedup per H, like the paper's Figure 1).
 
+At GPU scale (``--gpu-scale``): an 8-layer, 512-wide Llama (29M parameters, vocabulary 8192) on sequences of 512 x
+batch 32 (16K tokens a step) for 1,500 steps, bf16 autocast, trained on the Python sources of the machine's
+``site-packages`` split by file (``--corpus``: ``stdlib``, ``site-packages`` or any directory of ``.py`` files), an
+lr sweep of AdamW and GPA-AdamW around the recipe of issue 23, then 3 seeds of each family's best. At the end of
+every run of an averaging method the loss is also taken at z and at y, so that x's lag behind them at the end of a
+decayed schedule shows. A longer budget runs each best setting with ``--extras-only`` into ``OUT/steps<N>/`` and
+is reported side by side with the first.
+
     python benchmarks/paper_table.py --quick                 # the whole pipeline in well under a minute
     nice -n 5 python benchmarks/paper_table.py --out benchmarks/results/paper_table --workers 2
     python benchmarks/paper_table.py --out benchmarks/results/paper_table --report-only
+    python benchmarks/paper_table.py --gpu-scale --device cuda --out OUT   # one GPU; docs/gpu.md
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import logging
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -39,6 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from devices import device_arg  # noqa: E402  (benchmarks/devices.py, beside this file)
 
 logger = logging.getLogger("paper_table")
 
@@ -105,6 +118,11 @@ class Workload:
     grad_clip: float = 1.0
     #: characters of train-split text to tokenize (None: all of it); the quick mode reads a slice.
     max_train_chars: int | None = None
+    #: the text: "stdlib", "site-packages" or a directory of .py files, split by file (hf_gpa.data).
+    corpus: str = "stdlib"
+    #: where the runs train ("cpu" or "cuda": the current CUDA device) and whether under bf16 autocast.
+    device: str = "cpu"
+    bf16: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,6 +185,17 @@ QUICK_PLAN = Plan(
     inner_steps=(4, 8), mu_ys=(0.7, 0.9), sweep_inner_steps=8,
     sweep_fraction=0.5, seeds=(0, 1), all_h_seeds=(0,),
 )  # fmt: skip
+#: The quality benchmark at GPU scale (issue 23): the recipe of its H100 runs (8 layers, width 512, 16K tokens a
+#: step, 1,500 steps, bf16 autocast, cosine, weight decay 0.1, clipping 1.0) on site-packages' Python sources.
+GPU_WORKLOAD = Workload(
+    vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, intermediate_size=1376, seq_len=512,
+    batch_size=32, steps=1500, eval_every=100, val_windows=512, corpus="site-packages", device="cuda", bf16=True,
+)  # fmt: skip
+#: lr grids around the issue's runs (AdamW best at 7.5e-4, GPA at 1.5e-3: about 2x); GPA at H 8 and 32, mu_y 0.7.
+GPU_PLAN = Plan(
+    lrs={"adamw": (3.75e-4, 7.5e-4, 1.5e-3, 3e-3), "gpa": (7.5e-4, 1.5e-3, 3e-3, 6e-3)},
+    inner_steps=(8, 32), mu_ys=(0.7,), sweep_inner_steps=32, sweep_fraction=0.5, seeds=(0, 1, 2), all_h_seeds=(0,),
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -189,20 +218,21 @@ def load_token_windows(workload: Workload, cache_dir: Path | None = None) -> tup
     The validation windows are a fixed, evenly spaced subset of ``val_windows`` windows. Token streams are cached
     next to the tokenizer (tokenizing the whole train split takes ~15 s).
     """
-    from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
+    from hf_gpa.data import corpus_root, get_default_tokenizer, load_stdlib_texts
     from hf_gpa.data.stdlib_corpus import corpus_fingerprint, default_cache_dir
 
     cache = (cache_dir or default_cache_dir()) / "paper_table"
     cache.mkdir(parents=True, exist_ok=True)
-    tokenizer = get_default_tokenizer(vocab_size=workload.vocab_size)
+    root = corpus_root(workload.corpus)
+    tokenizer = get_default_tokenizer(vocab_size=workload.vocab_size, root=root)
     streams = {}
     for split in ("train", "validation"):
         limit = workload.max_train_chars if split == "train" else None
-        path = cache / f"{split}-v{workload.vocab_size}-c{limit}-{corpus_fingerprint(split)}.pt"
+        path = cache / f"{split}-v{workload.vocab_size}-c{limit}-{corpus_fingerprint(split, root)}.pt"
         if path.is_file():
             streams[split] = torch.load(path)
             continue
-        texts = load_stdlib_texts(split)
+        texts = load_stdlib_texts(split, root)
         if limit is not None:
             kept, total = [], 0
             for text in texts:
@@ -344,14 +374,44 @@ def _schedule_of(method: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _autocast(workload: Workload) -> Any:
+    """bf16 autocast on the workload's device when it asks for it (the Trainer's --bf16), else nothing."""
+    return torch.autocast(workload.device, dtype=torch.bfloat16, enabled=workload.bf16)
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val: torch.Tensor, batch_size: int) -> float:
+def evaluate(model: torch.nn.Module, val: torch.Tensor, batch_size: int, workload: Workload | None = None) -> float:
     """Mean next-token loss over the fixed validation windows (every window has the same number of targets)."""
+    workload = workload or Workload()
     was_training = model.training
     model.eval()
-    losses = [model(input_ids=chunk, labels=chunk).loss.item() for chunk in val.long().split(batch_size)]
+    with _autocast(workload):
+        losses = [
+            model(input_ids=chunk.to(workload.device), labels=chunk.to(workload.device)).loss.item()
+            for chunk in val.long().split(batch_size)
+        ]
     model.train(was_training)
     return statistics.fmean(losses)
+
+
+@torch.no_grad()
+def evaluate_at_z(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, val: torch.Tensor, workload: Workload
+) -> float | None:
+    """The loss at z, the unaveraged iterate the optimizer's state holds (None if it holds none); y is put back."""
+    from hf_gpa.optim._types import Z
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not all(Z in optimizer.state.get(p, {}) for p in params):
+        return None
+    y = [p.detach().clone() for p in params]
+    try:
+        for p in params:
+            p.copy_(optimizer.state[p][Z])
+        return evaluate(model, val, workload.batch_size, workload)
+    finally:
+        for p, saved in zip(params, y):
+            p.copy_(saved)
 
 
 def train_run(spec: RunSpec, workload: Workload, data: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
@@ -361,7 +421,7 @@ def train_run(spec: RunSpec, workload: Workload, data: tuple[torch.Tensor, torch
     for AdamW); ``val_train`` is the loss of the training iterate (y for GPA and SF, DiLoCo's inner weights).
     """
     train, val = data
-    model = build_model(workload, spec.seed)
+    model = build_model(workload, spec.seed).to(workload.device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(spec, params, workload, model)
@@ -380,8 +440,9 @@ def train_run(spec: RunSpec, workload: Workload, data: tuple[torch.Tensor, torch
             factor = lr_factor(step, spec.steps, workload.warmup_fraction, schedule)
             for group in optimizer.param_groups:
                 group["lr"] = spec.lr * factor
-        batch = train[order[step]].long()
-        loss = model(input_ids=batch, labels=batch).loss
+        batch = train[order[step]].long().to(workload.device)
+        with _autocast(workload):
+            loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, workload.grad_clip)
         optimizer.step()
@@ -392,10 +453,10 @@ def train_run(spec: RunSpec, workload: Workload, data: tuple[torch.Tensor, torch
             record["diverged_at"] = step + 1
             break
         if (step + 1) % workload.eval_every == 0 or step + 1 == spec.steps:
-            val_train = evaluate(model, val, workload.batch_size) if averaged else None
+            val_train = evaluate(model, val, workload.batch_size, workload) if averaged else None
             if averaged:
                 optimizer.eval()
-            val_loss = evaluate(model, val, workload.batch_size)
+            val_loss = evaluate(model, val, workload.batch_size, workload)
             if averaged:
                 optimizer.train()
             record["steps"].append(step + 1)
@@ -405,6 +466,10 @@ def train_run(spec: RunSpec, workload: Workload, data: tuple[torch.Tensor, torch
             running = []
     record["wall_s"] = time.perf_counter() - start
     record["final_val"] = record["val"][-1] if record["val"] and "diverged_at" not in record else math.inf
+    if averaged and "diverged_at" not in record and record["val"]:
+        # x, y and z at the end: how far the averaged x lags the iterates once the schedule has decayed
+        record["final_val_y"] = record["val_train"][-1]
+        record["final_val_z"] = evaluate_at_z(model, optimizer, val, workload)
     betas = spec.betas if spec.betas is not None else BETAS[spec.method]
     return {"key": spec.key, "spec": asdict(spec), "betas": list(betas), **record}
 
@@ -506,7 +571,8 @@ class ResultsFile:
         self.data: dict[str, Any] = {"workload": asdict(workload), "plan": asdict(plan), "runs": []}
         if path.is_file():
             previous = json.loads(path.read_text())
-            recorded = previous.get("workload", {})
+            # a field added since the record was written has its default there (older records are CPU, stdlib)
+            recorded = {**asdict(Workload()), **previous.get("workload", {})}
             differing = {k: (recorded.get(k), v) for k, v in self.data["workload"].items() if recorded.get(k) != v}
             if not differing:
                 # everything recorded before (runs, the selections, notes) is kept; the plan is this call's
@@ -517,7 +583,7 @@ class ResultsFile:
                 raise ValueError(f"{path} records another workload ({said}); pass another --out for this one")
             else:
                 logger.warning("%s holds another workload and no runs; starting a new record", path)
-        self.data["environment"] = {"torch": torch.__version__, "num_threads": 1}
+        self.data["environment"] = {"torch": torch.__version__, "num_threads": 1, "device": _device_name(workload)}
 
     @property
     def runs(self) -> list[dict[str, Any]]:
@@ -535,6 +601,12 @@ class ResultsFile:
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.data, indent=1, default=_json_default))
         tmp.replace(self.path)
+
+
+def _device_name(workload: Workload) -> str:
+    if workload.device == "cpu":
+        return "cpu"
+    return f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
 
 
 def _json_default(value: Any) -> Any:
@@ -793,6 +865,32 @@ def best_configurations(data: dict[str, Any]) -> dict[str, list[dict[str, Any]]]
     return best
 
 
+def end_iterates_table(data: dict[str, Any]) -> str:
+    """Per averaging family (its best configuration, seed mean): the final validation loss at x, y and z.
+
+    With a schedule decayed to 0, y and z stop moving and x keeps averaging their last ~1 / (1 - mu_x) steps: x
+    behind y or z at the end is the averaging's lag, which a longer budget or a shorter window (smaller H) shrinks.
+    Empty when no run recorded z (records written before it was measured).
+    """
+    lines = []
+    for method, runs in best_configurations(data).items():
+        if not all(run.get("final_val_z") is not None for run in runs):
+            continue
+        keys = ("final_val", "final_val_y", "final_val_z")
+        cells = [_fmt(_mean_std([run[key] for run in runs]), seeds=len(runs)) for key in keys]
+        lines.append(
+            f"| {LABELS[method]} | {_config_text(runs[0]['spec'])} | {len(runs)} | " + " | ".join(cells) + " |"
+        )
+    if not lines:
+        return ""
+    intro = (
+        "The averaging families at the end of the run: x (what is evaluated and saved), y (where the gradients are "
+        "taken) and z (the base optimizer's iterate, from the optimizer state):"
+    )
+    head = ["| Method | setting | seeds | final val loss at x | at y | at z |", "|---|---|---|---|---|---|"]
+    return "\n".join([intro, "", *head, *lines]) + "\n"
+
+
 def _plot_curves(ax: Any, chosen: dict[str, list[dict[str, Any]]], title: str) -> None:
     lows: list[float] = []
     for method in METHODS:
@@ -1002,8 +1100,10 @@ def write_report(json_path: Path, out_dir: Path | None = None) -> str:
     out_dir = out_dir or json_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     workload = data["workload"]
+    where = f"{workload.get('device', 'cpu')}{', bf16 autocast' if workload.get('bf16') else ''}"
     header = (
-        f"Workload: Llama d={workload['hidden_size']} L={workload['num_layers']} ff={workload['intermediate_size']} "
+        f"Workload ({workload.get('corpus', 'stdlib')} corpus, {where}): Llama d={workload['hidden_size']} "
+        f"L={workload['num_layers']} ff={workload['intermediate_size']} "
         f"vocab {workload['vocab_size']}, {data.get('parameters', '?')} parameters, seq {workload['seq_len']} x "
         f"batch {workload['batch_size']}, {workload['steps']} steps "
         f"({workload['steps'] * workload['seq_len'] * workload['batch_size'] / 1e6:.2f}M tokens), "
@@ -1011,6 +1111,9 @@ def write_report(json_path: Path, out_dir: Path | None = None) -> str:
         f"{workload['val_windows']} fixed windows.\n\n"
     )
     table = header + markdown_table(data)
+    end = end_iterates_table(data)
+    if end:
+        table += "\n## x, y and z at the end\n\n" + end
     longer = sorted(json_path.parent.glob("steps*/results.json"), key=lambda path: int(path.parent.name[5:]))
     if longer:  # the longer budgets (--extras-only runs written to steps<N>/), side by side with this one
         records = [data, *(json.loads(path.read_text()) for path in longer)]
@@ -1091,6 +1194,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/paper_table"))
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps: the whole pipeline in seconds")
+    parser.add_argument(
+        "--gpu-scale", action="store_true", help="8 layers x 512 on site-packages, 16K tokens/step, bf16 (one GPU)"
+    )
+    parser.add_argument(
+        "--device", type=device_arg, default=None, help="cpu or cuda[:N] (default: cuda with --gpu-scale, else cpu)"
+    )
+    parser.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast (default with --gpu-scale)")
+    parser.add_argument(
+        "--corpus", default=None, help="stdlib, site-packages or a directory of .py files (default: the preset's)"
+    )
     parser.add_argument("--report-only", action="store_true", help="regenerate table and plots from the JSON")
     parser.add_argument("--workers", type=int, default=1, help="parallel processes, one thread each")
     parser.add_argument("--steps", type=int, default=None, help="override the full budget")
@@ -1118,7 +1231,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(write_report(args.out / "results.json", args.out))
         return
     import_schedulefree()  # before any run, not when the pipeline reaches sf_ref
+    if args.quick and args.gpu_scale:
+        raise SystemExit("--quick and --gpu-scale are two presets: give one")
     workload, plan = (QUICK_WORKLOAD, QUICK_PLAN) if args.quick else (Workload(), Plan())
+    if args.gpu_scale:
+        workload, plan = GPU_WORKLOAD, GPU_PLAN
+    if args.device is not None:
+        if args.device != "cpu":
+            torch.cuda.set_device(args.device)  # "cuda" in the record is the current device
+        workload = dataclasses.replace(workload, device=args.device.split(":")[0])
+    if workload.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--gpu-scale trains on CUDA, which this torch does not see; add --device cpu to run it here")
+    if workload.device != "cpu" and args.workers != 1:
+        raise SystemExit(f"--workers {args.workers}: on CUDA the runs go one after another (--workers 1)")
+    if args.bf16:
+        workload = dataclasses.replace(workload, bf16=True)
+    if args.corpus is not None:
+        from hf_gpa.data import corpus_root
+
+        try:
+            corpus_root(args.corpus)
+        except ValueError as error:
+            raise SystemExit(f"--corpus: {error}") from None
+        workload = dataclasses.replace(workload, corpus=args.corpus)
     if args.steps is not None:
         if args.steps < 1:
             raise SystemExit(f"--steps must be >= 1, got {args.steps}")

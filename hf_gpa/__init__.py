@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .extras import EXTRA_OF_MODULE
 from .optim import (
     GPA,
     DiLoCo,
@@ -50,8 +51,8 @@ __all__ = [
 ]
 
 
-#: The distributions of the `hf` extra: a missing one makes a transformers-side name unavailable.
-_HF_EXTRA = frozenset({"transformers", "accelerate", "safetensors", "huggingface_hub"})
+#: The modules of the `hf` extra: a missing one makes a transformers-side name unavailable.
+_HF_EXTRA = frozenset(module for module, extra in EXTRA_OF_MODULE.items() if extra == "hf")
 
 
 def __getattr__(name: str) -> Any:

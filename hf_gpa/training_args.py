@@ -192,6 +192,24 @@ class GPATrainingArguments(TrainingArguments):
         self._refuse_deepspeed(optim)
         with self._stock_name_inside(optim):
             super().__post_init__()
+        self._warn_constant_schedule(optim)
+
+    def _warn_constant_schedule(self, optim: str) -> None:
+        """GPA's exponential average needs a decaying lr: with a constant one x lags y to the end (warned, not refused:
+        a short constant-lr probe is legitimate). Schedule-Free averaging is made for a constant lr."""
+        import warnings  # here, not at the top: the one user in this file
+
+        schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))  # a SchedulerType member
+        averages = "gpa_averaging" not in unused_flags(optim) and self.gpa_averaging == "gpa"
+        if averages and schedule in ("constant", "constant_with_warmup"):  # the lr never decays
+            warnings.warn(
+                f"--optim {optim} with --lr_scheduler_type {schedule}: GPA's evaluation weights x average the last "
+                "~1 / (1 - mu_x) steps and only reach the training weights' quality when the lr decays; use "
+                "--lr_scheduler_type cosine (the paper's recipe, with --warmup_steps 0.1), or --gpa_averaging "
+                "schedule_free for a constant lr",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @contextlib.contextmanager
     def _stock_name_inside(self, optim: str) -> Iterator[None]:

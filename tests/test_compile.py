@@ -39,7 +39,17 @@ def _run(name: str, compiled: bool) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
-@pytest.mark.parametrize("name", list(FACTORIES))
+#: The wrappers (GPA, DiLoCo) build their base optimizer lazily inside ``step()``; dynamo before torch 2.13 refuses
+#: that attribute write ("Attempted setattr on a user-defined object ...", seen with torch 2.10 and 2.11). Strict: a
+#: torch that compiles them fails this mark, so the note in docs/install.md is dropped with it.
+WRAPPERS_NEED_2_13 = pytest.mark.xfail(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.13",
+    reason="torch.compile of the GPA/DiLoCo wrapper step needs torch >= 2.13",
+    strict=True,
+)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=WRAPPERS_NEED_2_13) if "(" in n else n for n in FACTORIES])
 def test_compiled_step_equals_the_eager_step(name: str) -> None:
     """torch.compile(opt.step) runs and gives the eager step's parameters."""
     torch._dynamo.reset()

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from launching import run_logged
+from launching import launch_env, run_logged
 from safetensors.torch import load_file
 
 from hf_gpa import GPA, GPAAdamW
@@ -353,28 +353,64 @@ def clm_launches(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str
     return get
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: name kept}: the state-dict names that share a tensor with an earlier name (a tied output head)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = tensor.untyped_storage().data_ptr()
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
 @pytest.mark.parametrize(("config", "device"), LAUNCHES)
 def test_launch_saves_the_full_x(clm_launches: Callable, config: str, device: str) -> None:
     """Under accelerate launch (1 process) every saved model.safetensors is the full x of a plain run, loadable."""
     from transformers import AutoModelForCausalLM
 
     out = clm_launches(config, device)
+    fsdp = config == "fsdp2" and device == "cuda"  # accelerate ignores the FSDP plugin without an accelerator
     for saved in ("checkpoint-3", "checkpoint-6", "."):
         actual, expected = (load_file(out / run / saved / "model.safetensors") for run in ("full", "single"))
-        assert actual.keys() == expected.keys()
-        for name in expected:
-            assert actual[name].shape == expected[name].shape, name  # gathered, not a shard
-            torch.testing.assert_close(actual[name], expected[name], **LAUNCH_TOL)
         model, info = AutoModelForCausalLM.from_pretrained(out / "full" / saved, output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"]
+        # FSDP2's full state dict holds a tied weight once per name, each gathered into its own tensor, so
+        # save_pretrained keeps lm_head.weight beside the embedding: the stock Trainer writes the same file
+        # (test_stock_fsdp2_save_keeps_the_tied_alias), and from_pretrained ties it again.
+        assert actual.keys() == expected.keys() | (tied_aliases(model) if fsdp else set())
+        for name in actual:
+            source = name if name in expected else tied_aliases(model)[name]
+            assert actual[name].shape == expected[source].shape, name  # gathered, not a shard
+            torch.testing.assert_close(actual[name], expected[source], **LAUNCH_TOL)
         loaded = model.state_dict()
         assert all(torch.equal(loaded[name], tensor) for name, tensor in actual.items())
     x3, x6 = (load_file(out / "single" / saved / "model.safetensors") for saved in ("checkpoint-3", "checkpoint-6"))
     moved = max((x6[n] - x3[n]).abs().max().item() for n in x6)
     assert moved > 100 * LAUNCH_TOL["atol"]  # the tolerance is far below what three training steps change
     optimizer_files = {p.name for p in (out / "full" / "checkpoint-3").iterdir() if p.name.startswith("optimizer")}
-    fsdp = config == "fsdp2" and device == "cuda"  # accelerate ignores the FSDP plugin without an accelerator
     assert optimizer_files == ({"optimizer.bin"} if fsdp else {"optimizer.pt"})  # FSDP's own optimizer saver ran
+
+
+def test_stock_fsdp2_save_keeps_the_tied_alias(tmp_path: Path) -> None:
+    """The stock Trainer's FSDP2 save path (full state dict, then save_pretrained), on 2 CPU ranks over gloo, writes
+    a tied model's lm_head.weight beside the embedding, which from_pretrained loads without missing or unexpected
+    keys: the file GPATrainer's FSDP2 save (the stock save inside ``_at_x``) is held to on CUDA above."""
+    from transformers import AutoModelForCausalLM
+
+    worker = Path(__file__).with_name("fsdp2_save_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    run_logged([*cmd, str(tmp_path)], tmp_path / "launch.log", launch_env(REPO), what="stock FSDP2 save")
+    facts = json.loads((tmp_path / "facts.json").read_text())
+    written = load_file(tmp_path / "stock" / "model.safetensors")
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "stock", output_loading_info=True)
+    assert facts["tied"] and tied_aliases(model) == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert set(written) == set(facts["state_keys"]) == set(model.state_dict())  # the alias is kept, nothing else
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(written["lm_head.weight"], written["model.embed_tokens.weight"])
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied again on loading
 
 
 @pytest.mark.parametrize(("config", "device"), LAUNCHES)
@@ -401,7 +437,7 @@ BENCHMARKS = REPO / "benchmarks"
 
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal where CUDA is missing")
-@pytest.mark.parametrize("script", ["step_time", "throughput"])
+@pytest.mark.parametrize("script", ["step_time", "throughput", "memory_table", "paper_table"])
 @pytest.mark.parametrize("device", ["cuda", "tpu", "cuda:x"])
 def test_benchmark_refuses_an_unusable_device(
     script: str, device: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
@@ -456,3 +492,39 @@ def test_gpa_around_bitsandbytes_8bit(name: str) -> None:
         if torch.is_tensor(t) and t.dim() > 0
     )
     assert state < 8 * sum(p.numel() for p in ps)
+
+
+@pytest.mark.parametrize(("given", "current", "expected"), [("cuda", 0, "cuda:0"), ("cuda", 1, "cuda:1"),
+                                                            ("cuda:1", 0, "cuda:1"), ("cpu", 0, "cpu")])  # fmt: skip
+def test_benchmark_device_comes_back_indexed(
+    given: str, current: int, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--device cuda is the current CUDA device by index, which torch.cuda.set_device accepts (a bare "cuda" it
+    refuses with "Expected a torch.device with a specified index"); CUDA is mocked, 2 devices."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from devices import device_arg
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    device = device_arg(given)
+    assert device == expected
+    if device != "cpu":
+        # the check torch.cuda.set_device makes first, before it touches the driver
+        assert torch.cuda._utils._get_device_index(torch.device(device)) == int(expected[-1])
+    with pytest.raises(Exception, match="Expected a torch.device with a specified index"):
+        torch.cuda._utils._get_device_index(torch.device("cuda"))  # what throughput.py was handed before
+
+
+def test_benchmark_device_beyond_the_count_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--device cuda:2 with 2 CUDA devices (mocked) stops at parsing with the count named."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from devices import device_arg
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(argparse.ArgumentTypeError, match="only 2 CUDA device"):
+        device_arg("cuda:2")

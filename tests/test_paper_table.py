@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "paper_table.py"
 
@@ -194,3 +196,75 @@ def test_a_record_of_another_workload_is_refused_not_overwritten(paper_table, tm
     assert "notes" not in paper_table.ResultsFile(empty, paper_table.Workload(steps=20), paper_table.Plan()).data
     with pytest.raises(SystemExit, match="--weight-decay must lie in"):
         paper_table.main(["--quick", "--weight-decay", "-0.1", "--out", str(tmp_path)])
+
+
+@pytest.fixture(scope="module")
+def py_corpus(tmp_path_factory) -> Path:
+    """A directory of 200 Python files (slices of stdlib modules) standing in for site-packages."""
+    from hf_gpa.data import load_stdlib_texts
+
+    root = tmp_path_factory.mktemp("py_corpus")
+    for i, text in enumerate(load_stdlib_texts("train")[:200]):
+        (root / f"module_{i}.py").write_text(text[:5000])
+    return root
+
+
+def test_gpu_scale_pipeline_runs_tiny_on_cpu_with_bf16_and_a_local_corpus(paper_table, py_corpus, tmp_path):
+    """--quick with --bf16 --corpus DIR --device cpu: the --gpu-scale code path at a tiny size (autocast, a directory
+    corpus split by file); averaging runs record the final loss at y and z, and the report shows x, y, z."""
+    paper_table.main(["--quick", "--bf16", "--corpus", str(py_corpus), "--device", "cpu", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["workload"]["bf16"] is True and data["workload"]["corpus"] == str(py_corpus)
+    assert data["workload"]["device"] == "cpu" and data["environment"]["device"] == "cpu"
+    final = {run["spec"]["method"]: run for run in data["runs"] if run["spec"]["phase"] == "full"}
+    for method in ("gpa", "sf", "sf_ref", "gpa_muon"):
+        run = final[method]
+        assert math.isfinite(run["final_val_y"]) and math.isfinite(run["final_val_z"])
+        assert run["final_val_y"] == run["val_train"][-1]
+        assert len({run["final_val"], run["final_val_y"], run["final_val_z"]}) == 3  # three different weights
+    assert "final_val_z" not in final["adamw"] and final["diloco"].get("final_val_z") is None
+    table = (tmp_path / "table.md").read_text()
+    assert f"Workload ({py_corpus} corpus, cpu, bf16 autocast)" in table
+    assert "## x, y and z at the end" in table and "| GPA-AdamW | lr " in table.split("## x, y and z at the end")[1]
+
+
+def test_loss_at_z_is_the_loss_of_the_state_z_and_leaves_y(paper_table):
+    """evaluate_at_z equals the loss of a model loaded with the optimizer's z, and puts y back bitwise."""
+    from hf_gpa import GPAAdamW
+
+    workload = paper_table.QUICK_WORKLOAD
+    model = paper_table.build_model(workload, 0)
+    optimizer = GPAAdamW(model.parameters(), lr=1e-2, mu_x=0.9)
+    ids = torch.randint(0, workload.vocab_size, (4, workload.seq_len))
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    y = [p.detach().clone() for p in model.parameters()]
+    at_z = paper_table.evaluate_at_z(model, optimizer, ids, workload)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), y))
+    other = paper_table.build_model(workload, 1)
+    with torch.no_grad():
+        for p, q in zip(other.parameters(), model.parameters()):
+            p.copy_(optimizer.state[q]["z"])
+    assert at_z == pytest.approx(paper_table.evaluate(other, ids, workload.batch_size, workload), rel=1e-6)
+    assert at_z != pytest.approx(paper_table.evaluate(model, ids, workload.batch_size, workload), rel=1e-4)
+
+
+def test_records_written_before_the_gpu_fields_still_open(paper_table, tmp_path):
+    """A record without corpus/device/bf16 (written before they existed) is the default workload, not another one."""
+    path = tmp_path / "results.json"
+    workload = paper_table.Workload(steps=10)
+    recorded = {k: v for k, v in dataclasses.asdict(workload).items() if k not in ("corpus", "device", "bf16")}
+    path.write_text(json.dumps({"workload": recorded, "runs": [{"key": "a", "spec": {}}]}))
+    assert [run["key"] for run in paper_table.ResultsFile(path, workload, paper_table.Plan()).runs] == ["a"]
+    with pytest.raises(ValueError, match="bf16 False there, True here"):
+        paper_table.ResultsFile(path, dataclasses.replace(workload, bf16=True), paper_table.Plan())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is missing")
+def test_gpu_scale_without_cuda_says_how_to_run_it_here(paper_table, tmp_path):
+    """--gpu-scale on a machine without CUDA stops before any work and names --device cpu."""
+    with pytest.raises(SystemExit, match="--device cpu"):
+        paper_table.main(["--gpu-scale", "--out", str(tmp_path)])
+    assert not (tmp_path / "results.json").exists()

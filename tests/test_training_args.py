@@ -466,3 +466,27 @@ def test_help_states_each_default_once(tmp_path, capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert text.count("(default: 0.7)") == 2  # --gpa_mu_y and --diloco_outer_lr, once each
     assert "(default: 0.7). (default: 0.7)" not in text and "i.e. H = 32" not in text
+
+
+@pytest.mark.parametrize("schedule", ["constant", "constant_with_warmup"])
+@pytest.mark.parametrize("optim", ["gpa_adamw", "gpa"])
+def test_constant_schedule_with_gpa_warns_naming_the_flag(optim, schedule, tmp_path):
+    """--lr_scheduler_type constant with GPA averaging warns at parse time, naming the flag and what to use."""
+    extra = ["--gpa_base_optim", "adamw_torch"] if optim == "gpa" else []
+    with pytest.warns(UserWarning, match=f"--lr_scheduler_type {schedule}.*cosine"):
+        parse(["--optim", optim, "--lr_scheduler_type", schedule, *extra], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--optim", "gpa_adamw", "--lr_scheduler_type", "cosine"],
+        ["--optim", "gpa_adamw", "--lr_scheduler_type", "constant", "--gpa_averaging", "schedule_free"],
+        ["--optim", "adamw_torch", "--lr_scheduler_type", "constant"],
+        ["--optim", "muon", "--lr_scheduler_type", "constant"],
+    ],
+)
+def test_no_schedule_warning_where_none_is_due(argv, tmp_path, recwarn):
+    """A decaying schedule, Schedule-Free averaging (made for a constant lr) or an optimizer without x: no warning."""
+    parse(argv, tmp_path)
+    assert not [w for w in recwarn if "--lr_scheduler_type" in str(w.message)]

@@ -1,6 +1,7 @@
 """Embedded default corpora for the example scripts and benchmarks (no network needed).
 
-See :mod:`hf_gpa.data.stdlib_corpus` for the text corpus (its train/validation split and the tokenizer) and
+See :mod:`hf_gpa.data.stdlib_corpus` for the text corpus (its train/validation split and the tokenizer; the same on
+site-packages or any directory of Python sources, ``corpus_root``) and
 :mod:`hf_gpa.data.digits` for the image dataset.
 """
 
@@ -11,6 +12,7 @@ from .stdlib_corpus import (
     SPLITS,
     VALIDATION_PERCENTAGE,
     corpus_fingerprint,
+    corpus_root,
     default_cache_dir,
     get_default_tokenizer,
     load_stdlib_texts,
@@ -25,6 +27,7 @@ __all__ = [
     "SPLITS",
     "VALIDATION_PERCENTAGE",
     "corpus_fingerprint",
+    "corpus_root",
     "default_cache_dir",
     "get_default_tokenizer",
     "load_digits_dataset",

@@ -9,6 +9,10 @@ API
 ---
 ``stdlib_root() -> Path``
     The directory that holds the standard library's ``.py`` files (``sysconfig.get_paths()["stdlib"]``).
+``corpus_root(corpus) -> Path | None``
+    The source tree of a named corpus: ``"stdlib"`` (None: the default root), ``"site-packages"`` (the running
+    interpreter's third-party packages, often 100+ MB of Python on a GPU machine) or a directory of ``.py`` files.
+    Every function below takes it as ``root``: the same file selection and split by file, on another tree.
 ``stdlib_source_files(split="train", root=None) -> list[Path]``
     The corpus files of one split (``"train"`` or ``"validation"``), sorted by relative path.
 ``load_stdlib_texts(split="train", root=None) -> list[str]``
@@ -66,9 +70,13 @@ __all__ = [
     "default_cache_dir",
     "get_default_tokenizer",
     "load_stdlib_texts",
+    "corpus_root",
     "stdlib_root",
     "stdlib_source_files",
 ]
+
+#: The corpora named by a word rather than a path (``corpus_root``).
+NAMED_CORPORA = ("stdlib", "site-packages")
 
 SPLITS = ("train", "validation")
 #: Percentage of files (by stable path hash) that go to the validation split.
@@ -89,6 +97,18 @@ _CORPUS_VERSION = "2"
 def stdlib_root() -> Path:
     """The directory holding the running interpreter's standard library sources."""
     return Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def corpus_root(corpus: str) -> Path | None:
+    """The root of ``corpus``: None for "stdlib" (the default root), site-packages, or the directory named."""
+    if corpus == "stdlib":
+        return None
+    if corpus == "site-packages":
+        return Path(sysconfig.get_paths()["purelib"]).resolve()
+    path = Path(corpus).expanduser().resolve()
+    if not path.is_dir():
+        raise ValueError(f"Invalid corpus: {corpus!r} (expected one of {NAMED_CORPORA} or a directory of .py files)")
+    return path
 
 
 def _is_excluded_dir(name: str) -> bool:
