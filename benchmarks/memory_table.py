@@ -317,7 +317,7 @@ def measure_training_step(
 ) -> dict[str, Any]:
     """The peak of one training step above the process before the model existed, after ``steps`` warm-up steps."""
     _llama_config(size)
-    if device == "cuda":
+    if device != "cpu":
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
     else:
@@ -328,7 +328,7 @@ def measure_training_step(
     ids = _batch(size, batch, device)
     for _ in range(steps):
         _train_step(model, optimizer, ids)
-    before = torch.cuda.memory_allocated() if device == "cuda" else _status()["VmRSS"]
+    before = torch.cuda.memory_allocated() if device != "cpu" else _status()["VmRSS"]
     peak = before - start + _peak_of(lambda: _train_step(model, optimizer, ids), device)
     return {
         "optimizer": name,
@@ -347,7 +347,7 @@ def time_training_step(size: str, rounds: int, batch: tuple[int, int], device: s
     process, one step each per round in alternating order, medians; also the ordinary ``step()`` alone."""
 
     def sync() -> None:
-        if device == "cuda":
+        if device != "cpu":
             torch.cuda.synchronize()
 
     setups = {mode: (_llama(size, device), mode) for mode in ("ordinary", "in backward")}
@@ -474,6 +474,8 @@ def _run_child_cmd(child_args: list[str], timeout: float, what: str, resident_pe
 
 def _child(args: argparse.Namespace) -> None:
     if args.training_step:
+        if args.device != "cpu":
+            torch.cuda.set_device(args.device)  # the peak counters read the current device
         batch = tuple(args.batch)
         result = (
             time_training_step(args.size, args.rounds, batch, args.device)
