@@ -16,8 +16,6 @@ something else in between wins.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from ._tensors import authoritative_y, real_view
@@ -55,8 +53,8 @@ def _wrapper_pass(
 ) -> None:
     ys, zs = [real_view(y) for y in ys], [real_view(z) for z in zs]
     y32s = list(y32s) if y32s is not None else [None] * len(ys)
-    buckets, rest = fused_buckets(ys, [(zs, STATE_DTYPE), (y32s, STATE_DTYPE)])
-    for (kernel, _, _, _, absent), idx in buckets.items():
+    kernel_buckets, foreach_buckets = fused_buckets(ys, [(zs, STATE_DTYPE), (y32s, STATE_DTYPE)])
+    for (kernel, _, _, absent), idx in kernel_buckets.items():
         y_b, z_b = [ys[i] for i in idx], [zs[i] for i in idx]
         y32_b = None if absent[-1] else [y32s[i] for i in idx]
         if kernel == "cpu":
@@ -65,11 +63,8 @@ def _wrapper_pass(
             from .kernels import triton_launch
 
             triton_launch.wrapper_pass(y_b, z_b, y32_b, alpha, scale, before)
-    by_kind: dict[tuple, list[int]] = defaultdict(list)
-    for i in rest:
-        by_kind[(ys[i].device, ys[i].dtype, y32s[i] is None)].append(i)
-    for (_, _, no_y32), idx in by_kind.items():
-        y32_b = None if no_y32 else [y32s[i] for i in idx]
+    for (_, _, (_, y32_dtype)), idx in foreach_buckets.items():
+        y32_b = None if y32_dtype is None else [y32s[i] for i in idx]
         _foreach_pass([ys[i] for i in idx], [zs[i] for i in idx], y32_b, alpha, scale, before)
 
 
