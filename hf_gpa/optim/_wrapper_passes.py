@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._tensors import authoritative_y, real_view
-from .kernels import STATE_DTYPE, fused_buckets
-from .kernels.cpu import load_cpu_kernel
+from .kernels import STATE_DTYPE, fused_buckets, kernel_module
 
 __all__ = ["pass_before_base_", "pass_after_base_"]
 
@@ -54,15 +53,9 @@ def _wrapper_pass(
     ys, zs = [real_view(y) for y in ys], [real_view(z) for z in zs]
     y32s = list(y32s) if y32s is not None else [None] * len(ys)
     kernel_buckets, foreach_buckets = fused_buckets(ys, [(zs, STATE_DTYPE), (y32s, STATE_DTYPE)])
-    for (kernel, _, _, absent), idx in kernel_buckets.items():
-        y_b, z_b = [ys[i] for i in idx], [zs[i] for i in idx]
-        y32_b = None if absent[-1] else [y32s[i] for i in idx]
-        if kernel == "cpu":
-            load_cpu_kernel().gpa_wrapper_pass(y_b, z_b, y32_b or [], alpha, scale, before)
-        else:
-            from .kernels import triton_launch
-
-            triton_launch.wrapper_pass(y_b, z_b, y32_b, alpha, scale, before)
+    for (kind, _, _, absent), idx in kernel_buckets.items():
+        y32_b = [] if absent[-1] else [y32s[i] for i in idx]
+        kernel_module(kind).gpa_wrapper_pass([ys[i] for i in idx], [zs[i] for i in idx], y32_b, alpha, scale, before)
     for (_, _, (_, y32_dtype)), idx in foreach_buckets.items():
         y32_b = None if y32_dtype is None else [y32s[i] for i in idx]
         _foreach_pass([ys[i] for i in idx], [zs[i] for i in idx], y32_b, alpha, scale, before)

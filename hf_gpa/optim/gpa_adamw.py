@@ -60,8 +60,7 @@ from ._types import (
     state_dtype_for,
 )
 from .averaging import averaging_mu_x
-from .kernels import FORCE, default_to_fused_or_foreach
-from .kernels.cpu import load_cpu_kernel
+from .kernels import FORCE, default_to_fused_or_foreach, kernel_module
 
 __all__ = ["GPAAdamW", "gpa_adamw"]
 
@@ -367,23 +366,17 @@ def _foreach_update(
             step = steps if uniform is not None else steps[k]
             for _, (y, g, z, m, v) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k]):
                 z32, m32, v32 = z.float(), m.float(), v.float()
-                _foreach_math([y], [g], [z32], [m32], [v32], None, step, lr, h)
+                _foreach_math(([y], [g], [z32], [m32], [v32], None), step, lr, h)
                 torch._foreach_copy_([z, m, v], [z32, m32, v32])
         return
-    _foreach_math(y_b, g_b, z_b, m_b, v_b, y32_b, steps, lr, h)
+    _foreach_math((y_b, g_b, z_b, m_b, v_b, y32_b), steps, lr, h)
 
 
 def _foreach_math(
-    y_b: list[torch.Tensor],
-    g_b: list[torch.Tensor],
-    z_b: list[torch.Tensor],
-    m_b: list[torch.Tensor],
-    v_b: list[torch.Tensor],
-    y32_b: list[torch.Tensor] | None,
-    steps: float | list[float],
-    lr: float,
-    h: AdamWHyper,
+    tensors: tuple[list[torch.Tensor] | None, ...], steps: float | list[float], lr: float, h: AdamWHyper
 ) -> None:
+    """The update over y, g, z, m, v and y32 (None: absent) lists of one device and dtypes, with foreach ops."""
+    y_b, g_b, z_b, m_b, v_b, y32_b = tensors
     state_dtype = z_b[0].dtype
     g_acc = g_b if g_b[0].dtype == state_dtype else [g.to(state_dtype) for g in g_b]
     if h.maximize:
@@ -417,63 +410,25 @@ def _foreach_math(
 
 
 def _fused_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
-    """The fused kernels on every tensor they take (one C++ call, or one Triton launch per device, dtype and step
+    """The fused kernels on every tensor they take (one C++ call, one Triton launch per device, dtype and step
     count), foreach on the rest (layouts or dtypes a kernel does not take)."""
     counts, uniform = plan.advance_steps()
-    lr = float(hyper.lr) if not torch.is_tensor(hyper.lr) or hyper.lr.device.type == "cpu" else hyper.lr
     for bucket in plan.buckets:
         if bucket.kind == "foreach":
-            _foreach_update(plan, bucket, grads, counts, uniform, float(lr), hyper)
-        else:
-            _kernel_step(plan, bucket, grads, counts, uniform, lr, hyper)
-
-
-def _kernel_step(
-    plan: StepPlan,
-    bucket: Bucket,
-    grads: list[torch.Tensor],
-    counts: list[float],
-    uniform: float | None,
-    lr: float | torch.Tensor,
-    h: AdamWHyper,
-) -> None:
-    """One kernel bucket: the C++ kernel (a step size and bias correction per tensor) or Triton launches (one per
-    distinct step count: one, unless the counts differ)."""
-    y_b, z_b, m_b, v_b, y32_b = plan.bucket_tensors(bucket)
-    g_b = grads if bucket.whole else [grads[i] for i in bucket.idx]
-    if bucket.kind == "cpu":
-        lr_f = float(lr)
+            _foreach_update(plan, bucket, grads, counts, uniform, float(hyper.lr), hyper)
+            continue
+        y_b, z_b, m_b, v_b, y32_b = plan.bucket_tensors(bucket)
+        g_b = grads if bucket.whole else [grads[i] for i in bucket.idx]
         if uniform is not None:
-            bc1, bc2_sqrt = bias_corrections(h.beta1, h.beta2, uniform)
-            step_sizes, bc2_sqrts = [lr_f / bc1] * len(y_b), [bc2_sqrt] * len(y_b)
+            bc1, bc2_sqrt = bias_corrections(hyper.beta1, hyper.beta2, uniform)
+            bc1s, bc2_sqrts = [bc1] * len(y_b), [bc2_sqrt] * len(y_b)
         else:
-            bcs = [bias_corrections(h.beta1, h.beta2, counts[i]) for i in bucket.idx]
-            step_sizes, bc2_sqrts = [lr_f / bc1 for bc1, _ in bcs], [bc2 for _, bc2 in bcs]
-        load_cpu_kernel().gpa_adamw_step(
-            y_b, g_b, z_b, m_b, v_b, y32_b or [], step_sizes, bc2_sqrts, lr_f, h.beta1, h.beta2, h.eps,
-            h.weight_decay, h.mu_x, h.mu_y, h.maximize,
+            bcs = [bias_corrections(hyper.beta1, hyper.beta2, counts[i]) for i in bucket.idx]
+            bc1s, bc2_sqrts = [bc1 for bc1, _ in bcs], [bc2 for _, bc2 in bcs]
+        lr = hyper.lr  # a tensor on the tensors' device is read by the Triton kernel itself
+        if bucket.kind == "cpu" or not (torch.is_tensor(lr) and lr.device == y_b[0].device):
+            lr = float(lr)
+        kernel_module(bucket.kind).gpa_adamw_step(
+            y_b, g_b, z_b, m_b, v_b, y32_b or [], bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
+            hyper.weight_decay, hyper.mu_x, hyper.mu_y, hyper.maximize,
         )  # fmt: skip
-        return
-    from .kernels import triton_launch
-
-    device = y_b[0].device
-    lr_arg = lr if torch.is_tensor(lr) and lr.device == device else float(lr)
-    by_step = {uniform: list(range(len(y_b)))} if uniform is not None else _positions_by_step(bucket, counts)
-    for step, pos in by_step.items():
-        y_s, g_s, z_s, m_s, v_s = (
-            lst if len(pos) == len(y_b) else [lst[k] for k in pos] for lst in (y_b, g_b, z_b, m_b, v_b)
-        )
-        y32_s = None if y32_b is None else [y32_b[k] for k in pos]
-        bc1, bc2_sqrt = bias_corrections(h.beta1, h.beta2, step)
-        triton_launch.gpa_adamw_step(
-            y_s, g_s, z_s, m_s, v_s, y32_s,
-            lr=lr_arg, bc1=bc1, bc2_sqrt=bc2_sqrt, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-            weight_decay=h.weight_decay, mu_x=h.mu_x, mu_y=h.mu_y, maximize=h.maximize,
-        )  # fmt: skip
-
-
-def _positions_by_step(bucket: Bucket, counts: list[float]) -> dict[float, list[int]]:
-    by_step: dict[float, list[int]] = {}
-    for k, i in enumerate(bucket.idx):
-        by_step.setdefault(counts[i], []).append(k)
-    return by_step

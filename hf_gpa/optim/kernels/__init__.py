@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
 from .._types import state_dtype_for
 from .cpu import load_cpu_kernel
 
-__all__ = ["FORCE", "default_to_fused_or_foreach", "fused_buckets", "kernel_for", "same_dense_layout"]
+__all__ = ["FORCE", "default_to_fused_or_foreach", "fused_buckets", "kernel_for", "kernel_module", "same_dense_layout"]
 
 #: Private switch for tests: ``FORCE["backend"] = "triton"`` sends every tensor the Triton kernel takes to it on any
 #: device (CPU tensors run through Triton's interpreter); ``"foreach"`` sends everything to the foreach ops.
@@ -43,6 +44,16 @@ def kernel_for(t: torch.Tensor) -> str | None:
     if t.device.type == "cpu" and t.dtype in _CPU_KERNEL_DTYPES and load_cpu_kernel() is not None:
         return "cpu"
     return None
+
+
+def kernel_module(kind: str) -> ModuleType:
+    """The one kernel caller: the module whose ``gpa_adamw_step`` and ``gpa_wrapper_pass`` run a bucket of kind
+    "cpu" (the C++ extension) or "triton" (the launcher); both take the same arguments, lists of tensors first."""
+    if kind == "cpu":
+        return load_cpu_kernel()
+    from . import triton_launch
+
+    return triton_launch
 
 
 def default_to_fused_or_foreach(

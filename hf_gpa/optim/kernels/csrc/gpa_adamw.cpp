@@ -2,7 +2,7 @@
 //
 // Per element, reading y, g, z, m, v once and writing y, z, m, v once (9 passes; AdamW itself needs 7):
 //   m <- lerp(m, g, 1 - beta1)               v <- beta2 v + (1 - beta2) g^2
-//   d = z' - z = -lr wd z - step_size m / (sqrt(v) / sqrt(bc2) + eps)        (step_size = lr / bc1)
+//   d = z' - z = -lr wd z - step_size m / (sqrt(v) / sqrt(bc2) + eps)        (step_size = lr / bc1, in double)
 //   y <- y + (1 - mu_x) (z - y) + (1 - mu_x mu_y) d     (= mu_x mu_y x + (1 - mu_x mu_y) z', as small corrections:
 //                                                          x = z and lr = 0 leave y bitwise unchanged)
 //   z <- z + d
@@ -98,12 +98,11 @@ bool same_dense_layout(const at::Tensor& ref, const at::Tensor& t) {
 
 void gpa_adamw_step(std::vector<at::Tensor> ys, std::vector<at::Tensor> gs, std::vector<at::Tensor> zs,
                     std::vector<at::Tensor> ms, std::vector<at::Tensor> vs, std::vector<at::Tensor> y32s,
-                    std::vector<double> step_sizes,
-                    std::vector<double> bc2_sqrts, double lr, double beta1, double beta2, double eps,
-                    double weight_decay, double mu_x, double mu_y, bool maximize) {
+                    std::vector<double> bc1s, std::vector<double> bc2_sqrts, double lr, double beta1, double beta2,
+                    double eps, double weight_decay, double mu_x, double mu_y, bool maximize) {
   const Hyper h{lr, beta1, beta2, eps, weight_decay, mu_x, mu_y, maximize};
   const size_t n = ys.size();
-  TORCH_CHECK(gs.size() == n && zs.size() == n && ms.size() == n && vs.size() == n && step_sizes.size() == n &&
+  TORCH_CHECK(gs.size() == n && zs.size() == n && ms.size() == n && vs.size() == n && bc1s.size() == n &&
                   bc2_sqrts.size() == n && (y32s.empty() || y32s.size() == n),
               "gpa_adamw_step: all lists must have the same length");
   for (size_t i = 0; i < n; ++i) {
@@ -116,16 +115,17 @@ void gpa_adamw_step(std::vector<at::Tensor> ys, std::vector<at::Tensor> gs, std:
     TORCH_CHECK(gs[i].scalar_type() == y.scalar_type(), "gpa_adamw_step: grad dtype must match the parameter");
     const auto p = y.scalar_type();
     const auto s = zs[i].scalar_type();
+    const double step_size = lr / bc1s[i];  // as Python computes it: the for-loop's value bitwise
     TORCH_CHECK(ms[i].scalar_type() == s && vs[i].scalar_type() == s && (y32 == nullptr || y32->scalar_type() == s),
                 "gpa_adamw_step: state dtypes differ");
     if (p == at::kFloat && s == at::kFloat) {
-      update<float, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
+      update<float, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_size, bc2_sqrts[i]);
     } else if (p == at::kDouble && s == at::kDouble) {
-      update<double, double>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
+      update<double, double>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_size, bc2_sqrts[i]);
     } else if (p == at::kBFloat16 && s == at::kFloat) {
-      update<c10::BFloat16, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
+      update<c10::BFloat16, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_size, bc2_sqrts[i]);
     } else if (p == at::kHalf && s == at::kFloat) {
-      update<c10::Half, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_sizes[i], bc2_sqrts[i]);
+      update<c10::Half, float>(y, gs[i], zs[i], ms[i], vs[i], y32, h, step_size, bc2_sqrts[i]);
     } else {
       TORCH_CHECK(false, "gpa_adamw_step: unsupported dtypes ", p, " / ", s);
     }
