@@ -11,12 +11,15 @@ The last identity (with x = (y - (1 - mu_y) z) / mu_y) is what lets the optimize
 written as small corrections added to y rather than as mu_x mu_y x + (1 - mu_x mu_y) z': the rounding error is then
 that of the corrections, and where x = z a step with lr = 0 leaves y bitwise unchanged.
 
-As in torch's ``adam.py``: ``GPAAdamW.step()`` is ``_init_group`` plus one call of the functional `gpa_adamw`, which
-picks `_single_tensor_gpa_adamw` (the for-loop, the ground truth), `_multi_tensor_gpa_adamw` (foreach) or
+As in torch's ``adam.py``, with the per-step host work of torch's fused path: ``GPAAdamW.step()`` takes, for each
+group, its parameters with a gradient, resolves the group's hyper-parameters once (``_begin_group_step``: lr, this
+step's mu_x) and runs their cached step plan (``_step_params``; ``_step_plan.StepPlan``: the implementation and the
+per-tensor buckets decided once, the step counters advanced by one op) through the functional `gpa_adamw`, which
+calls `_single_tensor_gpa_adamw` (the for-loop, the ground truth), `_multi_tensor_gpa_adamw` (foreach) or
 `_fused_gpa_adamw` (the C++ kernel ``kernels/csrc/gpa_adamw.cpp`` on CPU, the Triton kernel
-``kernels/triton_source.py`` on CUDA) by the rule of ``kernels.default_to_fused_or_foreach``; each does its own bias
-correction. ``fused=None`` takes the fused kernel of the device where every tensor has one, and foreach inside it
-for the tensors whose layouts a kernel cannot take.
+``kernels/triton_source.py`` on CUDA), picked by the rule of ``kernels.default_to_fused_or_foreach``; each takes its
+bias corrections from `_step_plan.bias_corrections`. ``fused=None`` takes the fused kernel of the device where every
+tensor has one, and foreach inside it for the tensors a kernel cannot take (layouts, state dtypes).
 """
 
 from __future__ import annotations
