@@ -128,6 +128,13 @@ def test_new_groups_and_replaced_parameters_get_a_new_plan(impl: str) -> None:
     ref0_opt = GPAAdamW([ref0], lr=1e-2, mu_x=0.9, **kwargs)
     _train([ref0], ref0_opt, 0, 4)
     assert torch.equal(params[0], ref0)
+    single = _params(2)[:1]
+    opt.add_param_group({"params": single})
+    _train(single, opt, 0, 1)  # a one-parameter plan, which binds no counters
+    opt.param_groups[-1]["params"][0] = torch.nn.Parameter(single[0].detach().clone())
+    _train(opt.param_groups[-1]["params"], opt, 1, 2)
+    held = [q for plan in opt._plans.values() for q in plan.params]
+    assert all(q is not params[1] and q is not single[0] for q in held)  # replaced ones are let go with their state
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -240,8 +240,14 @@ class GPAAdamW(GPASwitch):
                 self._init_state(p, group[HALF_STATE])
         locals_ = [real_view(local_tensor(p)) for p in params]
         bind_steps = len(params) > 1  # one parameter from a backward hook: its own counter, the group's plan kept
-        if bind_steps:  # the counters become views of this plan's tensor: no other plan may keep binding them
-            self._plans = {k: v for k, v in self._plans.items() if v.flat_steps is None}
+        # Built rarely, so pruned here: plans holding a parameter no group holds any more (they would keep it and its
+        # state alive), and, where this plan binds the counters as views of its own tensor, every other binding plan.
+        current = {id(q) for g in self.param_groups for q in g["params"]}
+        self._plans = {
+            k: v
+            for k, v in self._plans.items()
+            if all(id(q) in current for q in v.params) and not (bind_steps and v.flat_steps is not None)
+        }
         impl = self._implementation(group, locals_)
         plan = StepPlan(list(params), [self.state[p] for p in params], impl, bind_steps)
         self._plans[key] = plan
