@@ -5,8 +5,9 @@
 
 This module holds what GPAAdamW's step and the GPA wrapper's passes share, once: which implementation a call takes
 (`default_to_fused_or_foreach`, torch's rule), which kernel takes a tensor (`kernel_for`), which layouts a kernel
-takes (`same_dense_layout`), how the tensors are bucketed into kernel calls (`fused_buckets`), and the private test
-switch (`FORCE`).
+takes (`same_dense_layout`), how the tensors are bucketed into kernel calls and foreach groups (`fused_buckets`),
+the one kernel caller (`kernel_module`: the C++ module and the Triton launcher take the same arguments), and the
+private test switch (`FORCE`).
 """
 
 from __future__ import annotations
