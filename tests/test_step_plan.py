@@ -193,3 +193,21 @@ def test_one_parameter_at_a_time_equals_the_step(impl: str) -> None:
         for key, value in opt.state[p].items():
             assert torch.equal(hooked_opt.state[q][key], value), key
     assert opt.state_dict()["param_groups"] == hooked_opt.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_wrapper_passes_follow_a_parameter_given_new_storage(path: str) -> None:
+    """The GPA wrapper's passes cache their buckets; a parameter given storage of another layout (``p.data = ...``)
+    is bucketed again (foreach: its z keeps the old layout) and the pass still computes y + c z."""
+    from hf_gpa.optim._wrapper_passes import pass_after_base_
+
+    gen = torch.Generator().manual_seed(0)
+    y, z = torch.nn.Parameter(torch.randn(33, 65, generator=gen)), torch.randn(33, 65, generator=gen)
+    with _path(path), torch.no_grad():
+        expected = y.detach() + 0.5 * z
+        pass_after_base_([y], [z], 0.5)  # a kernel takes it: the buckets are cached
+        torch.testing.assert_close(y.detach(), expected, rtol=0, atol=1e-6)
+        y.data = y.data.t().contiguous().t()  # same values and shape, transposed strides: z's layout no longer
+        expected = y.detach() + 0.5 * z
+        pass_after_base_([y], [z], 0.5)
+        torch.testing.assert_close(y.detach(), expected, rtol=0, atol=1e-6)
