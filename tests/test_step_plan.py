@@ -211,3 +211,30 @@ def test_wrapper_passes_follow_a_parameter_given_new_storage(path: str) -> None:
         expected = y.detach() + 0.5 * z
         pass_after_base_([y], [z], 0.5)
         torch.testing.assert_close(y.detach(), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_parameter_or_gradient_of_another_layout_is_planned_again(path: str) -> None:
+    """A parameter given storage of another layout (``p.data = ...``) or a gradient assigned in another layout than
+    its parameter's goes where its tensors' layouts allow, and the step equals the for-loop's."""
+
+    def run(kwargs: dict) -> tuple[torch.nn.Parameter, GPAAdamW]:
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(33, 65, generator=gen))
+        opt = GPAAdamW([p, torch.nn.Parameter(torch.randn(7, generator=gen))], lr=1e-2, mu_x=0.9, **kwargs)
+        for t in range(4):
+            if t == 2:
+                p.data = p.data.t().contiguous().t()  # same values, transposed strides
+            for q in opt.param_groups[0]["params"]:
+                q.grad = torch.sin(3 * q.detach() + t)
+            if t == 3:
+                p.grad = p.grad.t().contiguous().t()
+            opt.step()
+        return p, opt
+
+    with _path(path):
+        p, opt = run({"fused": True})
+    ref, ref_opt = run({"foreach": False})
+    torch.testing.assert_close(p, ref, rtol=0, atol=1e-6)
+    for key in ("z", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(opt.state[p][key], ref_opt.state[ref][key], rtol=0, atol=1e-6)

@@ -99,6 +99,7 @@ class StepPlan:
             y_b, z_b, m_b, v_b, y32_b = ([lst[i] for i in idx] for lst in (ys, zs, ms, vs, y32s))
             y32_b = None if all(t is None for t in y32_b) else y32_b
             self.buckets.append(Bucket(kind, idx, y_b, z_b, m_b, v_b, y32_b, idx == list(range(len(params)))))
+        self._signature = self.signature(grads)
         self.flat_steps: torch.Tensor | None = None
         if bind_steps and params:
             steps = [s[STEP] for s in states]
@@ -106,6 +107,18 @@ class StepPlan:
             for k, s in enumerate(states):
                 s[STEP] = flat[k]
             self.flat_steps = flat
+
+    def signature(self, grads: list[torch.Tensor]) -> tuple:
+        """What the buckets were decided on and may change between steps: the parameters' addresses (new storage,
+        ``p.data = ...``, may have another layout) and the gradients' strides (a gradient assigned in another layout
+        than its parameter's cannot take a kernel)."""
+        if self.fresh_views:  # DTensor shards and complex views: their buckets are decided on the views' layouts
+            return tuple(g.stride() for g in grads)
+        return (*(p.data_ptr() for p in self.params), *(g.stride() for g in grads))
+
+    def fits(self, grads: list[torch.Tensor]) -> bool:
+        """Whether this step's parameters and gradients are what the plan was built on (else it is rebuilt)."""
+        return self.signature(grads) == self._signature
 
     def valid(self) -> bool:
         """False where something replaced the counters this plan bound (a loader writing ``state["step"]``)."""

@@ -227,11 +227,11 @@ class GPAAdamW(GPASwitch):
         use_fused, use_foreach = default_to_fused_or_foreach(params, group[FOREACH], group[FUSED])
         return "fused" if use_fused else "foreach" if use_foreach else "forloop"
 
-    def _plan(self, group: dict[str, Any], params: list[torch.Tensor]) -> StepPlan:
+    def _plan(self, group: dict[str, Any], params: list[torch.Tensor], rebuild: bool = False) -> StepPlan:
         """The cached plan of these parameters (built, their state created, on first use; see `_step_plan`)."""
         key = (FORCE["backend"], group[FOREACH], group[FUSED], *map(id, params))
         plan = self._plans.get(key)
-        if plan is not None and plan.valid():
+        if plan is not None and plan.valid() and not rebuild:
             return plan
         _check_dense_grads(params)
         for p in params:
@@ -268,7 +268,11 @@ class GPAAdamW(GPASwitch):
         """Update exactly ``params`` (some of ``group``'s, each with a gradient), creating missing state and advancing
         their step counts; bitwise what `step` computes for them."""
         plan = self._plan(group, params)
-        gpa_adamw(plan, plan.grads(), hyper)
+        grads = plan.grads()
+        if not plan.fits(grads):  # new storage or a gradient of another layout: decided again
+            plan = self._plan(group, params, rebuild=True)
+            grads = plan.grads()
+        gpa_adamw(plan, grads, hyper)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
