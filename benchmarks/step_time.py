@@ -8,10 +8,13 @@ rounds, the ratio to fused AdamW's median in the same session, the optimizer sta
 on CUDA, the peak memory of building and stepping the optimizer above the weights and gradients
 (``torch.cuda.max_memory_allocated``, reset per optimizer). On CUDA each step is timed with CUDA events from an idle
 device, so host launch overhead counts, and each optimizer is paired with its own fused-AdamW baseline (the states
-of all of them would not fit on one GPU). A benchmark, never a test: run it on a quiet machine.
+of all of them would not fit on one GPU). Beside each step time: the host time (the wall time of the ``step()`` call
+without a synchronization; on CPU the step time itself) and the aten ops the profiler records in one step. A
+benchmark, never a test: run it on a quiet machine.
 
     python benchmarks/step_time.py                           # 58M parameters, CPU
     python benchmarks/step_time.py --size small --rounds 5   # a quick look
+    python benchmarks/step_time.py --size host_bound         # 219 tiny tensors: host work per step
     python benchmarks/step_time.py --device cuda             # Llama-1B shapes, fp32 parameters
     python benchmarks/step_time.py --device cuda --dtype bfloat16
     python benchmarks/step_time.py --end-to-end              # also GPATrainer vs Trainer tokens/s (throughput.py)
@@ -42,6 +45,9 @@ SIZES: dict[str, dict[str, Any]] = {
                      num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False),
     "small": dict(vocab_size=4000, hidden_size=256, num_hidden_layers=4, intermediate_size=688,
                   num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    # 219 tiny tensors (as many as the 374M Llama's): the step is host work, which this size shows on any device.
+    "host_bound": dict(vocab_size=256, hidden_size=64, num_hidden_layers=24, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
     # Llama 3.2 1B: grouped-query attention (8 KV heads), tied embeddings; 1.24B parameters in 146 tensors.
     "llama1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
@@ -113,24 +119,39 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 class _Clock:
     """Times one ``step()``: CUDA events on a GPU (from an idle device, so host launch overhead counts), else the
-    wall clock."""
+    wall clock; and its host time, the wall time of the ``step()`` call itself without a synchronization (on CPU the
+    kernels run inside the call: host time is the step time)."""
 
     def __init__(self, device: str) -> None:
         self.cuda = device.startswith("cuda")
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def time(self, opt: torch.optim.Optimizer) -> float:
+    def time(self, opt: torch.optim.Optimizer) -> tuple[float, float]:
+        """(step time, host time) in seconds."""
         if not self.cuda:
             t0 = time.perf_counter()
             opt.step()
-            return time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            return elapsed, elapsed
         torch.cuda.synchronize()
         self.start.record()
+        t0 = time.perf_counter()
         opt.step()
+        host = time.perf_counter() - t0
         self.end.record()
         self.end.synchronize()
-        return self.start.elapsed_time(self.end) / 1e3
+        return self.start.elapsed_time(self.end) / 1e3, host
+
+
+def host_ops(opt: torch.optim.Optimizer) -> int:
+    """aten ops the profiler records on the host in one ``step()`` (host work that grows with the tensor count
+    shows here as it does in the time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        opt.step()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
 def _start(name: str, factory: Factory, init: list[torch.Tensor], grads: list[torch.Tensor], device: str) -> dict:
@@ -154,7 +175,8 @@ def _start(name: str, factory: Factory, init: list[torch.Tensor], grads: list[to
         torch.cuda.synchronize()
     first = time.perf_counter() - t0
     opt.step()
-    entry = {"name": name, "opt": opt, "params": params, "times": [], "first_step_s": first, "clock": _Clock(device)}
+    entry = {"name": name, "opt": opt, "params": params, "times": [], "host_times": [], "first_step_s": first}
+    entry["clock"] = _Clock(device)
     if cuda:
         torch.cuda.synchronize()
         entry["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
@@ -180,13 +202,17 @@ def _session(
             if e["name"] in failed:
                 continue
             try:
-                elapsed = e["clock"].time(e["opt"])
+                elapsed, host = e["clock"].time(e["opt"])
             except Exception as error:  # noqa: BLE001
                 logger.exception("%s failed", e["name"])
                 failed[e["name"]] = f"{type(error).__name__}: {error}"
                 continue
             if r >= warmup:
                 e["times"].append(elapsed)
+                e["host_times"].append(host)
+    for e in entries:  # after the timed rounds, so that the profiler's own overhead times nothing
+        if e["name"] not in failed:
+            e["host_ops"] = host_ops(e["opt"])
     return {e["name"]: e for e in entries if e["name"] not in failed}, failed
 
 
@@ -250,6 +276,8 @@ def _row(entry: dict, base: float, param_bytes: int) -> dict:
         "ms_per_step": 1e3 * med,
         "ms_per_step_mean": 1e3 * statistics.fmean(entry["times"]),  # shows DiLoCo's outer steps
         "ratio_to_fused_adamw": med / base,
+        "host_ms_per_step": 1e3 * statistics.median(entry["host_times"]),
+        "host_ops_per_step": entry["host_ops"],
         "state_bytes_per_param_byte": state_bytes(entry["opt"]) / param_bytes,
         "first_step_s": entry["first_step_s"],
     }
@@ -261,16 +289,19 @@ def _row(entry: dict, base: float, param_bytes: int) -> dict:
 def markdown_table(results: list[dict]) -> str:
     """The results as a markdown table; on CUDA with the peak memory column, failed rows with their error."""
     memory = any("peak_gib_over_params_and_grads" in r for r in results)
-    head = "| optimizer | ms / step (median) | ratio to fused AdamW | state bytes / param bytes |"
-    lines = [head + (" peak memory over params + grads (GiB) |" if memory else ""), "|---|---:|---:|---:|"]
+    head = (
+        "| optimizer | ms / step (median) | ratio to fused AdamW | host ms / step (median) | aten ops / step "
+        "| state bytes / param bytes |"
+    )
+    lines = [head + (" peak memory over params + grads (GiB) |" if memory else ""), "|---|---:|---:|---:|---:|---:|"]
     lines[1] += "---:|" if memory else ""
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['optimizer']} | failed: {r['error'][:120]} | | |" + (" |" if memory else ""))
+            lines.append(f"| {r['optimizer']} | failed: {r['error'][:120]} | | | | |" + (" |" if memory else ""))
             continue
         line = (
             f"| {r['optimizer']} | {r['ms_per_step']:.1f} | {r['ratio_to_fused_adamw']:.2f}x "
-            f"| {r['state_bytes_per_param_byte']:.2f} |"
+            f"| {r['host_ms_per_step']:.2f} | {r['host_ops_per_step']} | {r['state_bytes_per_param_byte']:.2f} |"
         )
         if memory:
             line += f" {r.get('peak_gib_over_params_and_grads', float('nan')):.2f} |"

@@ -1,8 +1,9 @@
 """``torch.compile(optimizer.step)`` works for every hf_gpa optimizer and steps exactly like the eager step.
 
 Dynamo treats a method named ``_init_group`` as torch's own (it runs it eagerly and expects torch's signature:
-lists filled in place, a bool returned); GPAAdamW's follows that convention. The compiled step runs with the
-``eager`` backend (dynamo's tracing, no code generation), which is where the crash was, and keeps the test cheap.
+lists filled in place, a bool returned); GPAAdamW has none (its step runs a cached plan). The compiled step runs
+with the ``eager`` backend (dynamo's tracing, no code generation), which is where the crash was, and keeps the test
+cheap.
 """
 
 from __future__ import annotations

@@ -65,3 +65,27 @@ def test_first_moment_matches_torch_lerp(impl: str, beta1: float) -> None:
     for g in grads:
         ref = torch.lerp(ref, torch.tensor(g, dtype=torch.float32), 1.0 - beta1)
     torch.testing.assert_close(m, torch.full_like(m, ref.item()), rtol=2**-23, atol=0)
+
+
+def test_kernels_round_to_bf16_as_torch_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ kernel's float32 -> bf16 rounding (branch-free, so that its loops vectorize) equals torch's bit for bit:
+    ties to even, infinities, signed zeros, subnormals, overflow; NaN of any payload stays NaN (written by the
+    wrapper's after pass with alpha = 0: y <- bf16(y32))."""
+    if _kernels.load_cpu_kernel() is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    from hf_gpa.optim._wrapper_passes import pass_after_base_
+
+    special = torch.tensor(
+        [0x7F800001, 0xFF800001, 0x7FC00000, 0x7F800000, 0xFF800000, 0x00000000, 0x80000000, 0x00000001, 0x807FFFFF,
+         0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F7F8000, 0xFF7F8000, 0x007F8000],
+        dtype=torch.int64,
+    ).to(torch.int32)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.cat([special, torch.randint(-(2**31), 2**31 - 1, (100_000,), generator=gen, dtype=torch.int32)])
+    y32 = bits.view(torch.float32)
+    y = torch.zeros(y32.shape, dtype=torch.bfloat16)
+    pass_after_base_([y], [torch.full_like(y32, -0.0)], 0.0, [y32.clone()])  # y32 + 0 * (-0) is y32, -0 included
+    expected = y32.to(torch.bfloat16)
+    nan = y32.isnan()  # NaN stays NaN (torch's own scalar and vector conversions write different NaN bits)
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y[~nan].view(torch.int16), expected[~nan].view(torch.int16))

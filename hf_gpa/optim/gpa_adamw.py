@@ -11,17 +11,19 @@ The last identity (with x = (y - (1 - mu_y) z) / mu_y) is what lets the optimize
 written as small corrections added to y rather than as mu_x mu_y x + (1 - mu_x mu_y) z': the rounding error is then
 that of the corrections, and where x = z a step with lr = 0 leaves y bitwise unchanged.
 
-As in torch's ``adam.py``: ``GPAAdamW.step()`` is ``_init_group`` plus one call of the functional `gpa_adamw`, which
-picks `_single_tensor_gpa_adamw` (the for-loop, the ground truth), `_multi_tensor_gpa_adamw` (foreach) or
+As in torch's ``adam.py``, with the per-step host work of torch's fused path: ``GPAAdamW.step()`` takes, for each
+group, its parameters with a gradient, resolves the group's hyper-parameters once (``_begin_group_step``: lr, this
+step's mu_x) and runs their cached step plan (``_step_params``; ``_step_plan.StepPlan``: the implementation and the
+per-tensor buckets decided once, the step counters advanced by one op) through the functional `gpa_adamw`, which
+calls `_single_tensor_gpa_adamw` (the for-loop, the ground truth), `_multi_tensor_gpa_adamw` (foreach) or
 `_fused_gpa_adamw` (the C++ kernel ``kernels/csrc/gpa_adamw.cpp`` on CPU, the Triton kernel
-``kernels/triton_source.py`` on CUDA) by the rule of ``kernels.default_to_fused_or_foreach``; each does its own bias
-correction. ``fused=None`` takes the fused kernel of the device where every tensor has one, and foreach inside it
-for the tensors whose layouts a kernel cannot take.
+``kernels/triton_source.py`` on CUDA), picked by the rule of ``kernels.default_to_fused_or_foreach``; each takes its
+bias corrections from `_step_plan.bias_corrections`. ``fused=None`` takes the fused kernel of the device where every
+tensor has one, and foreach inside it for the tensors a kernel cannot take (layouts, state dtypes).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,6 +31,7 @@ import torch
 
 from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
 from ._gpa_switch import GPASwitch
+from ._step_plan import AdamWHyper, Bucket, StepPlan, bias_corrections
 from ._tensors import authoritative_y, chunks, local_tensor, real_view
 from ._types import (
     AVERAGING,
@@ -60,8 +63,7 @@ from ._types import (
     state_dtype_for,
 )
 from .averaging import averaging_mu_x
-from .kernels import PARAM_DTYPE, STATE_DTYPE, default_to_fused_or_foreach, fused_buckets
-from .kernels.cpu import load_cpu_kernel
+from .kernels import FORCE, default_to_fused_or_foreach, kernel_module
 
 __all__ = ["GPAAdamW", "gpa_adamw"]
 
@@ -162,6 +164,10 @@ class GPAAdamW(GPASwitch):
         check_implementation(group[FOREACH], group[FUSED])
         check_state_dtype(group[HALF_STATE])
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._plans = {}  # unpickled, or loaded (torch's load_state_dict ends here): plans of the old state go
+
     def _init_state(self, p: torch.Tensor, half_state: str = DEFAULT_HALF_STATE) -> dict[str, Any]:
         """Create what is missing of ``p``'s state (z = y, m = v = 0, step 0; y's float32 copy for bf16/fp16
         parameters whose state is float32, ``half_state`` deciding that for new state)."""
@@ -185,39 +191,6 @@ class GPAAdamW(GPASwitch):
                 if p.requires_grad:
                     self._init_state(p, group[HALF_STATE])
 
-    def _init_group(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        zs: list[torch.Tensor],
-        exp_avgs: list[torch.Tensor],
-        exp_avg_sqs: list[torch.Tensor],
-        y32s: list[torch.Tensor | None],
-        state_steps: list[torch.Tensor],
-    ) -> bool:
-        """Fill the lists with the local tensors of every parameter with a gradient (state created on first use), as
-        torch's ``Adam._init_group`` does; return whether any is complex."""
-        has_complex = False
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise RuntimeError("GPAAdamW does not support sparse gradients")
-            state = self.state[p]
-            if Y_FP32 not in state and (Z not in state or p.dtype in HALF_DTYPES):
-                self._init_state(p, group[HALF_STATE])
-            has_complex |= torch.is_complex(p)
-            params.append(local_tensor(p))
-            grads.append(local_tensor(p.grad))
-            zs.append(local_tensor(state[Z]))
-            exp_avgs.append(local_tensor(state[EXP_AVG]))
-            exp_avg_sqs.append(local_tensor(state[EXP_AVG_SQ]))
-            y32 = state.get(Y_FP32)
-            y32s.append(None if y32 is None else local_tensor(y32))
-            state_steps.append(state[STEP])
-        return has_complex
-
     def _adoptable_keys(self, saved_group: dict[str, Any]) -> set[str] | None:
         # An Adam/AdamW run (without amsgrad) continues as GPA-AdamW: z = y = the current weights, m, v, step kept.
         return None if saved_group.get("amsgrad") else {STEP, EXP_AVG, EXP_AVG_SQ}
@@ -225,280 +198,234 @@ class GPAAdamW(GPASwitch):
     def _adopts(self) -> str:
         return "Adam/AdamW (per-parameter state ['exp_avg', 'exp_avg_sq', 'step'], no amsgrad)"
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._plans: dict[tuple, StepPlan] = {}  # a new group: every plan is rebuilt (torch's __init__ comes here)
+
+    def _reset_state(self) -> None:
+        super()._reset_state()
+        self._plans.clear()
+
     def _implementation(self, group: dict[str, Any], params: list[torch.Tensor]) -> str:
         """The group's path: "forloop", "foreach" or "fused" (`kernels.default_to_fused_or_foreach`)."""
         use_fused, use_foreach = default_to_fused_or_foreach(params, group[FOREACH], group[FUSED])
         return "fused" if use_fused else "foreach" if use_foreach else "forloop"
 
+    def _plan(self, group: dict[str, Any], params: list[torch.Tensor], rebuild: bool = False) -> StepPlan:
+        """The cached plan of these parameters (built, their state created, on first use; see `_step_plan`)."""
+        key = (FORCE["backend"], group[FOREACH], group[FUSED], *map(id, params))
+        plan = self._plans.get(key)
+        if plan is not None and plan.valid() and not rebuild:
+            return plan
+        _check_dense_grads(params)
+        for p in params:
+            state = self.state[p]
+            if Y_FP32 not in state and (Z not in state or p.dtype in HALF_DTYPES):
+                self._init_state(p, group[HALF_STATE])
+        locals_ = [real_view(local_tensor(p)) for p in params]
+        bind_steps = len(params) > 1  # one parameter from a backward hook: its own counter, the group's plan kept
+        # Built rarely, so pruned here: plans holding a parameter no group holds any more (they would keep it and its
+        # state alive), and, where this plan binds the counters as views of its own tensor, every other binding plan.
+        current = {id(q) for g in self.param_groups for q in g["params"]}
+        self._plans = {
+            k: v
+            for k, v in self._plans.items()
+            if all(id(q) in current for q in v.params) and not (bind_steps and v.flat_steps is not None)
+        }
+        impl = self._implementation(group, locals_)
+        plan = StepPlan(list(params), [self.state[p] for p in params], impl, bind_steps)
+        self._plans[key] = plan
+        return plan
+
+    def _begin_group_step(self, group: dict[str, Any]) -> AdamWHyper:
+        """What is done once per group and training step: this step's mu_x (advancing Schedule-Free's weight sum)
+        and the resolved hyper-parameters."""
+        mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], group[LR], group[WEIGHT_SUM])
+        lr = group[LR]
+        if torch.is_tensor(lr):
+            lr = lr.squeeze()  # a one-element lr of any shape is its 0-d value (torch's AdamW does the same)
+        beta1, beta2 = group[BETAS]
+        return AdamWHyper(lr, beta1, beta2, group[EPS], group[WEIGHT_DECAY], mu_x, group[MU_Y], group[MAXIMIZE])
+
+    @torch.no_grad()
+    def _step_params(self, group: dict[str, Any], params: list[torch.Tensor], hyper: AdamWHyper) -> None:
+        """Update exactly ``params`` (some of ``group``'s, each with a gradient), creating missing state and advancing
+        their step counts; bitwise what `step` computes for them."""
+        plan = self._plan(group, params)
+        grads = plan.grads()
+        if not plan.fits(grads):  # new storage or a gradient of another layout: decided again
+            plan = self._plan(group, params, rebuild=True)
+            grads = plan.grads()
+        gpa_adamw(plan, grads, hyper)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the loss at y (optional)."""
         loss = self._closure_loss(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            hyper = self._begin_group_step(group)
-            self._step_params(group, params, hyper)
+        work = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
+        for _, params in work:  # before any work: a step that raises changes nothing
+            _check_dense_grads(params)
+        for group, params in work:
+            if params:
+                self._step_params(group, params, self._begin_group_step(group))
         return loss
 
-    def _begin_group_step(self, group: dict[str, Any]) -> dict[str, Any]:
-        """What runs once per group and training step, however its parameters are stepped: this step's mu_x (the
-        Schedule-Free weight sum advanced); returns the keyword arguments of `gpa_adamw` for the step."""
-        mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], group[LR], group[WEIGHT_SUM])
-        beta1, beta2 = group[BETAS]
-        return dict(
-            foreach=group[FOREACH], fused=group[FUSED], lr=group[LR], beta1=beta1, beta2=beta2, eps=group[EPS],
-            weight_decay=group[WEIGHT_DECAY], mu_x=mu_x, mu_y=group[MU_Y], maximize=group[MAXIMIZE],
-        )  # fmt: skip
 
-    @torch.no_grad()
-    def _step_params(self, group: dict[str, Any], params: list[torch.Tensor], hyper: dict[str, Any]) -> None:
-        """Update exactly ``params`` (each with a gradient) of ``group`` with this step's ``hyper``
-        (`_begin_group_step`), creating missing state and advancing their step counts."""
-        grads: list[torch.Tensor] = []
-        zs: list[torch.Tensor] = []
-        exp_avgs: list[torch.Tensor] = []
-        exp_avg_sqs: list[torch.Tensor] = []
-        y32s: list[torch.Tensor | None] = []
-        state_steps: list[torch.Tensor] = []
-        local_params: list[torch.Tensor] = []
-        # _init_group reads the group's parameters and state dtype: handed the group with only these parameters.
-        has_complex = self._init_group(
-            {**group, "params": params}, local_params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps
-        )
-        gpa_adamw(local_params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps, has_complex=has_complex, **hyper)
+def _check_dense_grads(params: list[torch.Tensor]) -> None:
+    if any(p.grad.is_sparse for p in params):
+        raise RuntimeError("GPAAdamW does not support sparse gradients")
 
 
-def gpa_adamw(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    zs: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    y32s: list[torch.Tensor | None],
-    state_steps: list[torch.Tensor],
-    *,
-    foreach: bool | None = None,
-    fused: bool | None = None,
-    has_complex: bool = False,
-    lr: float | torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    mu_x: float,
-    mu_y: float,
-    maximize: bool,
-) -> None:
-    """Functional API of GPA-AdamW's step (see `GPAAdamW`): the parameters hold y, updated in place with z, m, v,
-    y's float32 copies (None for fp32/fp64 parameters) and the step counts; ``mu_x`` is this step's weight on the
-    old average (``averaging.averaging_mu_x``)."""
-    if has_complex:  # complex tensors as pairs of reals, as torch's AdamW does
-        params, grads, zs, exp_avgs, exp_avg_sqs = (
-            [real_view(t) for t in lst] for lst in (params, grads, zs, exp_avgs, exp_avg_sqs)
-        )
-    use_fused, use_foreach = default_to_fused_or_foreach(params, foreach, fused)
-    if torch.is_tensor(lr):
-        lr = lr.squeeze()  # a one-element lr of any shape is its 0-d value (torch's AdamW does the same)
-    if use_fused:
-        func = _fused_gpa_adamw
-    elif use_foreach:
-        func = _multi_tensor_gpa_adamw
-    else:
-        func = _single_tensor_gpa_adamw
-    func(
-        params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize,
-    )  # fmt: skip
+def gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
+    """Functional API of GPA-AdamW's step (see `GPAAdamW`): the plan's parameters hold y, updated in place with
+    their state (z, m, v, y's float32 copy, the step counts); the plan names the implementation, torch's rule."""
+    func = {
+        "fused": _fused_gpa_adamw, "foreach": _multi_tensor_gpa_adamw, "forloop": _single_tensor_gpa_adamw
+    }[plan.impl]  # fmt: skip
+    func(plan, grads, hyper)
 
 
-def _single_tensor_gpa_adamw(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    zs: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    y32s: list[torch.Tensor | None],
-    state_steps: list[torch.Tensor],
-    *,
-    lr: float | torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    mu_x: float,
-    mu_y: float,
-    maximize: bool,
-) -> None:
-    """The ground truth: one tensor at a time, plain ops, in the state dtype (``y32``: y's float32 copy, or None).
+def _single_tensor_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
+    """The ground truth: one tensor at a time, plain ops, in the state dtype.
 
     State kept in a half-precision dtype (``state_dtype="param"``) is computed in float32 and rounded once at the end.
     """
-    lr = float(lr)
-    for y, g, z, m, v, y32, step_t in zip(params, grads, zs, exp_avgs, exp_avg_sqs, y32s, state_steps):
-        if z.dtype in HALF_DTYPES:
-            wide = [t.float() for t in (z, m, v)]
-            _single_tensor_gpa_adamw(
-                [y], [g], *([t] for t in wide), [y32], [step_t], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize,
-            )  # fmt: skip
-            torch._foreach_copy_([z, m, v], wide)
-            continue
+    (bucket,) = plan.buckets
+    ys, zs, ms, vs, y32s = plan.bucket_tensors(bucket)
+    for y, g, z, m, v, y32, step_t in zip(ys, grads, zs, ms, vs, y32s or [None] * len(ys), plan.step_tensors()):
         step_t += 1
-        step = step_t.item()  # step lives on the CPU: no device synchronization
-        bias_correction1 = 1.0 - beta1**step
-        bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-        g = g.to(z.dtype)
-        if maximize:
-            g = -g
-        m.lerp_(g, 1.0 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-        delta = torch.mul(z, -lr * weight_decay).addcdiv_(m, denom, value=-lr / bias_correction1)  # z' - z
-        y_acc = authoritative_y(y, y32, z.dtype)
-        y_acc.add_(torch.sub(z, y_acc), alpha=1.0 - mu_x).add_(delta, alpha=1.0 - mu_x * mu_y)
-        z.add_(delta)
-        if y32 is not None:
-            y32.copy_(y_acc)
-        y.copy_(y_acc)
+        _single_tensor_update(y, g, z, m, v, y32, step_t.item(), hyper)  # step lives on the CPU: no device sync
 
 
-
-
-def _multi_tensor_gpa_adamw(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    zs: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    y32s: list[torch.Tensor | None],
-    state_steps: list[torch.Tensor],
-    *,
-    lr: float | torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    mu_x: float,
-    mu_y: float,
-    maximize: bool,
+def _single_tensor_update(
+    y: torch.Tensor,
+    g: torch.Tensor,
+    z: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    y32: torch.Tensor | None,
+    step: float,
+    h: AdamWHyper,
 ) -> None:
-    """The same update as `_single_tensor_gpa_adamw` with foreach ops, one call per (device, dtype) bucket."""
-    torch._foreach_add_(state_steps, 1.0)
-    _foreach_update(
-        params, grads, zs, exp_avgs, exp_avg_sqs, y32s, [step.item() for step in state_steps], lr=float(lr),
-        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize,
-    )  # fmt: skip
+    if z.dtype in HALF_DTYPES:
+        wide = [t.float() for t in (z, m, v)]
+        _single_tensor_update(y, g, *wide, y32, step, h)
+        torch._foreach_copy_([z, m, v], wide)
+        return
+    lr = float(h.lr)
+    bias_correction1, bias_correction2_sqrt = bias_corrections(h.beta1, h.beta2, step)
+    g = g.to(z.dtype)
+    if h.maximize:
+        g = -g
+    m.lerp_(g, 1.0 - h.beta1)
+    v.mul_(h.beta2).addcmul_(g, g, value=1.0 - h.beta2)
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps)
+    delta = torch.mul(z, -lr * h.weight_decay).addcdiv_(m, denom, value=-lr / bias_correction1)  # z' - z
+    y_acc = authoritative_y(y, y32, z.dtype)
+    y_acc.add_(torch.sub(z, y_acc), alpha=1.0 - h.mu_x).add_(delta, alpha=1.0 - h.mu_x * h.mu_y)
+    z.add_(delta)
+    if y32 is not None:
+        y32.copy_(y_acc)
+    y.copy_(y_acc)
+
+
+def _multi_tensor_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
+    """The same update as `_single_tensor_gpa_adamw` with foreach ops, one call per foreach group of the plan."""
+    counts, uniform = plan.advance_steps()
+    lr = float(hyper.lr)
+    for bucket in plan.buckets:
+        _foreach_update(plan, bucket, grads, counts, uniform, lr, hyper)
+
+
+def _bucket_steps(bucket: Bucket, counts: list[float], uniform: float | None) -> float | list[float]:
+    """The bucket's step count where all are equal, else one per tensor."""
+    return uniform if uniform is not None else [counts[i] for i in bucket.idx]
 
 
 def _foreach_update(
-    ys: list[torch.Tensor],
-    gs: list[torch.Tensor],
-    zs: list[torch.Tensor],
-    ms: list[torch.Tensor],
-    vs: list[torch.Tensor],
-    y32s: list[torch.Tensor | None],
-    step_counts: list[float],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    mu_x: float,
-    mu_y: float,
-    maximize: bool,
-) -> None:
-    """`_multi_tensor_gpa_adamw` with the step counts already advanced (also the fused path's fallback)."""
-    grouped = torch.optim.Optimizer._group_tensors_by_device_and_dtype([ys, gs, zs, ms, vs], with_indices=True)
-    for (y_b, g_b, z_b, m_b, v_b), indices in grouped.values():
-        if z_b[0].dtype in HALF_DTYPES:
-            # state_dtype="param": computed in float32 and rounded once at the end, a piece at a time, so that the
-            # float32 copies of z, m and v are a few MB, not the whole bucket (32 bytes per weight at once).
-            for k, i in enumerate(indices):
-                for _, (y, g, z, m, v) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k]):
-                    z32, m32, v32 = z.float(), m.float(), v.float()
-                    _foreach_update(
-                        [y], [g], [z32], [m32], [v32], [None], [step_counts[i]], lr=lr, beta1=beta1, beta2=beta2,
-                        eps=eps, weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize,
-                    )  # fmt: skip
-                    torch._foreach_copy_([z, m, v], [z32, m32, v32])
-            continue
-        state_dtype = z_b[0].dtype
-        g_acc = [g.to(state_dtype) for g in g_b]
-        if maximize:
-            g_acc = torch._foreach_neg(g_acc)
-        torch._foreach_lerp_(m_b, g_acc, 1.0 - beta1)
-        torch._foreach_mul_(v_b, beta2)
-        torch._foreach_addcmul_(v_b, g_acc, g_acc, 1.0 - beta2)
-        denom = torch._foreach_sqrt(v_b)
-        torch._foreach_div_(denom, [math.sqrt(1.0 - beta2 ** step_counts[i]) for i in indices])
-        torch._foreach_add_(denom, eps)
-        delta = torch._foreach_mul(z_b, -lr * weight_decay)
-        torch._foreach_addcdiv_(delta, m_b, denom, [-lr / (1.0 - beta1 ** step_counts[i]) for i in indices])
-        # fp32/fp64 parameters accumulate in place; bf16/fp16 ones in float32 (their float32 copy of y).
-        in_place = [y.dtype == state_dtype and y32s[i] is None for y, i in zip(y_b, indices)]
-        y_acc = [y if ip else authoritative_y(y, y32s[i], state_dtype) for y, i, ip in zip(y_b, indices, in_place)]
-        torch._foreach_add_(y_acc, torch._foreach_sub(z_b, y_acc), alpha=1.0 - mu_x)
-        torch._foreach_add_(y_acc, delta, alpha=1.0 - mu_x * mu_y)
-        torch._foreach_add_(z_b, delta)
-        y32_b = [y32s[i] for i in indices if y32s[i] is not None]
-        if y32_b:
-            torch._foreach_copy_(y32_b, [a for a, i in zip(y_acc, indices) if y32s[i] is not None])
-        copied = [k for k, ip in enumerate(in_place) if not ip]
-        if copied:
-            torch._foreach_copy_([y_b[k] for k in copied], [y_acc[k] for k in copied])
-
-
-def _fused_gpa_adamw(
-    params: list[torch.Tensor],
+    plan: StepPlan,
+    bucket: Bucket,
     grads: list[torch.Tensor],
-    zs: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    y32s: list[torch.Tensor | None],
-    state_steps: list[torch.Tensor],
-    *,
-    lr: float | torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    mu_x: float,
-    mu_y: float,
-    maximize: bool,
+    counts: list[float],
+    uniform: float | None,
+    lr: float,
+    h: AdamWHyper,
 ) -> None:
-    """The fused kernels on every tensor they take (one C++ call, or one Triton launch per device, dtype and step
-    count), foreach on the rest (tensors of one parameter that differ in layout)."""
-    torch._foreach_add_(state_steps, 1.0)
-    step_counts = [step.item() for step in state_steps]
-    buckets, rest = fused_buckets(
-        params,
-        [(grads, PARAM_DTYPE), (zs, STATE_DTYPE), (exp_avgs, STATE_DTYPE), (exp_avg_sqs, STATE_DTYPE),
-         (y32s, STATE_DTYPE)],
-        triton_key=step_counts.__getitem__,
-    )  # fmt: skip
-    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, mu_x=mu_x, mu_y=mu_y, maximize=maximize)
-    for (kernel, device, _, step, absent), idx in buckets.items():
-        y_b, g_b, z_b, m_b, v_b = ([lst[i] for i in idx] for lst in (params, grads, zs, exp_avgs, exp_avg_sqs))
-        y32_b = None if absent[-1] else [y32s[i] for i in idx]
-        if kernel == "cpu":  # the C++ kernel takes a step size and a bias correction per tensor
-            lr_f = float(lr)
-            step_sizes = [lr_f / (1.0 - beta1 ** step_counts[i]) for i in idx]
-            bias_corrections2_sqrt = [math.sqrt(1.0 - beta2 ** step_counts[i]) for i in idx]
-            load_cpu_kernel().gpa_adamw_step(
-                y_b, g_b, z_b, m_b, v_b, y32_b or [], step_sizes, bias_corrections2_sqrt, lr_f, beta1, beta2, eps,
-                weight_decay, mu_x, mu_y, maximize,
-            )  # fmt: skip
-        else:
-            from .kernels import triton_launch
+    """One foreach group (one device, every tensor's dtype alike) with the step counts already advanced."""
+    y_b, z_b, m_b, v_b, y32_b = plan.bucket_tensors(bucket)
+    g_b = grads if bucket.whole else [grads[i] for i in bucket.idx]
+    steps = _bucket_steps(bucket, counts, uniform)
+    state_dtype = z_b[0].dtype
+    if state_dtype in HALF_DTYPES:
+        # state_dtype="param": computed in float32 and rounded once at the end, a piece at a time, so that the
+        # float32 copies of z, m and v are a few MB, not the whole bucket (32 bytes per weight at once).
+        for k in range(len(y_b)):
+            step = steps if uniform is not None else steps[k]
+            for _, (y, g, z, m, v) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k]):
+                z32, m32, v32 = z.float(), m.float(), v.float()
+                _foreach_math(([y], [g], [z32], [m32], [v32], None), step, lr, h)
+                torch._foreach_copy_([z, m, v], [z32, m32, v32])
+        return
+    _foreach_math((y_b, g_b, z_b, m_b, v_b, y32_b), steps, lr, h)
 
-            lr_arg = lr if torch.is_tensor(lr) and lr.device == device else float(lr)
-            triton_launch.gpa_adamw_step(
-                y_b, g_b, z_b, m_b, v_b, y32_b, lr=lr_arg, bc1=1.0 - beta1**step,
-                bc2_sqrt=math.sqrt(1.0 - beta2**step), **hyper,
-            )  # fmt: skip
-    if rest:
-        picked = [[lst[i] for i in rest] for lst in (params, grads, zs, exp_avgs, exp_avg_sqs, y32s, step_counts)]
-        _foreach_update(*picked, lr=float(lr), **hyper)
+
+def _foreach_math(
+    tensors: tuple[list[torch.Tensor] | None, ...], steps: float | list[float], lr: float, h: AdamWHyper
+) -> None:
+    """The update over y, g, z, m, v and y32 (None: absent) lists of one device and dtypes, with foreach ops."""
+    y_b, g_b, z_b, m_b, v_b, y32_b = tensors
+    state_dtype = z_b[0].dtype
+    g_acc = g_b if g_b[0].dtype == state_dtype else [g.to(state_dtype) for g in g_b]
+    if h.maximize:
+        g_acc = torch._foreach_neg(g_acc)
+    if isinstance(steps, list):
+        bcs = [bias_corrections(h.beta1, h.beta2, s) for s in steps]
+        step_size: float | list[float] = [-lr / bc1 for bc1, _ in bcs]
+        bc2_sqrt: float | list[float] = [bc2 for _, bc2 in bcs]
+    else:
+        bc1, bc2_sqrt = bias_corrections(h.beta1, h.beta2, steps)
+        step_size = -lr / bc1
+    torch._foreach_lerp_(m_b, g_acc, 1.0 - h.beta1)
+    torch._foreach_mul_(v_b, h.beta2)
+    torch._foreach_addcmul_(v_b, g_acc, g_acc, 1.0 - h.beta2)
+    denom = torch._foreach_sqrt(v_b)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, h.eps)
+    delta = torch._foreach_mul(z_b, -lr * h.weight_decay)
+    torch._foreach_addcdiv_(delta, m_b, denom, step_size)
+    # fp32/fp64 parameters accumulate in place; bf16/fp16 ones in float32 (their float32 copy of y, if any).
+    in_place = y_b[0].dtype == state_dtype
+    y32_or_none = y32_b or [None] * len(y_b)
+    y_acc = y_b if in_place else [authoritative_y(y, y32, state_dtype) for y, y32 in zip(y_b, y32_or_none)]
+    torch._foreach_add_(y_acc, torch._foreach_sub(z_b, y_acc), alpha=1.0 - h.mu_x)
+    torch._foreach_add_(y_acc, delta, alpha=1.0 - h.mu_x * h.mu_y)
+    torch._foreach_add_(z_b, delta)
+    if y32_b is not None:
+        torch._foreach_copy_(y32_b, y_acc)
+    if not in_place:
+        torch._foreach_copy_(y_b, y_acc)
+
+
+def _fused_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
+    """The fused kernels on every tensor they take (one C++ call, one Triton launch per device, dtype and step
+    count), foreach on the rest (layouts or dtypes a kernel does not take)."""
+    counts, uniform = plan.advance_steps()
+    for bucket in plan.buckets:
+        if bucket.kind == "foreach":
+            _foreach_update(plan, bucket, grads, counts, uniform, float(hyper.lr), hyper)
+            continue
+        y_b, z_b, m_b, v_b, y32_b = plan.bucket_tensors(bucket)
+        g_b = grads if bucket.whole else [grads[i] for i in bucket.idx]
+        if uniform is not None:
+            bc1, bc2_sqrt = bias_corrections(hyper.beta1, hyper.beta2, uniform)
+            bc1s, bc2_sqrts = [bc1] * len(y_b), [bc2_sqrt] * len(y_b)
+        else:
+            bcs = [bias_corrections(hyper.beta1, hyper.beta2, counts[i]) for i in bucket.idx]
+            bc1s, bc2_sqrts = [bc1 for bc1, _ in bcs], [bc2 for _, bc2 in bcs]
+        lr = hyper.lr  # a tensor on the tensors' device is read by the Triton kernel itself
+        if bucket.kind == "cpu" or not (torch.is_tensor(lr) and lr.device == y_b[0].device):
+            lr = float(lr)
+        kernel_module(bucket.kind).gpa_adamw_step(
+            y_b, g_b, z_b, m_b, v_b, y32_b or [], bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
+            hyper.weight_decay, hyper.mu_x, hyper.mu_y, hyper.maximize,
+        )  # fmt: skip

@@ -5,21 +5,23 @@
 
 This module holds what GPAAdamW's step and the GPA wrapper's passes share, once: which implementation a call takes
 (`default_to_fused_or_foreach`, torch's rule), which kernel takes a tensor (`kernel_for`), which layouts a kernel
-takes (`same_dense_layout`), how the tensors are bucketed into kernel calls (`fused_buckets`), and the private test
-switch (`FORCE`).
+takes (`same_dense_layout`), how the tensors are bucketed into kernel calls and foreach groups (`fused_buckets`),
+the one kernel caller (`kernel_module`: the C++ module and the Triton launcher take the same arguments), and the
+private test switch (`FORCE`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
 from .._types import state_dtype_for
 from .cpu import load_cpu_kernel
 
-__all__ = ["FORCE", "default_to_fused_or_foreach", "fused_buckets", "kernel_for", "same_dense_layout"]
+__all__ = ["FORCE", "default_to_fused_or_foreach", "fused_buckets", "kernel_for", "kernel_module", "same_dense_layout"]
 
 #: Private switch for tests: ``FORCE["backend"] = "triton"`` sends every tensor the Triton kernel takes to it on any
 #: device (CPU tensors run through Triton's interpreter); ``"foreach"`` sends everything to the foreach ops.
@@ -43,6 +45,16 @@ def kernel_for(t: torch.Tensor) -> str | None:
     if t.device.type == "cpu" and t.dtype in _CPU_KERNEL_DTYPES and load_cpu_kernel() is not None:
         return "cpu"
     return None
+
+
+def kernel_module(kind: str) -> ModuleType:
+    """The one kernel caller: the module whose ``gpa_adamw_step`` and ``gpa_wrapper_pass`` run a bucket of kind
+    "cpu" (the C++ extension) or "triton" (the launcher); both take the same arguments, lists of tensors first."""
+    if kind == "cpu":
+        return load_cpu_kernel()
+    from . import triton_launch
+
+    return triton_launch
 
 
 def default_to_fused_or_foreach(
@@ -94,21 +106,23 @@ def same_dense_layout(ref: torch.Tensor, others: Sequence[torch.Tensor | None]) 
 def fused_buckets(
     ys: Sequence[torch.Tensor],
     companions: Sequence[tuple[Sequence[torch.Tensor | None], str]],
-    triton_key: Callable[[int], Hashable] | None = None,
-) -> tuple[dict[tuple, list[int]], list[int]]:
-    """Bucket the indices of ``ys`` into kernel calls; return the buckets and the indices left for foreach.
+    use_kernels: bool = True,
+) -> tuple[dict[tuple, list[int]], dict[tuple, list[int]]]:
+    """Bucket the indices of ``ys`` into kernel calls and foreach calls, deciding per tensor.
 
     ``companions``: the other tensor lists of the update (gradients, z, moments, y's float32 copy), each with the
     dtype a kernel needs it in (`PARAM_DTYPE` or `STATE_DTYPE`); a None entry is a tensor that this parameter does
     not have (the y32 of an fp32 parameter). An index goes to a kernel when one takes ``ys[i]`` (`kernel_for`), all
-    its tensors share one dense layout and have the dtypes needed. A bucket is one C++ call (which takes any mix of
-    dtypes) or one Triton launch (one device and dtype; ``triton_key(i)``, e.g. the step count, splits further).
-    The key's last entry tells which companions are absent.
+    its tensors share one dense layout and have the dtypes needed. A kernel bucket is one C++ call (which takes any
+    mix of dtypes), keyed ``("cpu", None, None, absent)``, or one Triton launch per device and dtype, keyed
+    ``("triton", device, dtype, absent)``; ``absent`` tells which companions are missing. The rest is grouped for
+    foreach by ``(device, dtype of y, dtype of each companion or None)``: every tensor's own dtypes, so one group
+    never mixes, say, float32 state with state in the parameter's dtype. ``use_kernels=False``: foreach groups only.
     """
-    buckets: dict[tuple, list[int]] = defaultdict(list)
-    rest = []
+    kernel_buckets: dict[tuple, list[int]] = defaultdict(list)
+    foreach_buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, y in enumerate(ys):
-        kernel = kernel_for(y)
+        kernel = kernel_for(y) if use_kernels else None
         tensors = [lst[i] for lst, _ in companions]
         ok = kernel is not None and same_dense_layout(y, tensors)
         if ok:
@@ -118,12 +132,11 @@ def fused_buckets(
                 for t, (_, need) in zip(tensors, companions)
             )
         if not ok:
-            rest.append(i)
+            foreach_buckets[(y.device, y.dtype, tuple(None if t is None else t.dtype for t in tensors))].append(i)
             continue
         absent = tuple(t is None for t in tensors)
         if kernel == "cpu":
-            buckets[("cpu", None, None, None, absent)].append(i)
+            kernel_buckets[("cpu", None, None, absent)].append(i)
         else:
-            extra = triton_key(i) if triton_key is not None else None
-            buckets[("triton", y.device, y.dtype, extra, absent)].append(i)
-    return buckets, rest
+            kernel_buckets[("triton", y.device, y.dtype, absent)].append(i)
+    return kernel_buckets, foreach_buckets

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["triton_available", "supports", "gpa_adamw_step", "wrapper_pass"]
+__all__ = ["triton_available", "supports", "gpa_adamw_step", "gpa_wrapper_pass"]
 
 BLOCK = 2048
 _TABLE_CACHE_SIZE = 64
@@ -112,62 +112,64 @@ def _dtype(tl: Any, dtype: torch.dtype) -> Any:
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
+def _launches(n: int, keys: list[tuple[float, float]]) -> dict[tuple[float, float], list[int]]:
+    """Positions by (bc1, bc2_sqrt), one launch each: one, unless the step counts differ."""
+    if keys.count(keys[0]) == n:
+        return {keys[0]: list(range(n))}
+    by_key: dict[tuple[float, float], list[int]] = {}
+    for k, key in enumerate(keys):
+        by_key.setdefault(key, []).append(k)
+    return by_key
+
+
 def gpa_adamw_step(
     ys: list[torch.Tensor],
     gs: list[torch.Tensor],
     zs: list[torch.Tensor],
     ms: list[torch.Tensor],
     vs: list[torch.Tensor],
-    y32s: list[torch.Tensor] | None,
-    *,
-    lr: float | torch.Tensor,
-    bc1: float,
-    bc2_sqrt: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    mu_x: float,
-    mu_y: float,
-    maximize: bool,
+    y32s: list[torch.Tensor],
+    bc1s: list[float],
+    bc2_sqrts: list[float],
+    *hyper: Any,
 ) -> None:
-    """One GPA-AdamW step over tensors of one device, parameter dtype and step count (float32 state).
+    """One GPA-AdamW step over tensors of one device and parameter dtype (float32 state): the C++ kernel's
+    arguments (``y32s`` empty where absent; ``hyper``: lr, beta1, beta2, eps, weight_decay, mu_x, mu_y, maximize),
+    one launch pair per distinct bias correction.
 
     ``lr`` is a float, or a 0-d tensor on the tensors' device that the kernel reads itself (no host sync).
-    ``y32s``: the float32 copies of y (bf16/fp16 parameters), or None.
     """
     if not ys:
         return
+    lr, beta1, beta2, eps, weight_decay, mu_x, mu_y, maximize = hyper
     device = ys[0].device
     kernels = _kernels(device.type == "cpu")
-    *tables, numels, full_tensor, full_start, tail_tensor, tail_start, aligned = _tables_for(
-        [ys, gs, zs, ms, vs, y32s or []], device
-    )
     lr_on_device = torch.is_tensor(lr)
-    if lr_on_device:
-        step_scale, decay_scale, lr_ptr = 1.0 / bc1, weight_decay, lr
-    else:
-        step_scale, decay_scale, lr_ptr = lr / bc1, lr * weight_decay, numels  # lr_ptr unused
-    for block_tensor, block_start, masked in ((full_tensor, full_start, False), (tail_tensor, tail_start, True)):
-        if block_tensor.numel() == 0:
-            continue
-        kernels.gpa_adamw_kernel[(block_tensor.numel(),)](
-            *tables, numels, block_tensor, block_start,
-            lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, 1.0 - mu_x, 1.0 - mu_x * mu_y,
-            PARAM=_dtype(kernels.tl, ys[0].dtype), GRAD=_dtype(kernels.tl, gs[0].dtype), HAS_Y32=y32s is not None,
-            LR_ON_DEVICE=lr_on_device, MAXIMIZE=bool(maximize), MASKED=masked, ALIGNED=aligned, BLOCK=BLOCK,
-        )  # fmt: skip
+    for (bc1, bc2_sqrt), pos in _launches(len(ys), list(zip(bc1s, bc2_sqrts))).items():
+        lists = [ys, gs, zs, ms, vs, y32s]
+        if len(pos) != len(ys):
+            lists = [[lst[k] for k in pos] if lst else lst for lst in lists]
+        *tables, numels, full_tensor, full_start, tail_tensor, tail_start, aligned = _tables_for(lists, device)
+        if lr_on_device:
+            step_scale, decay_scale, lr_ptr = 1.0 / bc1, weight_decay, lr
+        else:
+            step_scale, decay_scale, lr_ptr = lr / bc1, lr * weight_decay, numels  # lr_ptr unused
+        for block_tensor, block_start, masked in ((full_tensor, full_start, False), (tail_tensor, tail_start, True)):
+            if block_tensor.numel() == 0:
+                continue
+            kernels.gpa_adamw_kernel[(block_tensor.numel(),)](
+                *tables, numels, block_tensor, block_start,
+                lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, 1.0 - mu_x, 1.0 - mu_x * mu_y,
+                PARAM=_dtype(kernels.tl, ys[0].dtype), GRAD=_dtype(kernels.tl, gs[0].dtype), HAS_Y32=bool(y32s),
+                LR_ON_DEVICE=lr_on_device, MAXIMIZE=bool(maximize), MASKED=masked, ALIGNED=aligned, BLOCK=BLOCK,
+            )  # fmt: skip
 
 
-def wrapper_pass(
-    ys: list[torch.Tensor],
-    zs: list[torch.Tensor],
-    y32s: list[torch.Tensor] | None,
-    alpha: float,
-    scale: float,
-    before: bool,
+def gpa_wrapper_pass(
+    ys: list[torch.Tensor], zs: list[torch.Tensor], y32s: list[torch.Tensor], alpha: float, scale: float, before: bool
 ) -> None:
-    """before: y <- scale (y - alpha z); after: y <- y + alpha z (one parameter dtype, float32 z).
+    """before: y <- scale (y - alpha z); after: y <- y + alpha z (one parameter dtype, float32 z): the C++ kernel's
+    arguments (``y32s`` empty where absent).
 
     With ``y32s`` (bf16/fp16 parameters) the float32 copy carries y: before the base step only it moves (the
     parameter is not read by the base), after it the parameter receives it rounded.
@@ -176,13 +178,13 @@ def wrapper_pass(
         return
     kernels = _kernels(ys[0].device.type == "cpu")
     *tables, numels, full_tensor, full_start, tail_tensor, tail_start, aligned = _tables_for(
-        [ys, zs, y32s or []], ys[0].device
+        [ys, zs, y32s], ys[0].device
     )
     for block_tensor, block_start, masked in ((full_tensor, full_start, False), (tail_tensor, tail_start, True)):
         if block_tensor.numel() == 0:
             continue
         kernels.wrapper_pass_kernel[(block_tensor.numel(),)](
             *tables, numels, block_tensor, block_start, alpha, scale,
-            PARAM=_dtype(kernels.tl, ys[0].dtype), HAS_Y32=y32s is not None, BEFORE=before, MASKED=masked,
+            PARAM=_dtype(kernels.tl, ys[0].dtype), HAS_Y32=bool(y32s), BEFORE=before, MASKED=masked,
             ALIGNED=aligned, BLOCK=BLOCK,
         )  # fmt: skip
