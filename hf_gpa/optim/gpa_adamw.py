@@ -227,11 +227,13 @@ class GPAAdamW(GPASwitch):
         # Built rarely, so pruned here: plans holding a parameter no group holds any more (they would keep it and its
         # state alive), and, where this plan binds the counters as views of its own tensor, every other binding plan.
         current = {id(q) for g in self.param_groups for q in g["params"]}
-        self._plans = {
-            k: v
+        stale = [
+            k
             for k, v in self._plans.items()
-            if all(id(q) in current for q in v.params) and not (bind_steps and v.flat_steps is not None)
-        }
+            if not all(id(q) in current for q in v.params) or (bind_steps and v.flat_steps is not None)
+        ]
+        for k in stale:  # in place: torch.compile before torch 2.13 refuses to rebind an optimizer's attribute
+            del self._plans[k]
         impl = self._implementation(group, locals_)
         plan = StepPlan(list(params), [self.state[p] for p in params], impl, bind_steps)
         self._plans[key] = plan
