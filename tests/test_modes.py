@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
-from hf_gpa.optim._residual import decode_residual, encode_residual
+from hf_gpa.optim._residual import bits_differ, bits_equal, decode_residual, decode_residual_, encode_residual
 
 FACTORIES = {
     "gpa_adamw": lambda ps: GPAAdamW(ps, lr=1e-2, weight_decay=0.1, mu_x=0.99, mu_y=0.7),
@@ -118,6 +119,23 @@ def test_residual_round_trip_for_arbitrary_values(dtype: torch.dtype) -> None:
     # not contiguous: the overflow's indices are into the flattened (logical) order
     target2, approx2 = target.view(64, 64).t(), (target * 1.0001).view(64, 64).t()
     assert torch.equal(decode_residual(approx2, *encode_residual(target2, approx2)), target2)
+    # in place (what train() uses): the same bits, written into the approximation itself, also not contiguous
+    for tgt, apx in ((target, target * 1.0001), (target2, approx2)):
+        inplace = apx.clone()
+        assert decode_residual_(inplace, *encode_residual(tgt, apx)) is inplace
+        assert torch.equal(inplace.contiguous().view(torch.uint8), tgt.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_bits_equal_is_bits_differ_nowhere(dtype: torch.dtype) -> None:
+    """bits_equal (int64 pairs for float32) says what bits_differ(...).any() says: NaN and -0 by their bits."""
+    base = torch.tensor([0.0, -0.0, float("nan"), 1.0, -2.5, float("inf"), 3.0], dtype=dtype)
+    for a in (base, base[1:], base[:6], base[1:].view(2, 3).t()):  # odd size, odd offset, not contiguous
+        assert bits_equal(a, a.clone())
+        for k, index in enumerate(itertools.product(*map(range, a.shape))):
+            b = a.clone()
+            b[index] = -b[index] if k % 2 else 7.0  # -0 vs 0 and -nan vs nan differ by a bit
+            assert bits_equal(a, b) is not bool(bits_differ(a, b).any())
 
 
 @pytest.mark.parametrize("name", list(FACTORIES))

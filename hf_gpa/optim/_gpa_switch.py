@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._residual import bits_differ, decode_residual, encode_residual, residual_dtype
+from ._residual import bits_differ, bits_equal, decode_residual_, encode_residual, residual_dtype
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
 from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
@@ -98,8 +98,10 @@ class GPASwitch(TrainEvalOptimizer):
                 listed = None
                 if overflow is not None and overflow.numel():
                     listed = overflow[rows[k] : rows[k + 1]] - torch.tensor([offset, 0], device=overflow.device)
-                approx = _y_from_x(xc, zc, mu_y)
-                y = decode_residual(approx, rc, listed)
+                y = decode_residual_(_y_from_x(xc, zc, mu_y), rc, listed)
                 # The residual restores the y of the x eval() wrote; where x was written since, x wins (as for bf16).
-                written = bits_differ(xc, _x_from_y(y, zc, mu_y))
-                xc.copy_(torch.where(written, approx, y) if bool(written.any()) else y)
+                # One pass compares the whole piece; the mask is built only where something was written.
+                x_again = _x_from_y(y, zc, mu_y)
+                if not bits_equal(xc, x_again):
+                    y = torch.where(bits_differ(xc, x_again), _y_from_x(xc, zc, mu_y), y)
+                xc.copy_(y)
