@@ -386,6 +386,46 @@ def test_eval_and_train_switch_a_large_weight_in_chunks(dtype: torch.dtype, monk
         assert len(state_whole["y_residual_overflow"]) >= 3  # the list spans chunks
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_train_kernel_is_the_torch_ops_bitwise(dtype: torch.dtype, layout: str, monkeypatch) -> None:
+    """train()'s C++ pass (fp32/fp64 on CPU) gives the torch ops' y bitwise: residual, overflow list across chunks,
+    x written in eval mode (also to NaN, -0 and inf, also where the residual overflowed) and NaN x eval() wrote."""
+    from hf_gpa.optim import _tensors
+    from hf_gpa.optim.kernels import FORCE, kernel_for
+
+    if kernel_for(torch.zeros(1)) != "cpu":
+        pytest.skip("the C++ kernel is not available here")
+    monkeypatch.setattr(_tensors, "CHUNK", 1000)  # several pieces, each with listed elements
+    gen = torch.Generator().manual_seed(0)
+    y0, z0 = torch.randn(2, 60, 50, generator=gen, dtype=torch.float64).to(dtype)
+    y0.view(-1)[::97] *= 1e-7  # |y| << |z|: differences int8 cannot hold
+    z0.view(-1)[5], y0.view(-1)[6], z0.view(-1)[6] = float("nan"), float("inf"), float("inf")  # x NaN from eval()
+    written = {11: 1.0, 97: 2.5, 194: float("nan"), 300: -0.0, 2001: float("-inf"), 2999: 0.0}
+
+    def run(backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setitem(FORCE, "backend", backend)
+        t = y0.clone() if layout == "contiguous" else y0.clone().t().contiguous().t()
+        p = torch.nn.Parameter(t)
+        opt = SWITCHERS["gpa(sgd)"]([p])
+        opt.init_state()
+        opt.state[p]["z"].copy_(z0)
+        opt.eval()
+        assert len(opt.state[p]["y_residual_overflow"]) > 3
+        memory = (p.detach() if layout == "contiguous" else p.detach().t()).view(-1)  # in memory order
+        for i, value in written.items():
+            memory[i] = value
+        x = p.detach().clone()
+        opt.train()
+        return x, p.detach().clone()
+
+    x_kernel, y_kernel = run(None)
+    x_ops, y_ops = run("foreach")
+    assert bits_equal(x_kernel, x_ops) and not bits_equal(x_kernel, y0)
+    assert bits_equal(y_kernel, y_ops)
+    assert bits_equal(y_kernel.reshape(-1)[:5], y0.reshape(-1)[:5])  # not written: y back bitwise
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_eval_and_train_allocate_about_one_byte_per_weight(dtype: torch.dtype, peak_allocated) -> None:
     """Beyond the int8 residual eval() keeps, neither call allocates more than a few MB for a 4M-weight matrix."""
