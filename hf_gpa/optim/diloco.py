@@ -84,13 +84,11 @@ class DiLoCo(BaseOptimizerWrapper):
         outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
         **base_kwargs: Any,
     ) -> None:
-        check_diloco(inner_steps, outer_lr, outer_momentum)
         defaults = dict(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0)
         super().__init__(params, base, base_kwargs, defaults)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        super()._check_group(group)
-        check_diloco(group[INNER_STEPS], group[OUTER_LR], group[OUTER_MOMENTUM])
+    def _check_own(self, values: dict[str, Any]) -> None:
+        check_diloco(values[INNER_STEPS], values[OUTER_LR], values[OUTER_MOMENTUM])
 
     def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
         # The base moves the inner weights, once they have a gradient: the parameters themselves, or for bf16/fp16
