@@ -44,6 +44,17 @@ def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
     return torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
 
 
+def _kernel_takes(x: torch.Tensor, z: torch.Tensor, approx: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether ``gpa_train_residual`` takes these tensors: one dtype (a loaded state keeps its saved dtypes), a
+    residual it reads, one contiguous layout (the overflow list's indices are into the logical order)."""
+    return (
+        z.dtype == approx.dtype == x.dtype
+        and residual.dtype in (torch.int8, residual_dtype(x.dtype, narrow=False))
+        and x.is_contiguous()
+        and same_dense_layout(x, (z, approx, residual))
+    )
+
+
 class GPASwitch(TrainEvalOptimizer):
     """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
 
@@ -105,9 +116,8 @@ class GPASwitch(TrainEvalOptimizer):
                 if overflow is not None and overflow.numel():
                     listed = overflow[rows[k] : rows[k + 1]] - torch.tensor([offset, 0], device=overflow.device)
                 approx = _y_from_x(xc, zc, mu_y)
-                if kernel is not None and xc.is_contiguous() and same_dense_layout(xc, (zc, approx, rc)):
-                    # The rest of the pass below in one pass over memory (held to it bitwise by tests/test_modes.py);
-                    # contiguous, since the list's indices are into the logical order.
+                if kernel is not None and _kernel_takes(xc, zc, approx, rc):
+                    # The rest of the pass below in one pass over memory (held to it bitwise by tests/test_modes.py).
                     none = torch.empty(0, 2, dtype=torch.int64)
                     kernel.gpa_train_residual(xc, zc, approx, rc, none if listed is None else listed, mu_y)
                     continue
