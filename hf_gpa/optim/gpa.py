@@ -154,9 +154,7 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
                     if not ys:
                         continue
                     lr = float(group.get(LR, 0.0))
-                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(
-                        group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM]
-                    )
+                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM])
                     mu_y = group[MU_Y]
                     if mu_x != 0.0:
                         # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x, in place (its float32 copy alone, where there is
