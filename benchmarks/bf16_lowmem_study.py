@@ -22,11 +22,14 @@ State bytes per weight beyond the bf16 parameter: AdamW in bf16 keeps 4, GPA-Ada
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import logging
 import math
 import statistics
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -60,13 +63,19 @@ def store(t: torch.Tensor, precision: str, gen: torch.Generator) -> torch.Tensor
     raise ValueError(f"Invalid precision: {precision!r}")
 
 
+@functools.cache
+def _least_squares() -> ModuleType:
+    """``tests/least_squares.py``: the problem and the GPAAdamW run, one copy for the tests and this study."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "least_squares.py"
+    spec = importlib.util.spec_from_file_location("least_squares", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def problem(seed: int, noise: float) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
-    gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(256, 16, generator=gen)
-    b = a @ torch.randn(16, generator=gen)
-    if noise:
-        b = b + noise * torch.randn(256, generator=gen)
-    return a, b, gen
+    """The least-squares problem of ``tests/least_squares.py`` and the generator that then draws its batches."""
+    return _least_squares().least_squares_problem(seed, noise)
 
 
 def run(design: tuple[str, str, str, str] | None, seed: int, args: argparse.Namespace) -> float:
@@ -96,25 +105,16 @@ def run(design: tuple[str, str, str, str] | None, seed: int, args: argparse.Name
 
 def check(args: argparse.Namespace) -> None:
     """The emulation against GPAAdamW itself (seed 0): fp32, the bf16 default and state_dtype="param"."""
-    from hf_gpa import GPAAdamW
+    least_squares_x = _least_squares().least_squares_x
 
     for name, dtype, extra in (
         ("fp32 parameters (the reference)", torch.float32, {}),
         ("default: y copy, z, m, v in float32", torch.bfloat16, {}),
         ("state_dtype=param: z, m, v bf16", torch.bfloat16, {"state_dtype": "param"}),
     ):
-        a, b, gen = problem(0, args.noise)
-        w = torch.nn.Parameter(torch.zeros(16, dtype=dtype))
-        opt = GPAAdamW([w], lr=args.lr, mu_x=args.mu_x, mu_y=0.3, **extra)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
-        for _ in range(args.steps):
-            idx = torch.randint(0, 256, (32,), generator=gen)
-            opt.zero_grad()
-            ((a[idx] @ w.float() - b[idx]) ** 2).mean().backward()
-            opt.step()
-            sched.step()
-        opt.eval()
-        real = ((a @ w.detach().float() - b) ** 2).mean().item()
+        a, b, _ = problem(0, args.noise)
+        x = least_squares_x(dtype, extra, steps=args.steps, lr=args.lr, mu_x=args.mu_x, noise=args.noise)
+        real = ((a @ x - b) ** 2).mean().item()
         logger.info("%s: GPAAdamW %.6g, emulated %.6g", name, real, run(DESIGNS[name][0], 0, args))
 
 

@@ -448,11 +448,16 @@ def run_training_step(args: argparse.Namespace) -> None:
     sys.stdout.write(table)
 
 
-def _run_child_cmd(child_args: list[str], timeout: float, what: str, resident_peaks: bool = True) -> dict | None:
+def _run_child_cmd(
+    child_args: list[str], timeout: float, what: str, resident_peaks: bool = True, eager: bool = False
+) -> dict | None:
     """Run this script as a child with ``child_args``; its RESULT line, or None (logged) when it fails or times out.
     ``resident_peaks``: every tensor above 64 KiB its own mapping (see the module docstring); timings run without
-    it, as training does (a fresh mapping per gradient would time the kernel's page zeroing)."""
+    it, as training does (a fresh mapping per gradient would time the kernel's page zeroing). ``eager``: without
+    torch.compile (``TORCHDYNAMO_DISABLE=1``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if eager:
+        env["TORCHDYNAMO_DISABLE"] = "1"
     if resident_peaks:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     try:
@@ -495,24 +500,14 @@ def _child(args: argparse.Namespace) -> None:
 def run_child(
     name: str, dtype: str, size: str, steps: int, meta: bool, eager: bool, timeout: float, device: str = "cpu"
 ) -> dict | None:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    if eager:
-        env["TORCHDYNAMO_DISABLE"] = "1"
-    cmd = [sys.executable, __file__, "--child", name, "--dtype", dtype, "--size", size, "--steps", str(steps)]
-    cmd += ["--meta"] if meta else ["--device", device]
+    """One row of the table, measured in a child process (with its wall time), or None (logged)."""
+    child_args = ["--child", name, "--dtype", dtype, "--size", size, "--steps", str(steps)]
+    child_args += ["--meta"] if meta else ["--device", device]
     start = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        logger.warning("%s (%s, %s): timed out after %.0f s", name, dtype, size, timeout)
-        return None
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-            result["wall_s"] = time.perf_counter() - start
-            return result
-    logger.warning("%s (%s, %s) failed:\n%s", name, dtype, size, done.stderr[-3000:])
-    return None
+    result = _run_child_cmd(child_args, timeout, f"{name} ({dtype}, {size})", eager=eager)
+    if result is not None:
+        result["wall_s"] = time.perf_counter() - start
+    return result
 
 
 def _fmt(value: float | None) -> str:

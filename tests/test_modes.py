@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
-from hf_gpa.optim._residual import decode_residual, encode_residual
+from hf_gpa.optim._residual import bits_differ, bits_equal, decode_residual, decode_residual_, encode_residual
 
 FACTORIES = {
     "gpa_adamw": lambda ps: GPAAdamW(ps, lr=1e-2, weight_decay=0.1, mu_x=0.99, mu_y=0.7),
@@ -118,6 +119,23 @@ def test_residual_round_trip_for_arbitrary_values(dtype: torch.dtype) -> None:
     # not contiguous: the overflow's indices are into the flattened (logical) order
     target2, approx2 = target.view(64, 64).t(), (target * 1.0001).view(64, 64).t()
     assert torch.equal(decode_residual(approx2, *encode_residual(target2, approx2)), target2)
+    # in place (what train() uses): the same bits, written into the approximation itself, also not contiguous
+    for tgt, apx in ((target, target * 1.0001), (target2, approx2)):
+        inplace = apx.clone()
+        assert decode_residual_(inplace, *encode_residual(tgt, apx)) is inplace
+        assert torch.equal(inplace.contiguous().view(torch.uint8), tgt.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_bits_equal_is_bits_differ_nowhere(dtype: torch.dtype) -> None:
+    """bits_equal (int64 pairs for float32) says what bits_differ(...).any() says: NaN and -0 by their bits."""
+    base = torch.tensor([0.0, -0.0, float("nan"), 1.0, -2.5, float("inf"), 3.0], dtype=dtype)
+    for a in (base, base[1:], base[:6], base[1:].view(2, 3).t()):  # odd size, odd offset, not contiguous
+        assert bits_equal(a, a.clone())
+        for k, index in enumerate(itertools.product(*map(range, a.shape))):
+            b = a.clone()
+            b[index] = -b[index] if k % 2 else 7.0  # -0 vs 0 and -nan vs nan differ by a bit
+            assert bits_equal(a, b) is not bool(bits_differ(a, b).any())
 
 
 @pytest.mark.parametrize("name", list(FACTORIES))
@@ -366,6 +384,46 @@ def test_eval_and_train_switch_a_large_weight_in_chunks(dtype: torch.dtype, monk
     assert all(torch.equal(state_chunked[k], state_whole[k]) for k in state_whole)
     if dtype == torch.float32:
         assert len(state_whole["y_residual_overflow"]) >= 3  # the list spans chunks
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_train_kernel_is_the_torch_ops_bitwise(dtype: torch.dtype, layout: str, monkeypatch) -> None:
+    """train()'s C++ pass (fp32/fp64 on CPU) gives the torch ops' y bitwise: residual, overflow list across chunks,
+    x written in eval mode (also to NaN, -0 and inf, also where the residual overflowed) and NaN x eval() wrote."""
+    from hf_gpa.optim import _tensors
+    from hf_gpa.optim.kernels import FORCE, kernel_for
+
+    if kernel_for(torch.zeros(1)) != "cpu":
+        pytest.skip("the C++ kernel is not available here")
+    monkeypatch.setattr(_tensors, "CHUNK", 1000)  # several pieces, each with listed elements
+    gen = torch.Generator().manual_seed(0)
+    y0, z0 = torch.randn(2, 60, 50, generator=gen, dtype=torch.float64).to(dtype)
+    y0.view(-1)[::97] *= 1e-7  # |y| << |z|: differences int8 cannot hold
+    z0.view(-1)[5], y0.view(-1)[6], z0.view(-1)[6] = float("nan"), float("inf"), float("inf")  # x NaN from eval()
+    written = {11: 1.0, 97: 2.5, 194: float("nan"), 300: -0.0, 2001: float("-inf"), 2999: 0.0}
+
+    def run(backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setitem(FORCE, "backend", backend)
+        t = y0.clone() if layout == "contiguous" else y0.clone().t().contiguous().t()
+        p = torch.nn.Parameter(t)
+        opt = SWITCHERS["gpa(sgd)"]([p])
+        opt.init_state()
+        opt.state[p]["z"].copy_(z0)
+        opt.eval()
+        assert len(opt.state[p]["y_residual_overflow"]) > 3
+        memory = (p.detach() if layout == "contiguous" else p.detach().t()).view(-1)  # in memory order
+        for i, value in written.items():
+            memory[i] = value
+        x = p.detach().clone()
+        opt.train()
+        return x, p.detach().clone()
+
+    x_kernel, y_kernel = run(None)
+    x_ops, y_ops = run("foreach")
+    assert bits_equal(x_kernel, x_ops) and not bits_equal(x_kernel, y0)
+    assert bits_equal(y_kernel, y_ops)
+    assert bits_equal(y_kernel.reshape(-1)[:5], y0.reshape(-1)[:5])  # not written: y back bitwise
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

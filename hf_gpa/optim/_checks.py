@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -201,6 +202,17 @@ def check_implementation(foreach: Any, fused: Any) -> None:
         raise ValueError("Invalid arguments: fused=True and foreach=True cannot both be set")
 
 
+def defaults_from_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """A constructor's arguments (its ``locals()`` on entry) as torch.optim ``defaults``, in the signature's order: the
+    signature is the one list of an optimizer's hyper-parameter names. ``self``, ``params`` and ``__class__`` are left
+    out; a list becomes a tuple (``betas=[0.9, 0.99]``), so the defaults compare and pickle like torch's."""
+    return {
+        name: tuple(value) if isinstance(value, list) else value
+        for name, value in arguments.items()
+        if name not in ("self", "params", "__class__")
+    }
+
+
 class CheckedGroups(torch.optim.Optimizer):
     """``add_param_group`` runs ``_check_group`` on the group with its defaults filled in; a bad group raises and is
     not added. torch's constructor adds its groups through ``add_param_group``, so the constructor's groups are
@@ -217,6 +229,13 @@ class CheckedGroups(torch.optim.Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         """Per-group argument checks; subclasses extend it (and call ``super()._check_group``)."""
         check_common(group)
+
+    def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
+        """What ``step()`` does first, as torch's optimizers: the closure's loss, computed with gradients enabled."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
 
 def check_common(values: dict[str, Any]) -> None:

@@ -17,12 +17,17 @@ from typing import Any
 
 import torch
 
-from ._residual import bits_differ, decode_residual, encode_residual, residual_dtype
+from ._residual import bits_differ, bits_equal, decode_residual_, encode_residual, residual_dtype
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
 from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
+from .kernels import kernel_for, kernel_module, same_dense_layout
 
 __all__ = ["GPASwitch"]
+
+#: The dtypes whose train() the C++ kernel takes (``gpa_train_residual``); bf16/fp16 with state in their own dtype
+#: round every operation to 16 bits, which the torch ops below do.
+_TRAIN_KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
 def _x_from_y(y: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
@@ -37,6 +42,17 @@ def _x_from_y(y: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
 def _y_from_x(x: torch.Tensor, z: torch.Tensor, mu_y: float) -> torch.Tensor:
     """y = mu_y x + (1 - mu_y) z, computed in z's dtype, returned in x's dtype."""
     return torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
+
+
+def _kernel_takes(x: torch.Tensor, z: torch.Tensor, approx: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether ``gpa_train_residual`` takes these tensors: one dtype (a loaded state keeps its saved dtypes), a
+    residual it reads, one contiguous layout (the overflow list's indices are into the logical order)."""
+    return (
+        z.dtype == approx.dtype == x.dtype
+        and residual.dtype in (torch.int8, residual_dtype(x.dtype, narrow=False))
+        and x.is_contiguous()
+        and same_dense_layout(x, (z, approx, residual))
+    )
 
 
 class GPASwitch(TrainEvalOptimizer):
@@ -94,12 +110,21 @@ class GPASwitch(TrainEvalOptimizer):
                 # Where each piece's entries start in the (index-sorted) list: one search, one read to the host.
                 starts = torch.tensor([offset for offset, _ in pieces] + [x.numel()], device=overflow.device)
                 rows = torch.searchsorted(overflow[:, 0].contiguous(), starts).tolist()
+            kernel = kernel_module("cpu") if x.dtype in _TRAIN_KERNEL_DTYPES and kernel_for(x) == "cpu" else None
             for k, (offset, (xc, zc, rc)) in enumerate(pieces):
                 listed = None
                 if overflow is not None and overflow.numel():
                     listed = overflow[rows[k] : rows[k + 1]] - torch.tensor([offset, 0], device=overflow.device)
                 approx = _y_from_x(xc, zc, mu_y)
-                y = decode_residual(approx, rc, listed)
+                if kernel is not None and _kernel_takes(xc, zc, approx, rc):
+                    # The rest of the pass below in one pass over memory (held to it bitwise by tests/test_modes.py).
+                    none = torch.empty(0, 2, dtype=torch.int64)
+                    kernel.gpa_train_residual(xc, zc, approx, rc, none if listed is None else listed, mu_y)
+                    continue
+                y = decode_residual_(approx, rc, listed)
                 # The residual restores the y of the x eval() wrote; where x was written since, x wins (as for bf16).
-                written = bits_differ(xc, _x_from_y(y, zc, mu_y))
-                xc.copy_(torch.where(written, approx, y) if bool(written.any()) else y)
+                # One pass compares the whole piece; the mask is built only where something was written.
+                x_again = _x_from_y(y, zc, mu_y)
+                if not bits_equal(xc, x_again):
+                    y = torch.where(bits_differ(xc, x_again), _y_from_x(xc, zc, mu_y), y)
+                xc.copy_(y)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["encode_residual", "decode_residual", "residual_dtype", "bits_differ"]
+__all__ = ["encode_residual", "decode_residual", "decode_residual_", "residual_dtype", "bits_differ", "bits_equal"]
 
 _INT_VIEW = {
     torch.float64: torch.int64,
@@ -31,6 +31,19 @@ def bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     int_dtype = _INT_VIEW[a.dtype]
     return a.view(int_dtype) != b.view(int_dtype)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one dtype and shape) hold the same bit patterns everywhere: `bits_differ` nowhere.
+
+    One comparison pass without a mask; contiguous float32 tensors of an even size are compared as int64 pairs
+    (on CPU ``torch.equal`` compares element by element, so half the elements take half the time).
+    """
+    pairs = a.dtype == torch.float32 and a.numel() % 2 == 0
+    if pairs and all(t.is_contiguous() and t.storage_offset() % 2 == 0 for t in (a, b)):
+        return torch.equal(a.view(-1).view(torch.int64), b.view(-1).view(torch.int64))
+    int_dtype = _INT_VIEW[a.dtype]
+    return torch.equal(a.view(int_dtype), b.view(int_dtype))
 
 
 def residual_dtype(dtype: torch.dtype, narrow: bool = True) -> torch.dtype:
@@ -68,11 +81,25 @@ def decode_residual(
     Without the overflow list (a loader that dropped it) the listed elements come back as their approximation: within
     a rounding of the larger of |x| and |z|, not bitwise.
     """
+    return decode_residual_(approx.clone(memory_format=torch.preserve_format), residual, overflow)
+
+
+def decode_residual_(
+    approx: torch.Tensor, residual: torch.Tensor, overflow: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`decode_residual` in place: ``approx`` becomes the target (no temporary of its size) and is returned."""
     int_dtype = _INT_VIEW[approx.dtype]
-    bits = approx.view(int_dtype) + residual.to(int_dtype)
-    if overflow is not None and overflow.numel():
-        bits = bits.flatten()  # a copy where approx is not contiguous: indices are into the flattened tensor
-        index, diff = overflow[:, 0], overflow[:, 1].to(int_dtype)
-        bits[index] = approx.flatten().view(int_dtype)[index] + diff
-        bits = bits.view(approx.shape)
-    return bits.view(approx.dtype)
+    bits = approx.view(int_dtype)
+    listed = overflow is not None and overflow.numel() > 0
+    if listed:  # the listed elements are their approximation plus the listed difference, whatever the residual says
+        index = overflow[:, 0]
+        listed_bits = bits.reshape(-1)[index] + overflow[:, 1].to(int_dtype)
+    bits.add_(residual)  # two's complement: wraps like encode_residual's subtraction
+    if listed:
+        if bits.is_contiguous():
+            bits.view(-1)[index] = listed_bits
+        else:  # indices are into the flattened (logical) order
+            flat = bits.flatten()
+            flat[index] = listed_bits
+            bits.copy_(flat.view(bits.shape))
+    return approx

@@ -96,10 +96,7 @@ class TrainEvalOptimizer(CheckedGroups):
     def _closure_loss(self, closure: Callable[[], Any] | None) -> Any:
         """The mode guard of every ``step()``, then the closure's loss (computed with gradients enabled)."""
         self._check_train_mode()
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+        return super()._closure_loss(closure)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, keeping the saved dtypes of the state (torch would cast it to the param dtype).

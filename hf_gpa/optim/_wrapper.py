@@ -88,13 +88,14 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
     """A ``TrainEvalOptimizer`` around a base optimizer class (see the module docstring).
 
     Subclasses give ``_base_tensor(p)`` (the tensor the base moves for parameter ``p``, or None while it needs
-    none) and ``_check_group(group)`` (their per-group checks), and call ``_prepare_base()`` then ``_base_step()``
-    inside ``step()``.
+    none) and ``_check_own(values)`` (the checks of their own hyper-parameters, run on the constructor's values and
+    on every group), and call ``_prepare_base()`` then ``_base_step()`` inside ``step()``.
     """
 
     def __init__(
         self, params: Any, base: type[torch.optim.Optimizer], base_kwargs: dict[str, Any], defaults: dict[str, Any]
     ) -> None:
+        self._check_own(defaults)  # the wrapper's own values first, before the base is even probed
         owner = type(self).__name__
         base_hypers = base_defaults(base, base_kwargs, (*defaults, TRAIN_MODE, OPTIMIZER), owner)
         self.base_class = base
@@ -131,8 +132,17 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
             self._base, self._base_pairs = base, pairs
         return self._base
 
+    def _check_own(self, values: dict[str, Any]) -> None:
+        """The checks of the wrapper's own hyper-parameters (GPA's mu_x, ...), on the constructor's defaults and on
+        every group."""
+        raise NotImplementedError
+
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
+        self._check_base_group(group)
+        self._check_own(group)
+
+    def _check_base_group(self, group: dict[str, Any]) -> None:
         check = getattr(self.base_class, "check_group", None)
         if check is not None:  # the base's own group checks (MuonWithAuxAdam: use_muon, 2-D Muon parameters), now
             check({**self._base_hypers(group), "params": group["params"]})

@@ -14,7 +14,7 @@ keeps z) plus the base's state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -84,13 +84,11 @@ class DiLoCo(BaseOptimizerWrapper):
         outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
         **base_kwargs: Any,
     ) -> None:
-        check_diloco(inner_steps, outer_lr, outer_momentum)
         defaults = dict(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0)
         super().__init__(params, base, base_kwargs, defaults)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        super()._check_group(group)
-        check_diloco(group[INNER_STEPS], group[OUTER_LR], group[OUTER_MOMENTUM])
+    def _check_own(self, values: dict[str, Any]) -> None:
+        check_diloco(values[INNER_STEPS], values[OUTER_LR], values[OUTER_MOMENTUM])
 
     def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
         # The base moves the inner weights, once they have a gradient: the parameters themselves, or for bf16/fp16
@@ -166,31 +164,29 @@ class DiLoCo(BaseOptimizerWrapper):
     # state["outer"] then holds the inner weights. bf16/fp16 parameters keep both in float32 (state["outer"],
     # state["inner_fp32"]): the parameter holds one of them rounded.
     def _params_to_eval(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            state = self.state.get(p)
-            if not state or OUTER not in state:
-                continue
-            param, outer = local_tensor(p), local_tensor(state[OUTER])
-            if INNER_FP32 not in state:
-                _swap_(param, outer)
-                continue
-            inner = local_tensor(state[INNER_FP32])
+        for param, outer, inner in self._switch_swapping(group):
             inner.copy_(authoritative_y(param, inner, inner.dtype))  # a parameter written in train mode wins
             param.copy_(outer)
 
     def _params_to_train(self, group: dict[str, Any]) -> None:
+        for param, outer, inner in self._switch_swapping(group):
+            written = bits_differ(param, outer.to(param.dtype))  # the outer weights written in eval mode win
+            if bool(written.any()):
+                outer.copy_(torch.where(written, param.to(outer.dtype), outer))
+            param.copy_(inner)
+
+    def _switch_swapping(self, group: dict[str, Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The switch both ways: exchanges parameter and outer weights where they share a dtype, and yields
+        (parameter, outer weights, float32 inner weights) of the bf16/fp16 parameters, for the caller to switch."""
         for p in group["params"]:
             state = self.state.get(p)
             if not state or OUTER not in state:
                 continue
             param, outer = local_tensor(p), local_tensor(state[OUTER])
-            if INNER_FP32 not in state:
+            if INNER_FP32 in state:
+                yield param, outer, local_tensor(state[INNER_FP32])
+            else:
                 _swap_(param, outer)
-                continue
-            written = bits_differ(param, outer.to(param.dtype))  # the outer weights written in eval mode win
-            if bool(written.any()):
-                outer.copy_(torch.where(written, param.to(outer.dtype), outer))
-            param.copy_(local_tensor(state[INNER_FP32]))
 
 
 def _swap_(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -101,15 +101,12 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
         averaging: str = DEFAULT_AVERAGING,
         **base_kwargs: Any,
     ) -> None:
-        check_mu(mu_x, mu_y)
-        check_averaging(averaging)
         defaults = dict(mu_x=mu_x, mu_y=mu_y, averaging=averaging, weight_sum=0.0)
         super().__init__(params, base, base_kwargs, defaults)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        super()._check_group(group)
-        check_mu(group[MU_X], group[MU_Y])
-        check_averaging(group[AVERAGING])
+    def _check_own(self, values: dict[str, Any]) -> None:
+        check_mu(values[MU_X], values[MU_Y])
+        check_averaging(values[AVERAGING])
 
     def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
         # z is created for a parameter once it has a gradient (a parameter that never has one gets no state).
@@ -157,9 +154,7 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
                     if not ys:
                         continue
                     lr = float(group.get(LR, 0.0))
-                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(
-                        group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM]
-                    )
+                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM])
                     mu_y = group[MU_Y]
                     if mu_x != 0.0:
                         # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x, in place (its float32 copy alone, where there is

@@ -18,7 +18,7 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._checks import CheckedGroups, check_muon_group
+from ._checks import CheckedGroups, check_muon_group, defaults_from_arguments
 from ._types import DEFAULT_ADJUST_LR_FN
 
 __all__ = ["MuonWithAuxAdam", "muon_param_groups"]
@@ -84,21 +84,8 @@ class MuonWithAuxAdam(CheckedGroups):
         eps: float = 1e-8,
         foreach: bool | None = None,
     ) -> None:
-        defaults = dict(
-            # None: every group must say (a group without the key raises, naming it).
-            use_muon=None,
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=tuple(ns_coefficients) if isinstance(ns_coefficients, (list, tuple)) else ns_coefficients,
-            ns_steps=ns_steps,
-            ns_eps=ns_eps,
-            adjust_lr_fn=adjust_lr_fn,
-            betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas,
-            eps=eps,
-            foreach=foreach,
-        )
+        # use_muon None: every group must say (a group without the key raises, naming it).
+        defaults = {"use_muon": None, **defaults_from_arguments(locals())}
         super().__init__(params, defaults)
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -161,10 +148,7 @@ class MuonWithAuxAdam(CheckedGroups):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step: Muon on the ``use_muon`` groups, AdamW on the others."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         for group in self.param_groups:
             if group["use_muon"]:
                 params: list[torch.Tensor] = []

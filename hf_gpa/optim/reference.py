@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._checks import CheckedGroups, check_adam, check_averaging, check_flag, check_mu
+from ._checks import CheckedGroups, check_adam, check_averaging, check_flag, check_mu, defaults_from_arguments
 from ._types import (
     DEFAULT_AVERAGING,
     DEFAULT_BETAS,
@@ -48,19 +48,7 @@ class ReferenceGPA(CheckedGroups):
         mu_y: float = DEFAULT_MU_Y,
         averaging: str = DEFAULT_AVERAGING,
     ) -> None:
-        defaults = dict(
-            base=base,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            mu_x=mu_x,
-            mu_y=mu_y,
-            averaging=averaging,
-            weight_sum=0.0,
-        )
+        defaults = {**defaults_from_arguments(locals()), "weight_sum": 0.0}
         super().__init__(params, defaults)  # every group passes `_check_group`
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -83,10 +71,7 @@ class ReferenceGPA(CheckedGroups):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         if any(p.grad is not None and p.grad.is_sparse for g in self.param_groups for p in g["params"]):
             raise RuntimeError("ReferenceGPA does not support sparse gradients")
         for group in self.param_groups:

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -230,8 +231,99 @@ void gpa_wrapper_pass(std::vector<at::Tensor> ys, std::vector<at::Tensor> zs, st
 
 }  // namespace
 
+// train() of an fp32/fp64 parameter in one pass (see hf_gpa/optim/_gpa_switch.py, which holds it to its torch ops):
+// y = bits(approx) + residual, approx = lerp(z, x, mu_y) computed by torch beforehand (torch's lerp has its own
+// rounding), except at the listed elements (index, difference): bits(approx) + difference. Where x is bitwise the
+// x eval() wrote, recomputed from y as z + (y - z) / mu_y (each operation rounded once, as torch's), x becomes y;
+// elsewhere x was written in eval mode and wins: x becomes approx.
+namespace {
+
+template <typename scalar_t, typename int_t>
+inline scalar_t from_bits(int_t bits) {
+  scalar_t value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+template <typename scalar_t, typename int_t>
+inline int_t to_bits(scalar_t value) {
+  int_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+// y from its bits, or approx where x was written since eval().
+template <typename scalar_t, typename int_t>
+inline scalar_t restored_y(scalar_t xi, scalar_t zi, scalar_t approx_i, int_t y_bits, scalar_t mu_y) {
+  // Unsigned addition: wraps in two's complement like torch's integer add (signed overflow would be undefined).
+  using uint_t = typename std::make_unsigned<int_t>::type;
+  const scalar_t y = from_bits<scalar_t, int_t>(static_cast<int_t>(static_cast<uint_t>(y_bits)));
+  const scalar_t x_again = (y - zi) / mu_y + zi;
+  return to_bits<scalar_t, int_t>(x_again) == to_bits<scalar_t, int_t>(xi) ? y : approx_i;
+}
+
+template <typename scalar_t, typename int_t, typename residual_t>
+void train_residual_tensor(at::Tensor& x_t, const at::Tensor& z_t, const at::Tensor& approx_t,
+                           const at::Tensor& residual_t_, const at::Tensor& listed_t, double mu_y_d) {
+  using uint_t = typename std::make_unsigned<int_t>::type;
+  scalar_t* __restrict__ x = x_t.data_ptr<scalar_t>();
+  const scalar_t* __restrict__ z = z_t.data_ptr<scalar_t>();
+  const scalar_t* __restrict__ approx = approx_t.data_ptr<scalar_t>();
+  const residual_t* __restrict__ residual = residual_t_.data_ptr<residual_t>();
+  const scalar_t mu_y = static_cast<scalar_t>(mu_y_d);
+  // The listed elements first, from the x they still hold; written back after the pass over all elements.
+  const int64_t k = listed_t.size(0);
+  const int64_t* listed = listed_t.data_ptr<int64_t>();
+  std::vector<scalar_t> listed_values(k);
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t i = listed[2 * j];
+    const uint_t bits =
+        static_cast<uint_t>(to_bits<scalar_t, int_t>(approx[i])) + static_cast<uint_t>(listed[2 * j + 1]);
+    listed_values[j] = restored_y<scalar_t, int_t>(x[i], z[i], approx[i], static_cast<int_t>(bits), mu_y);
+  }
+  at::parallel_for(0, x_t.numel(), 16384, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) {
+      const uint_t bits = static_cast<uint_t>(to_bits<scalar_t, int_t>(approx[i])) +
+                          static_cast<uint_t>(static_cast<int_t>(residual[i]));
+      x[i] = restored_y<scalar_t, int_t>(x[i], z[i], approx[i], static_cast<int_t>(bits), mu_y);
+    }
+  });
+  for (int64_t j = 0; j < k; ++j) {
+    x[listed[2 * j]] = listed_values[j];
+  }
+}
+
+void gpa_train_residual(at::Tensor x, at::Tensor z, at::Tensor approx, at::Tensor residual, at::Tensor listed,
+                        double mu_y) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && same_dense_layout(x, z) && same_dense_layout(x, approx) &&
+                  same_dense_layout(x, residual),
+              "gpa_train_residual: contiguous CPU tensors only (the list's indices are into the logical order)");
+  TORCH_CHECK(z.scalar_type() == x.scalar_type() && approx.scalar_type() == x.scalar_type(),
+              "gpa_train_residual: x, z and approx must share one dtype");
+  TORCH_CHECK(listed.scalar_type() == at::kLong && listed.dim() == 2 && listed.size(1) == 2 && listed.is_contiguous(),
+              "gpa_train_residual: the overflow list must be a contiguous (k, 2) int64 tensor");
+  const auto p = x.scalar_type();
+  const auto r = residual.scalar_type();
+  if (p == at::kFloat && r == at::kChar) {
+    train_residual_tensor<float, int32_t, int8_t>(x, z, approx, residual, listed, mu_y);
+  } else if (p == at::kFloat && r == at::kInt) {
+    train_residual_tensor<float, int32_t, int32_t>(x, z, approx, residual, listed, mu_y);
+  } else if (p == at::kDouble && r == at::kChar) {
+    train_residual_tensor<double, int64_t, int8_t>(x, z, approx, residual, listed, mu_y);
+  } else if (p == at::kDouble && r == at::kLong) {
+    train_residual_tensor<double, int64_t, int64_t>(x, z, approx, residual, listed, mu_y);
+  } else {
+    TORCH_CHECK(false, "gpa_train_residual: unsupported dtypes ", p, " / ", r);
+  }
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("gpa_adamw_step", &gpa_adamw_step, "One fused GPA-AdamW step over lists of CPU tensors");
   module.def("gpa_wrapper_pass", &gpa_wrapper_pass,
              "y <- scale (y - alpha z) (before) or y <- y + alpha z (after), through float32 copies of y if given");
+  module.def("gpa_train_residual", &gpa_train_residual,
+             "train() of an fp32/fp64 parameter: y from lerp(z, x, mu_y) and the residual, where x was not written");
 }
