@@ -15,8 +15,8 @@ import torch
 
 from hf_gpa import GPAAdamW
 from hf_gpa.optim import _wrapper_passes as _passes
-from hf_gpa.optim._compact import join24
 from hf_gpa.optim import kernels
+from hf_gpa.optim._compact import join24
 from hf_gpa.optim.kernels import cpu as _kernels
 from hf_gpa.optim.kernels import triton_launch as _triton
 
@@ -136,7 +136,6 @@ def test_every_implementation_matches_the_forloop(impl: str, dtype: torch.dtype,
     opt.eval()
     for p, r in zip(params, ref):
         _close(p.detach(), r.detach(), dtype)
-
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ def join24(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 
 
 def split24_(u: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
-    """Round float32 ``u`` to 24 bits and write its high word into ``hi`` (bf16) and its low word into ``lo`` (int8)."""
+    """Round float32 ``u`` to 24 bits, writing its high word into ``hi`` (bf16) and its low word into ``lo`` (int8)."""
     b = u.view(torch.int32)
     b24 = torch.bitwise_right_shift(b, 8).bitwise_and_(1).add_(b).add_(0x7F).bitwise_and_(-256)
     hi.view(torch.int16).copy_(torch.add(b24, 0x8000).bitwise_right_shift_(16).to(torch.int16))

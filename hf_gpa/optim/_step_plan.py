@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ._tensors import is_dtensor, local_tensor, real_view
-from ._types import EXP_AVG, EXP_AVG_SQ, STEP, Y_FP32, Y_LO, Z, Z_LO
+from ._types import EXP_AVG, EXP_AVG_SQ, STEP, Y_FP32, Y_LO, Z_LO, Z
 from .kernels import LOW_WORD, PARAM_DTYPE, STATE_DTYPE, fused_buckets
 
 __all__ = ["AdamWHyper", "Bucket", "StepPlan", "bias_corrections"]
@@ -67,8 +67,8 @@ class Bucket:
     ms: list[torch.Tensor]
     vs: list[torch.Tensor]
     y32s: list[torch.Tensor] | None
-    whole: bool
-    lows: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None  # idx is every position in order: the step's lists are used as they are
+    whole: bool  # idx is every position in order: the step's lists are used as they are
+    lows: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None
 
 
 class StepPlan:
@@ -93,8 +93,15 @@ class StepPlan:
         else:
             kernel_buckets, foreach_buckets = fused_buckets(
                 ys,
-                [(grads, PARAM_DTYPE), (zs, STATE_DTYPE), (ms, STATE_DTYPE), (vs, STATE_DTYPE), (y32s, STATE_DTYPE),
-                 (y_los, LOW_WORD), (z_los, LOW_WORD)],  # fmt: skip
+                [
+                    (grads, PARAM_DTYPE),
+                    (zs, STATE_DTYPE),
+                    (ms, STATE_DTYPE),
+                    (vs, STATE_DTYPE),
+                    (y32s, STATE_DTYPE),
+                    (y_los, LOW_WORD),
+                    (z_los, LOW_WORD),
+                ],  # fmt: skip
                 use_kernels=impl == "fused",
             )
             groups = {(key[0], key): idx for key, idx in kernel_buckets.items()}

@@ -61,8 +61,8 @@ from ._types import (
     WEIGHT_SUM,
     Y_FP32,
     Y_LO,
-    Z,
     Z_LO,
+    Z,
     state_dtype_for,
 )
 from .averaging import averaging_mu_x

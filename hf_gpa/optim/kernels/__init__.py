@@ -113,15 +113,16 @@ def fused_buckets(
 ) -> tuple[dict[tuple, list[int]], dict[tuple, list[int]]]:
     """Bucket the indices of ``ys`` into kernel calls and foreach calls, deciding per tensor.
 
-    ``companions``: the other tensor lists of the update (gradients, z, moments, y's float32 copy), each with the
-    dtype a kernel needs it in (`PARAM_DTYPE`, `STATE_DTYPE` or `LOW_WORD`); a None entry is a tensor that this
-    parameter does not have (the y32 of an fp32 parameter). An index goes to a kernel when one takes ``ys[i]``
-    (`kernel_for`), all its tensors share one dense layout and have the dtypes needed; a parameter with low words
-    (``state_dtype="compact"``: its state is in its own dtype) only to the kernels that take them. A kernel bucket is one C++ call (which takes any
-    mix of dtypes), keyed ``("cpu", None, None, absent)``, or one Triton launch per device and dtype, keyed
-    ``("triton", device, dtype, absent)``; ``absent`` tells which companions are missing. The rest is grouped for
-    foreach by ``(device, dtype of y, dtype of each companion or None)``: every tensor's own dtypes, so one group
-    never mixes, say, float32 state with state in the parameter's dtype. ``use_kernels=False``: foreach groups only.
+    ``companions``: the other tensor lists of the update (gradients, z, moments, y's float32 copy), each with the dtype
+    a kernel needs it in (`PARAM_DTYPE`, `STATE_DTYPE` or `LOW_WORD`); a None entry is a tensor that this parameter
+    does not have (the y32 of an fp32 parameter). An index goes to a kernel when one takes ``ys[i]`` (`kernel_for`),
+    all its tensors share one dense layout and have the dtypes needed; a parameter with low words
+    (``state_dtype="compact"``: its state is in its own dtype) only to the kernels that take them. A kernel bucket is
+    one C++ call (which takes any mix of dtypes), keyed ``("cpu", None, None, absent)``, or one Triton launch per
+    device and dtype, keyed ``("triton", device, dtype, absent)``; ``absent`` tells which companions are missing. The
+    rest is grouped for foreach by ``(device, dtype of y, dtype of each companion or None)``: every tensor's own
+    dtypes, so one group never mixes, say, float32 state with state in the parameter's dtype. ``use_kernels=False``:
+    foreach groups only.
     """
     kernel_buckets: dict[tuple, list[int]] = defaultdict(list)
     foreach_buckets: dict[tuple, list[int]] = defaultdict(list)
