@@ -7,13 +7,28 @@ import torch
 from hf_gpa.optim import GPAAdamW
 
 
-def least_squares_x(
-    dtype: torch.dtype, impl: dict, mu_y: float = 0.3, steps: int = 400, optimizer: type = GPAAdamW
-) -> torch.Tensor:
-    """x after a cosine-scheduled GPAAdamW (or GPA) run on noisy least squares; the loss is computed in float32."""
+def least_squares_problem(noise: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """A (256 x 16), the targets b (with ``noise`` times Gaussian noise added: the fp32 run's loss is then the noise
+    floor, as in benchmarks/bf16_lowmem_study.py) and the generator that draws the minibatches next."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(256, 16, generator=gen)
     b = a @ torch.randn(16, generator=gen)
+    if noise:
+        b = b + noise * torch.randn(256, generator=gen)
+    return a, b, gen
+
+
+def least_squares_x(
+    dtype: torch.dtype,
+    impl: dict,
+    mu_y: float = 0.3,
+    steps: int = 400,
+    optimizer: type = GPAAdamW,
+    noise: float = 0.0,
+) -> torch.Tensor:
+    """x after a cosine-scheduled GPAAdamW (or GPA) run on least squares with minibatch noise (and ``noise`` in the
+    targets); the loss is computed in float32."""
+    a, b, gen = least_squares_problem(noise)
     w = torch.nn.Parameter(torch.zeros(16, dtype=dtype))
     opt = optimizer([w], lr=0.05, mu_x=0.98, mu_y=mu_y, **impl)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
