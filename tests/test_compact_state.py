@@ -83,8 +83,8 @@ def test_state_is_eight_bytes_per_bf16_weight(impl: str) -> None:
 
 
 def test_fp16_and_fp32_parameters_keep_their_state() -> None:
-    """"compact" changes only bf16 parameters: fp16 keeps the float32 state and y's copy (fp16's 5-bit exponent has
-    no 8-bit low word covering its range), fp32 its fp32 state."""
+    """state_dtype="compact" changes only bf16 parameters: fp16 keeps the float32 state and y's copy (fp16's 5-bit
+    exponent has no 8-bit low word covering its range), fp32 its fp32 state."""
     half, single = _params(torch.float16), _params(torch.float32)
     opt = GPAAdamW([{"params": half}, {"params": single}], state_dtype="compact")
     _run(opt, half + single, 2)

@@ -25,7 +25,7 @@ from ._compact import join24, split24_
 from ._residual import bits_differ, decode_residual, encode_residual, residual_dtype
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
-from ._types import MU_Y, Y_FP32, Y_LO, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z, Z_LO
+from ._types import MU_Y, Y_FP32, Y_LO, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z_LO, Z
 
 __all__ = ["GPASwitch"]
 
