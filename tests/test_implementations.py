@@ -118,9 +118,7 @@ def test_every_implementation_matches_the_forloop(impl: str, dtype: torch.dtype,
     if impl in ("cpu_kernel", "triton"):  # the kernel itself ran, not the foreach fallback
         with mock.patch.dict(kernels.FORCE, backend="triton" if impl == "triton" else None):
             assert {kernels.kernel_for(p) for p in params} == {"cpu" if impl == "cpu_kernel" else "triton"}
-        # "compact" runs in the C++ kernel; the Triton kernel does not take it yet: foreach inside the fused path
-        kind = "cpu" if impl == "cpu_kernel" else "triton"
-        expected = "foreach" if (state_dtype, impl) == ("compact", "triton") else kind
+        expected = "cpu" if impl == "cpu_kernel" else "triton"  # every tensor, "compact" state included
         assert {b.kind for plan in opt._plans.values() for b in plan.buckets} == {expected}
     for p, r in zip(params, ref):
         _close(p.detach(), r.detach(), dtype)
@@ -244,7 +242,12 @@ def test_kernels_compile_for_cuda_without_a_gpu(tmp_path, monkeypatch: pytest.Mo
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     step_types = ["*i64"] * 7 + ["*i32", "*i64", "*fp32"] + ["fp32"] * 8  # tables, maps, lr pointer, scalars
     pass_types = ["*i64"] * 4 + ["*i32", "*i64", "fp32", "fp32"]
+    compact_types = ["*i64"] * 8 + ["*i32", "*i64", "*fp32"] + ["fp32"] * 8  # two more tables: the low words
     cases = [
+        (_triton_kernels.gpa_adamw_compact_kernel, compact_types, dict(LR_ON_DEVICE=True, MAXIMIZE=False,
+         MASKED=False, ALIGNED=True, BLOCK=_triton.BLOCK)),
+        (_triton_kernels.gpa_adamw_compact_kernel, compact_types, dict(LR_ON_DEVICE=False, MAXIMIZE=True,
+         MASKED=True, ALIGNED=False, BLOCK=_triton.BLOCK)),
         (_triton_kernels.gpa_adamw_kernel, step_types, dict(PARAM=tl.bfloat16, GRAD=tl.bfloat16, HAS_Y32=True,
          LR_ON_DEVICE=True, MAXIMIZE=False, MASKED=False, ALIGNED=True, BLOCK=_triton.BLOCK)),
         (_triton_kernels.gpa_adamw_kernel, step_types, dict(PARAM=tl.float32, GRAD=tl.float32, HAS_Y32=False,

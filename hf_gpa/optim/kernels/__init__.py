@@ -32,8 +32,8 @@ _CPU_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float1
 #: What a companion tensor's dtype must be for a kernel: the parameter's own, its state dtype (`state_dtype_for`;
 #: the parameter's own for a tensor with low words), or int8 (the low words of ``state_dtype="compact"``).
 PARAM_DTYPE, STATE_DTYPE, LOW_WORD = "param", "state", "low"
-#: The kernels that take the 24-bit y and z of ``state_dtype="compact"`` (the Triton kernel does not yet: foreach).
-_COMPACT_KERNELS = ("cpu",)
+#: The kernels that take the 24-bit y and z of ``state_dtype="compact"`` (``gpa_adamw_step_compact``).
+_COMPACT_KERNELS = ("cpu", "triton")
 
 
 def kernel_for(t: torch.Tensor) -> str | None:
