@@ -66,6 +66,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("pure bf16", "AdamW", "bfloat16"),
     ("pure bf16", "GPA-AdamW", "bfloat16"),
     ("pure bf16", "GPA-AdamW, state_dtype=param", "bfloat16"),
+    ("pure bf16", "GPA-AdamW, state_dtype=compact", "bfloat16"),
     ("low-bit AdamW", "AdamW8bit", "float32"),
     ("low-bit AdamW", "GPA(AdamW8bit)", "float32"),
     ("low-bit AdamW", "AdamW4bit", "float32"),
@@ -109,8 +110,8 @@ def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.O
         return torch.optim.AdamW(params, **ADAM)
     if name == "GPA-AdamW":
         return GPAAdamW(params, **ADAM)
-    if name == "GPA-AdamW, state_dtype=param":
-        return GPAAdamW(params, **ADAM, state_dtype="param")
+    if name.startswith("GPA-AdamW, state_dtype="):
+        return GPAAdamW(params, **ADAM, state_dtype=name.rpartition("=")[2])
     if name == "GPA(AdamW)":
         return GPA(params, base=torch.optim.AdamW, **ADAM)
     if name.startswith("DiLoCo"):

@@ -174,6 +174,21 @@ inline float join24(uint16_t hi, int8_t lo) {
   return out;
 }
 
+// bf16 as its bits: the loop below vectorizes on uint16_t arrays, not on c10::BFloat16 ones (GCC 12).
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline uint16_t float_to_bf16(float v) {  // round to nearest even, as to_param<c10::BFloat16, float>
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + UINT32_C(0x7FFF) + ((bits >> 16) & 1)) >> 16;
+  return static_cast<uint16_t>(v != v ? UINT32_C(0x7FC0) : rounded);
+}
+
 inline void split24(float u, uint16_t& hi, int8_t& lo) {
   uint32_t bits;
   std::memcpy(&bits, &u, sizeof(bits));
@@ -182,43 +197,56 @@ inline void split24(float u, uint16_t& hi, int8_t& lo) {
   lo = static_cast<int8_t>(static_cast<uint8_t>(b24 >> 8));
 }
 
+struct CompactConsts {
+  float sign, lerp_coeff, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_decay, neg_step_size, one_minus_mu_x, c;
+};
+
+// One range of one tensor. A function of its own, with restrict pointers as arguments: inside parallel_for's lambda
+// (pointers captured by reference) GCC 12 does not vectorize this loop.
+template <bool lerp_small>
+void compact_range(int64_t begin, int64_t end, uint16_t* __restrict__ y, const uint16_t* __restrict__ g,
+                   uint16_t* __restrict__ z, uint16_t* __restrict__ m, uint16_t* __restrict__ v,
+                   int8_t* __restrict__ y_lo, int8_t* __restrict__ z_lo, const CompactConsts k) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    const float gi = k.sign * bf16_to_float(g[i]);
+    const float m_old = bf16_to_float(m[i]);
+    const float mi = (lerp_small ? m_old : gi) + k.lerp_coeff * (gi - m_old);
+    const float vi = k.beta2 * bf16_to_float(v[i]) + k.one_minus_beta2 * gi * gi;
+    const float zi = join24(z[i], z_lo[i]);
+    const float d = k.neg_decay * zi + k.neg_step_size * (mi / (std::sqrt(vi) * k.inv_bc2_sqrt + k.eps));
+    const float yi = join24(y[i], y_lo[i]);
+    split24(yi + k.one_minus_mu_x * (zi - yi) + k.c * d, y[i], y_lo[i]);
+    split24(zi + d, z[i], z_lo[i]);
+    m[i] = float_to_bf16(mi);
+    v[i] = float_to_bf16(vi);
+  }
+}
+
 template <bool lerp_small>
 void update_compact_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::Tensor& m_t, at::Tensor& v_t,
                            at::Tensor& y_lo_t, at::Tensor& z_lo_t, const Hyper& h, double step_size,
                            double bc2_sqrt) {
-  uint16_t* __restrict__ y = reinterpret_cast<uint16_t*>(y_t.data_ptr<c10::BFloat16>());
-  const c10::BFloat16* __restrict__ g = g_t.data_ptr<c10::BFloat16>();
-  uint16_t* __restrict__ z = reinterpret_cast<uint16_t*>(z_t.data_ptr<c10::BFloat16>());
-  c10::BFloat16* __restrict__ m = m_t.data_ptr<c10::BFloat16>();
-  c10::BFloat16* __restrict__ v = v_t.data_ptr<c10::BFloat16>();
-  int8_t* __restrict__ y_lo = y_lo_t.data_ptr<int8_t>();
-  int8_t* __restrict__ z_lo = z_lo_t.data_ptr<int8_t>();
+  uint16_t* y = reinterpret_cast<uint16_t*>(y_t.data_ptr<c10::BFloat16>());
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(g_t.data_ptr<c10::BFloat16>());
+  uint16_t* z = reinterpret_cast<uint16_t*>(z_t.data_ptr<c10::BFloat16>());
+  uint16_t* m = reinterpret_cast<uint16_t*>(m_t.data_ptr<c10::BFloat16>());
+  uint16_t* v = reinterpret_cast<uint16_t*>(v_t.data_ptr<c10::BFloat16>());
+  int8_t* y_lo = y_lo_t.data_ptr<int8_t>();
+  int8_t* z_lo = z_lo_t.data_ptr<int8_t>();
   const float w = static_cast<float>(1.0 - h.beta1);
-  const float lerp_coeff = lerp_small ? w : w - 1.0f;
-  const float beta2 = static_cast<float>(h.beta2);
-  const float one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  const float inv_bc2_sqrt = static_cast<float>(1.0 / bc2_sqrt);
-  const float eps = static_cast<float>(h.eps);
-  const float neg_decay = static_cast<float>(-h.lr * h.weight_decay);
-  const float neg_step_size = static_cast<float>(-step_size);
-  const float one_minus_mu_x = static_cast<float>(1.0 - h.mu_x);
-  const float c = static_cast<float>(1.0 - h.mu_x * h.mu_y);
-  const float sign = h.maximize ? -1.0f : 1.0f;
+  const CompactConsts k{h.maximize ? -1.0f : 1.0f,
+                        lerp_small ? w : w - 1.0f,
+                        static_cast<float>(h.beta2),
+                        static_cast<float>(1.0 - h.beta2),
+                        static_cast<float>(1.0 / bc2_sqrt),
+                        static_cast<float>(h.eps),
+                        static_cast<float>(-h.lr * h.weight_decay),
+                        static_cast<float>(-step_size),
+                        static_cast<float>(1.0 - h.mu_x),
+                        static_cast<float>(1.0 - h.mu_x * h.mu_y)};
   at::parallel_for(0, y_t.numel(), 16384, [&](int64_t begin, int64_t end) {
-#pragma omp simd
-    for (int64_t i = begin; i < end; ++i) {
-      const float gi = sign * to_state<c10::BFloat16, float>(g[i]);
-      const float m_old = to_state<c10::BFloat16, float>(m[i]);
-      const float mi = (lerp_small ? m_old : gi) + lerp_coeff * (gi - m_old);
-      const float vi = beta2 * to_state<c10::BFloat16, float>(v[i]) + one_minus_beta2 * gi * gi;
-      const float zi = join24(z[i], z_lo[i]);
-      const float d = neg_decay * zi + neg_step_size * (mi / (std::sqrt(vi) * inv_bc2_sqrt + eps));
-      const float yi = join24(y[i], y_lo[i]);
-      split24(yi + one_minus_mu_x * (zi - yi) + c * d, y[i], y_lo[i]);
-      split24(zi + d, z[i], z_lo[i]);
-      m[i] = to_param<c10::BFloat16, float>(mi);
-      v[i] = to_param<c10::BFloat16, float>(vi);
-    }
+    compact_range<lerp_small>(begin, end, y, g, z, m, v, y_lo, z_lo, k);
   });
 }
 
