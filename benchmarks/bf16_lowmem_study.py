@@ -10,10 +10,11 @@ back, so only the storage differs. The precisions:
 * ``sr``: bf16 with stochastic rounding (random low 16 bits added before truncation);
 * ``q24``: 24 bits, the bf16 value plus 8 bits of error correction beside it (15 mantissa bits).
 
-The emulation is checked against ``GPAAdamW`` itself: the float32-state default and the all-bf16 design reproduce
-its final losses (``--check``). The run is the noisy least-squares problem of ``tests/least_squares.py`` with noise
-added to the targets, so the fp32 run's loss is the noise floor and a ratio to it measures what the storage loses.
-State bytes per weight beyond the bf16 parameter: AdamW in bf16 keeps 4, GPA-AdamW's default 16.
+The emulation is checked against ``GPAAdamW`` itself: the float32-state default, the all-bf16 design and the 24-bit one
+(``state_dtype="compact"``, built from this study) reproduce its final losses (``--check``). The run is the noisy
+least-squares problem of ``tests/least_squares.py`` with noise added to the targets, so the fp32 run's loss is the
+noise floor and a ratio to it measures what the storage loses. State bytes per weight beyond the bf16 parameter: AdamW
+in bf16 keeps 4, GPA-AdamW's default 16.
 
     python benchmarks/bf16_lowmem_study.py                               # 400 steps, lr 0.05, mu_x 0.98
     python benchmarks/bf16_lowmem_study.py --steps 2000 --lr 0.01 --mu-x 0.996
@@ -95,13 +96,14 @@ def run(design: tuple[str, str, str, str] | None, seed: int, args: argparse.Name
 
 
 def check(args: argparse.Namespace) -> None:
-    """The emulation against GPAAdamW itself (seed 0): fp32, the bf16 default and state_dtype="param"."""
+    """The emulation against GPAAdamW itself (seed 0): fp32, the bf16 default, state_dtype="param" and "compact"."""
     from hf_gpa import GPAAdamW
 
     for name, dtype, extra in (
         ("fp32 parameters (the reference)", torch.float32, {}),
         ("default: y copy, z, m, v in float32", torch.bfloat16, {}),
         ("state_dtype=param: z, m, v bf16", torch.bfloat16, {"state_dtype": "param"}),
+        ("24-bit y, z (8 correction bits each); m, v bf16", torch.bfloat16, {"state_dtype": "compact"}),
     ):
         a, b, gen = problem(0, args.noise)
         w = torch.nn.Parameter(torch.zeros(16, dtype=dtype))

@@ -89,8 +89,10 @@ class GPAAdamW(GPASwitch):
     as float32 allows (rounding y to bf16 at every step would accumulate in x, amplified by 1 / mu_y). That is 16
     bytes of state per parameter, 8.0x the bytes of a bf16 parameter (4 bytes, a third, more than without the copy).
     The parameter stays authoritative: where it no longer equals ``y_fp32`` rounded (something else wrote it), the
-    step starts from the parameter. ``state_dtype="param"`` trades that accuracy for memory: z, m and v in the
-    parameter's dtype and no copy of y, 6 bytes per bf16 weight (torch's AdamW: 4).
+    step starts from the parameter. ``state_dtype="compact"`` keeps that accuracy in 8 bytes per bf16 weight: y and z
+    as 24-bit values (the parameter or z's bf16 high word and an int8 low word each, ``_compact``), m and v in bf16.
+    ``state_dtype="param"`` trades the accuracy for memory: z, m and v in the parameter's dtype and no copy of y, 6
+    bytes per bf16 weight (torch's AdamW: 4).
     Weight decay is decoupled and acts on z, as in Algorithm 1 of the paper.
     ``mu_x = 0`` is AdamW; ``mu_y = 1`` is stochastic primal averaging. Call ``eval()`` before evaluating or saving
     (the parameters then hold x) and ``train()`` before the next step (y comes back bitwise).
@@ -118,10 +120,12 @@ class GPAAdamW(GPASwitch):
             fuses, ``None`` fuses where every parameter has a kernel and ``foreach`` is unset; a parameter whose
             tensors differ in layout takes foreach within the fused path (default: None).
         maximize: maximize the objective instead of minimizing it (default: False).
-        state_dtype: the state of bf16/fp16 parameters: ``"float32"`` (z, m, v and y's float32 copy) or ``"param"``
-            (z, m, v in the parameter's dtype, no copy of y; computed in float32 and rounded once per step). The
-            fused kernels take float32 state only: such parameters take the foreach path inside the fused one.
-            fp32/fp64 parameters are not affected (default: "float32").
+        state_dtype: the state of bf16/fp16 parameters: ``"float32"`` (z, m, v and y's float32 copy, 16 bytes per
+            weight), ``"compact"`` (bf16 parameters: 24-bit y and z, m and v in bf16, 8 bytes; fp16 ones keep
+            ``"float32"``'s state) or ``"param"`` (z, m, v in the parameter's dtype, no copy of y, 6 bytes); the last
+            two are computed in float32 and rounded once per step. The fused kernels take ``"float32"`` and
+            ``"compact"``; ``"param"`` state takes the foreach path inside the fused one. fp32/fp64 parameters are not
+            affected (default: "float32").
 
     Paper: Defazio, Mishchenko, Raman, Shi, Xiao, "Smoothing DiLoCo with Primal Averaging for Faster Training of
     LLMs" (Generalized Primal Averaging).
