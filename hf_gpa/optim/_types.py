@@ -118,7 +118,9 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: m and v in bf16: 8 bytes, computed in float32 and rounded once per step to 24 bits (``_compact``). fp16 parameters
 #: keep float32 state under "compact": fp16's 5-bit exponent leaves no 8-bit low word that covers its range.
 HALF_STATE_MODES = ("float32", "param", "compact")
-DEFAULT_HALF_STATE = "float32"
+#: "compact": the float32 state's accuracy (bf16 least squares within 1.001x of the fp32 run, like "float32") in half
+#: its bytes, and faster on CPU (docs/memory.md); fp16 parameters keep the float32 state under it.
+DEFAULT_HALF_STATE = "compact"
 
 
 def state_dtype_for(param: torch.Tensor) -> torch.dtype:

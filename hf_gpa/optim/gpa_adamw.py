@@ -84,13 +84,14 @@ class GPAAdamW(GPASwitch):
         \end{aligned}
 
     The parameters hold y; the state holds ``z``, ``exp_avg`` (m) and ``exp_avg_sq`` (v): 3.0x the parameter
-    bytes for fp32 parameters. For bf16/fp16 parameters z, m and v are kept in float32 (z is the unrounded copy of
-    the weights), and so is y: the state also holds ``y_fp32`` and the parameter holds it rounded, so x is as exact
-    as float32 allows (rounding y to bf16 at every step would accumulate in x, amplified by 1 / mu_y). That is 16
-    bytes of state per parameter, 8.0x the bytes of a bf16 parameter (4 bytes, a third, more than without the copy).
-    The parameter stays authoritative: where it no longer equals ``y_fp32`` rounded (something else wrote it), the
-    step starts from the parameter. ``state_dtype="compact"`` keeps that accuracy in 8 bytes per bf16 weight: y and z
-    as 24-bit values (the parameter or z's bf16 high word and an int8 low word each, ``_compact``), m and v in bf16.
+    bytes for fp32 parameters. y and z of bf16/fp16 parameters need more than their 8 (or 11) bits: rounding y to
+    bf16 at every step would accumulate in x, amplified by 1 / mu_y. By default (``state_dtype="compact"``) bf16
+    parameters keep y and z as 24-bit values, the parameter (y's high word) or z's bf16 high word and an int8 low
+    word each (``y_lo``, ``z_lo``; see ``_compact``), and m and v in bf16: 8 bytes of state per weight, with the
+    accuracy of float32 state (docs/memory.md). ``state_dtype="float32"`` keeps z, m, v and a float32 copy of y
+    (``y_fp32``, the parameter holds it rounded), x as exact as float32 allows, 16 bytes per weight; fp16 parameters
+    keep this state under either mode. A parameter written by something else is taken: exactly where it no longer
+    equals ``y_fp32`` rounded, with y's low word under ``"compact"`` (y then rounds to the written value).
     ``state_dtype="param"`` trades the accuracy for memory: z, m and v in the parameter's dtype and no copy of y, 6
     bytes per bf16 weight (torch's AdamW: 4).
     Weight decay is decoupled and acts on z, as in Algorithm 1 of the paper.
@@ -125,7 +126,7 @@ class GPAAdamW(GPASwitch):
             ``"float32"``'s state) or ``"param"`` (z, m, v in the parameter's dtype, no copy of y, 6 bytes); the last
             two are computed in float32 and rounded once per step. The fused kernels take ``"float32"`` and
             ``"compact"``; ``"param"`` state takes the foreach path inside the fused one. fp32/fp64 parameters are not
-            affected (default: "float32").
+            affected (default: "compact").
 
     Paper: Defazio, Mishchenko, Raman, Shi, Xiao, "Smoothing DiLoCo with Primal Averaging for Faster Training of
     LLMs" (Generalized Primal Averaging).
