@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 from hf_gpa.optim import GPAAdamW
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bf16_lowmem_study import problem  # noqa: E402
+
 
 def least_squares_problem(noise: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
     """A (256 x 16), the targets b (with ``noise`` times Gaussian noise added: the fp32 run's loss is then the noise
-    floor, as in benchmarks/bf16_lowmem_study.py) and the generator that draws the minibatches next."""
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(256, 16, generator=gen)
-    b = a @ torch.randn(16, generator=gen)
-    if noise:
-        b = b + noise * torch.randn(256, generator=gen)
-    return a, b, gen
+    floor) and the generator that draws the minibatches next: benchmarks/bf16_lowmem_study.py's problem, seed 0."""
+    return problem(0, noise)
 
 
 def least_squares_x(
