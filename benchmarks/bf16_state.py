@@ -8,7 +8,7 @@ AdamW in pure bf16, over one or more seeds (the seed noise is what a difference 
 evaluation are ``lowbit_quality.train_run``'s.
 
     nice -n 10 python benchmarks/bf16_state.py --steps 600
-    nice -n 10 python benchmarks/bf16_state.py --steps 600 --seeds 0 1 2 --rows default compact
+    nice -n 10 python benchmarks/bf16_state.py --steps 600 --seeds 0 1 2 --rows float32 compact
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ logger = logging.getLogger("bf16_state")
 #: (row, parameter dtype, optimizer factory); GPA at the paper bench's best setting, AdamW at the same lr.
 ROWS = {
     "GPA-AdamW, fp32 parameters": (torch.float32, {}),
-    "GPA-AdamW, bf16, state float32 (default)": (torch.bfloat16, {}),
+    "GPA-AdamW, bf16, state_dtype=float32": (torch.bfloat16, {"state_dtype": "float32"}),
     "GPA-AdamW, bf16, state_dtype=param": (torch.bfloat16, {"state_dtype": "param"}),
-    "GPA-AdamW, bf16, state_dtype=compact": (torch.bfloat16, {"state_dtype": "compact"}),
+    "GPA-AdamW, bf16, state_dtype=compact (default)": (torch.bfloat16, {"state_dtype": "compact"}),
     "AdamW, bf16 (m, v in bf16)": (torch.bfloat16, None),
 }
 

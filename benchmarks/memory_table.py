@@ -64,9 +64,9 @@ ROWS: list[tuple[str, str, str]] = [
     ("fp32 parameters", "GPA-AdamW", "float32"),
     ("fp32 parameters", "GPA(AdamW)", "float32"),
     ("pure bf16", "AdamW", "bfloat16"),
-    ("pure bf16", "GPA-AdamW", "bfloat16"),
+    ("pure bf16", "GPA-AdamW", "bfloat16"),  # state_dtype="compact", the default
+    ("pure bf16", "GPA-AdamW, state_dtype=float32", "bfloat16"),
     ("pure bf16", "GPA-AdamW, state_dtype=param", "bfloat16"),
-    ("pure bf16", "GPA-AdamW, state_dtype=compact", "bfloat16"),
     ("low-bit AdamW", "AdamW8bit", "float32"),
     ("low-bit AdamW", "GPA(AdamW8bit)", "float32"),
     ("low-bit AdamW", "AdamW4bit", "float32"),

@@ -84,12 +84,12 @@ def candidates(device: str, dtype: str = "float32") -> dict[str, Factory]:
     cands |= {
         "GPAAdamW (fused)": lambda ps: GPAAdamW(ps, **adam, fused=True),  # C++ kernel on CPU, Triton on CUDA
     }
-    if dtype != "float32":  # 8 bytes per weight in the kernels; 6 bytes in foreach (the kernels do not take it)
+    if dtype != "float32":  # the rows above take state_dtype="compact" (8 bytes per weight), the default
         cands |= {
-            "GPAAdamW (fused, state_dtype=compact)": lambda ps: GPAAdamW(
-                ps, **adam, fused=True, state_dtype="compact"
+            "GPAAdamW (fused, state_dtype=float32)": lambda ps: GPAAdamW(
+                ps, **adam, fused=True, state_dtype="float32"
             ),
-            "GPAAdamW (state_dtype=param)": lambda ps: GPAAdamW(ps, **adam, state_dtype="param"),
+            "GPAAdamW (state_dtype=param)": lambda ps: GPAAdamW(ps, **adam, state_dtype="param"),  # foreach
         }
     cands |= {
         "GPAAdamW (foreach)": lambda ps: GPAAdamW(ps, **adam, foreach=True),
