@@ -109,7 +109,8 @@ INNER_STEP = "inner_step"  # DiLoCo's count of inner steps taken
 
 # ---- dtypes ----
 
-#: Parameter dtypes whose optimizer state (z, moments, y's copy) is kept in float32.
+#: Parameter dtypes whose optimizer state (z, moments, y's copy) is kept in float32 (`state_dtype_for`), unless
+#: GPAAdamW's ``state_dtype`` keeps it otherwise.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: GPAAdamW's ``state_dtype`` for bf16/fp16 parameters: "float32" keeps z, m, v and a float32 copy of y (16 bytes per
 #: weight, x as exact as float32 allows); "param" keeps z, m and v in the parameter's dtype and no copy of y (6 bytes;
@@ -127,6 +128,8 @@ def state_dtype_for(param: torch.Tensor) -> torch.dtype:
     """The dtype of z and of the base optimizer's moments for a parameter.
 
     Half-precision parameters (bf16, fp16) keep their optimizer state, z included, in float32: z is the only
-    unaveraged copy of the weights and small updates would vanish in bf16. fp32 and fp64 keep their own dtype.
+    unaveraged copy of the weights and small updates would vanish in bf16. fp32 and fp64 keep their own dtype. The
+    rule of the GPA wrapper, DiLoCo and GPAAdamW's ``state_dtype="float32"``; GPAAdamW's default for bf16 parameters
+    (``"compact"``) keeps z as a bf16 high word and an int8 low word instead (``_compact``).
     """
     return torch.float32 if param.dtype in HALF_DTYPES else param.dtype
