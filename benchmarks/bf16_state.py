@@ -1,11 +1,14 @@
-"""Pure bf16 training: GPAAdamW's default state (float32 z, m, v and y) against ``state_dtype="param"`` (bf16 z, m, v).
+"""Pure bf16 training: GPAAdamW's state modes for bf16 parameters (``state_dtype``) against each other.
 
-Why this file exists: ``state_dtype="param"`` cuts GPA-AdamW's state for bf16 parameters from 16 to 6 bytes per
-weight. Its cost is measured here as the final validation loss of the paper bench's tiny Llama (the workload of
+Why this file exists: ``state_dtype="param"`` (bf16 z, m, v: 6 bytes per weight) and ``"compact"`` (24-bit y and z,
+bf16 m and v: 8 bytes) cut GPA-AdamW's state for bf16 parameters from the default's 16 bytes (float32 z, m, v and y).
+Their cost is measured here as the final validation loss of the paper bench's tiny Llama (the workload of
 ``benchmarks/paper_table.py`` at a shorter budget), trained in pure bf16, beside the same model in fp32 and torch's
-AdamW in pure bf16. The loop, data and evaluation are ``lowbit_quality.train_run``'s.
+AdamW in pure bf16, over one or more seeds (the seed noise is what a difference is held against). The loop, data and
+evaluation are ``lowbit_quality.train_run``'s.
 
     nice -n 10 python benchmarks/bf16_state.py --steps 600
+    nice -n 10 python benchmarks/bf16_state.py --steps 600 --seeds 0 1 2 --rows float32 compact
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ logger = logging.getLogger("bf16_state")
 #: (row, parameter dtype, optimizer factory); GPA at the paper bench's best setting, AdamW at the same lr.
 ROWS = {
     "GPA-AdamW, fp32 parameters": (torch.float32, {}),
-    "GPA-AdamW, bf16, state float32 (default)": (torch.bfloat16, {}),
+    "GPA-AdamW, bf16, state_dtype=float32": (torch.bfloat16, {"state_dtype": "float32"}),
     "GPA-AdamW, bf16, state_dtype=param": (torch.bfloat16, {"state_dtype": "param"}),
+    "GPA-AdamW, bf16, state_dtype=compact (default)": (torch.bfloat16, {"state_dtype": "compact"}),
     "AdamW, bf16 (m, v in bf16)": (torch.bfloat16, None),
 }
 
@@ -49,28 +53,42 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lowbit"))
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--rows", nargs="+", default=None, help="run only the rows whose names contain one of these")
     args = parser.parse_args(argv)
+    rows = {row: v for row, v in ROWS.items() if not args.rows or any(r in row for r in args.rows)}
+    if not rows:
+        parser.error(f"--rows {args.rows} matches none of: {', '.join(ROWS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(1)
     workload = dataclasses.replace(pt.Workload(), steps=args.steps)
     data = pt.load_token_windows(workload)
-    results = {}
-    for row, (dtype, extra) in ROWS.items():
-        run = lq.train_run(row, args.seed, workload, data, factory(extra, workload), dtype)
-        results[row] = run["final_val"]
-        logger.info("%-44s final val %.4f (%.0f s)", row, run["final_val"], run["wall_s"])
+    results: dict[str, list[float]] = {}
+    for seed in args.seeds:  # seed-major: a partial run still compares the rows on the same seeds
+        for row, (dtype, extra) in rows.items():
+            run = lq.train_run(row, seed, workload, data, factory(extra, workload), dtype)
+            results.setdefault(row, []).append(run["final_val"])
+            logger.info("%-44s seed %d final val %.4f (%.0f s)", row, seed, run["final_val"], run["wall_s"])
+    seeds = " ".join(map(str, args.seeds))
     lines = [
-        f"Pure bf16, the paper bench's Llama, {args.steps} steps, seed {args.seed}, lr {lq.LR}, GPA H = "
-        f"{lq.INNER_STEPS}, mu_y {lq.MU_Y}: final validation loss (GPA at x).",
+        f"Pure bf16, the paper bench's Llama, {args.steps} steps, seeds {seeds}, lr {lq.LR}, GPA H = "
+        f"{lq.INNER_STEPS}, mu_y {lq.MU_Y}: final validation loss (GPA at x), per seed and mean.",
         "",
-        "| run | final val loss |",
-        "|---|---|",
-        *[f"| {row} | {loss:.4f} |" for row, loss in results.items()],
+        "| run | final val loss per seed | mean |",
+        "|---|---|---:|",
+        *[
+            f"| {row} | {' / '.join(f'{v:.4f}' for v in losses)} | {sum(losses) / len(losses):.4f} |"
+            for row, losses in results.items()
+        ],
     ]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bf16_state.md").write_text("\n".join(lines) + "\n")
-    (args.out / "bf16_state.json").write_text(json.dumps({"steps": args.steps, "seed": args.seed, **results}))
+    stem = (
+        "bf16_state"
+        if args.rows is None and args.seeds == [0]
+        else f"bf16_state_seeds_{'_'.join(map(str, args.seeds))}"
+    )
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps({"steps": args.steps, "seeds": args.seeds, **results}))
     sys.stdout.write("\n".join(lines) + "\n")
 
 

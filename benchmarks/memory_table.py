@@ -64,7 +64,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("fp32 parameters", "GPA-AdamW", "float32"),
     ("fp32 parameters", "GPA(AdamW)", "float32"),
     ("pure bf16", "AdamW", "bfloat16"),
-    ("pure bf16", "GPA-AdamW", "bfloat16"),
+    ("pure bf16", "GPA-AdamW", "bfloat16"),  # state_dtype="compact", the default
+    ("pure bf16", "GPA-AdamW, state_dtype=float32", "bfloat16"),
     ("pure bf16", "GPA-AdamW, state_dtype=param", "bfloat16"),
     ("low-bit AdamW", "AdamW8bit", "float32"),
     ("low-bit AdamW", "GPA(AdamW8bit)", "float32"),
@@ -109,8 +110,8 @@ def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.O
         return torch.optim.AdamW(params, **ADAM)
     if name == "GPA-AdamW":
         return GPAAdamW(params, **ADAM)
-    if name == "GPA-AdamW, state_dtype=param":
-        return GPAAdamW(params, **ADAM, state_dtype="param")
+    if name.startswith("GPA-AdamW, state_dtype="):
+        return GPAAdamW(params, **ADAM, state_dtype=name.rpartition("=")[2])
     if name == "GPA(AdamW)":
         return GPA(params, base=torch.optim.AdamW, **ADAM)
     if name.startswith("DiLoCo"):

@@ -17,6 +17,7 @@ benchmark, never a test: run it on a quiet machine.
     python benchmarks/step_time.py --size host_bound         # 219 tiny tensors: host work per step
     python benchmarks/step_time.py --device cuda             # Llama-1B shapes, fp32 parameters
     python benchmarks/step_time.py --device cuda --dtype bfloat16
+    python benchmarks/step_time.py --dtype bfloat16 --only "AdamW (fused)" "GPAAdamW (fused"   # the bf16 state modes
     python benchmarks/step_time.py --end-to-end              # also GPATrainer vs Trainer tokens/s (throughput.py)
 """
 
@@ -69,8 +70,9 @@ def llama_shapes(size: str) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for p in model.parameters()]
 
 
-def candidates(device: str) -> dict[str, Factory]:
-    """The optimizers to time, by row name; the first is the baseline every ratio refers to."""
+def candidates(device: str, dtype: str = "float32") -> dict[str, Factory]:
+    """The optimizers to time, by row name; the first is the baseline every ratio refers to. bf16 parameters add
+    GPAAdamW's low-memory state modes (``state_dtype``)."""
     adam = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     cands: dict[str, Factory] = {
         BASELINE: lambda ps: torch.optim.AdamW(ps, **adam, fused=True),
@@ -81,6 +83,15 @@ def candidates(device: str) -> dict[str, Factory]:
         cands["GPAAdamW (default, fused=None)"] = lambda ps: GPAAdamW(ps, **adam)
     cands |= {
         "GPAAdamW (fused)": lambda ps: GPAAdamW(ps, **adam, fused=True),  # C++ kernel on CPU, Triton on CUDA
+    }
+    if dtype != "float32":  # the rows above take state_dtype="compact" (8 bytes per weight), the default
+        cands |= {
+            "GPAAdamW (fused, state_dtype=float32)": lambda ps: GPAAdamW(
+                ps, **adam, fused=True, state_dtype="float32"
+            ),
+            "GPAAdamW (state_dtype=param)": lambda ps: GPAAdamW(ps, **adam, state_dtype="param"),  # foreach
+        }
+    cands |= {
         "GPAAdamW (foreach)": lambda ps: GPAAdamW(ps, **adam, foreach=True),
         "GPAAdamW (for-loop)": lambda ps: GPAAdamW(ps, **adam, foreach=False),
         "GPA(AdamW fused)": lambda ps: GPA(ps, base=torch.optim.AdamW, **adam, fused=True),
@@ -224,6 +235,7 @@ def run(
     threads: int | None,
     dtype: str = "float32",
     sessions: str = "all",
+    only: list[str] | None = None,
 ) -> list[dict]:
     """Median step time of every candidate, its ratio to fused AdamW's median in the same session, and its memory.
 
@@ -241,7 +253,9 @@ def run(
     param_bytes = sum(t.numel() * t.element_size() for t in init)
     logger.info("%d tensors, %.1fM %s parameters, device %s", len(shapes), sum(t.numel() for t in init) / 1e6,
                 dtype, device)  # fmt: skip
-    cands = candidates(device)
+    cands = candidates(device, dtype)
+    if only:
+        cands = {name: f for name, f in cands.items() if name == BASELINE or any(name.startswith(o) for o in only)}
     others = [name for name in cands if name != BASELINE]
     plan = [[BASELINE, *others]] if sessions == "all" else [[BASELINE, name] for name in others]
 
@@ -348,6 +362,13 @@ def main(argv: list[str] | None = None) -> None:
         help="all: every optimizer alive and timed in one session; pairs: each against its own fused-AdamW "
         "baseline, one pair alive at a time (auto: all on CPU, pairs on CUDA)",
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="PREFIX",
+        help="time only the rows whose names start so (and the baseline)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
@@ -363,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     device_type = args.device.split(":")[0]
     size = args.size or DEFAULT_SIZE[device_type]
     sessions = args.sessions if args.sessions != "auto" else ("all" if device_type == "cpu" else "pairs")
-    results = run(size, args.rounds, args.warmup, args.device, args.threads, args.dtype, sessions)
+    results = run(size, args.rounds, args.warmup, args.device, args.threads, args.dtype, sessions, args.only)
     table = markdown_table(results)
     verdict = _verdict(results)
     print(table + "\n\n" + verdict)

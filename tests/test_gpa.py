@@ -184,9 +184,10 @@ def test_foreach_matches_forloop_bitwise() -> None:
 
 
 def test_bf16_state_is_float32_and_survives_loading() -> None:
-    """bf16 parameters keep z, m, v in float32, and load_state_dict does not cast that state to bf16."""
+    """With state_dtype="float32" bf16 parameters keep z, m, v in float32, and load_state_dict does not cast that
+    state to bf16 (also into an optimizer whose state_dtype is the default)."""
     params = _params(torch.bfloat16)
-    opt = GPAAdamW(params, weight_decay=0.1)
+    opt = GPAAdamW(params, weight_decay=0.1, state_dtype="float32")
     _run(opt, params, 3)
     state = opt.state[params[0]]
     assert state["z"].dtype == state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
@@ -376,10 +377,10 @@ def test_wrapper_low_precision_x_tracks_the_fp32_run(base_kwargs: dict, dtype: t
 
 
 def test_bf16_state_holds_y_in_float32() -> None:
-    """bf16 parameters keep y_fp32 (the parameter holds it rounded): state = 8x the bf16 parameter bytes; eval()
-    and train() go through it exactly, without a residual."""
+    """With state_dtype="float32" bf16 parameters keep y_fp32 (the parameter holds it rounded): state = 8x the bf16
+    parameter bytes; eval() and train() go through it exactly, without a residual."""
     params = _params(torch.bfloat16)
-    opt = GPAAdamW(_groups(params), weight_decay=0.1)
+    opt = GPAAdamW(_groups(params), weight_decay=0.1, state_dtype="float32")
     _run(opt, params, 3)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items() if k != "step")
@@ -398,11 +399,12 @@ def test_bf16_state_holds_y_in_float32() -> None:
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_written_parameter_wins_over_its_float32_copy(impl: str) -> None:
-    """A bf16 parameter written between steps (a load, a manual edit) is where the next step starts from."""
+    """A bf16 parameter written between steps (a load, a manual edit) is where the next step starts from
+    (state_dtype="float32"; "compact" takes it with y's low word, test_modes.py)."""
     import copy
 
     params = _params(torch.bfloat16)
-    opt = GPAAdamW(params, weight_decay=0.1, **IMPLS[impl])
+    opt = GPAAdamW(params, weight_decay=0.1, state_dtype="float32", **IMPLS[impl])
     _run(opt, params, 3)
     with torch.no_grad():
         params[0].mul_(0.5)

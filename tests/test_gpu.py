@@ -94,7 +94,9 @@ def _compare_with_forloop(name: str, dtype: torch.dtype, device: str) -> None:
     """``name`` against the for-loop on ``device``, 5 steps from the same weights and gradients, at y and x."""
     grads = _grads(dtype, device)
     ref_params, params = _params(dtype, device), _params(dtype, device)
-    ref = GPAAdamW(_groups(ref_params), **KW, foreach=False)
+    # GPA's wrapper keeps y and z of bf16 parameters in float32: its for-loop twin is GPAAdamW(state_dtype="float32")
+    state = {"state_dtype": "float32"} if name.endswith("_base") else {}
+    ref = GPAAdamW(_groups(ref_params), **KW, foreach=False, **state)
     opt = CANDIDATES[name](_groups(params))
     _train(ref, ref_params, grads)
     _train(opt, params, grads)

@@ -16,6 +16,7 @@ import torch
 from hf_gpa import GPAAdamW
 from hf_gpa.optim import _wrapper_passes as _passes
 from hf_gpa.optim import kernels
+from hf_gpa.optim._compact import join24
 from hf_gpa.optim.kernels import cpu as _kernels
 from hf_gpa.optim.kernels import triton_launch as _triton
 
@@ -46,9 +47,12 @@ def _groups(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[dict]:
     ]
 
 
-def _train(impl: str, dtype: torch.dtype, steps: int = 4) -> tuple[list[torch.Tensor], GPAAdamW]:
+def _train(
+    impl: str, dtype: torch.dtype, steps: int = 4, state_dtype: str = "float32"
+) -> tuple[list[torch.Tensor], GPAAdamW]:
     params = _params(dtype)
-    opt = GPAAdamW(_groups(params, dtype), lr=1e-2, mu_x=0.9, mu_y=0.7, **_impl_kwargs(impl))
+    kwargs = _impl_kwargs(impl)
+    opt = GPAAdamW(_groups(params, dtype), lr=1e-2, mu_x=0.9, mu_y=0.7, state_dtype=state_dtype, **kwargs)
     with mock.patch.dict(kernels.FORCE, backend="triton" if impl.startswith("triton") else None):
         _steps(opt, params, dtype, steps)
     return params, opt
@@ -79,10 +83,34 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
         torch.testing.assert_close(actual.double(), expected.double(), rtol=0, atol=tol * max(scale, 1.0))
 
 
+def _close_compact(opt: GPAAdamW, p: torch.Tensor, ref_opt: GPAAdamW, r: torch.Tensor, impl: str) -> None:
+    """state_dtype="compact": foreach is the for-loop bitwise (the same torch ops, the same 24-bit rounding); the
+    kernels' 24-bit y and z (high and low words joined) are within 2^-15 of their largest value, two units of the
+    24-bit format (the C++ kernel's float32 arithmetic contracts to fused multiply-adds and multiplies by 1 / sqrt(bc2)
+    where torch's ops round twice and divide: a value differs in its last bit now and then, and so may a bf16 m, v),
+    m and v within one bf16 unit."""
+    state, ref = opt.state[p], ref_opt.state[r]
+    if impl == "foreach":
+        assert torch.equal(p, r) and all(torch.equal(state[k], v) for k, v in ref.items()), "foreach != for-loop"
+        return
+    for hi, lo, ref_hi, ref_lo in ((p.detach(), state["y_lo"], r.detach(), ref["y_lo"]),
+                                   (state["z"], state["z_lo"], ref["z"], ref["z_lo"])):  # fmt: skip
+        expected = join24(ref_hi, ref_lo).double()
+        scale = expected.abs().max().item() if expected.numel() else 0.0
+        torch.testing.assert_close(join24(hi, lo).double(), expected, rtol=0, atol=2**-15 * max(scale, 1.0))
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert state[key].dtype == torch.bfloat16
+        _close(state[key], ref[key], torch.bfloat16)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "compact"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_every_implementation_matches_the_forloop(impl: str, dtype: torch.dtype) -> None:
-    """Each path equals the for-loop: y, the state (z, m, v, y's float32 copy) and x after eval()."""
+def test_every_implementation_matches_the_forloop(impl: str, dtype: torch.dtype, state_dtype: str) -> None:
+    """Each path equals the for-loop: y, the state (z, m, v, y's float32 copy; the low words of "compact") and x
+    after eval()."""
+    if state_dtype == "compact" and dtype != torch.bfloat16:
+        pytest.skip('state_dtype="compact" changes only bf16 parameters (see test_compact_state.py)')
     if impl == "cpu_kernel" and _kernels.load_cpu_kernel() is None:
         pytest.skip("the C++ kernel cannot be built here")
     if impl == "triton":
@@ -90,23 +118,27 @@ def test_every_implementation_matches_the_forloop(impl: str, dtype: torch.dtype)
             pytest.skip("triton is not installed")
         if dtype == torch.float64:
             pytest.skip("the Triton kernel takes fp32/bf16/fp16 parameters (fp64 goes to foreach)")
-    ref, ref_opt = _train("forloop", dtype)
-    params, opt = _train(impl, dtype)
+    ref, ref_opt = _train("forloop", dtype, state_dtype=state_dtype)
+    params, opt = _train(impl, dtype, state_dtype=state_dtype)
     if impl in ("cpu_kernel", "triton"):  # the kernel itself ran, not the foreach fallback
         with mock.patch.dict(kernels.FORCE, backend="triton" if impl == "triton" else None):
             assert {kernels.kernel_for(p) for p in params} == {"cpu" if impl == "cpu_kernel" else "triton"}
+        expected = "cpu" if impl == "cpu_kernel" else "triton"  # every tensor, "compact" state included
+        assert {b.kind for plan in opt._plans.values() for b in plan.buckets} == {expected}
     for p, r in zip(params, ref):
         _close(p.detach(), r.detach(), dtype)
+        if state_dtype == "compact":
+            _close_compact(opt, p, ref_opt, r, impl)
+            continue
         for key, value in ref_opt.state[r].items():
             if key != "step":
                 _close(opt.state[p][key], value, torch.float32 if dtype != torch.float64 else dtype)
     if dtype in (torch.bfloat16, torch.float16):
-        assert all("y_fp32" in opt.state[p] for p in params)
+        assert all(("y_lo" if state_dtype == "compact" else "y_fp32") in opt.state[p] for p in params)
     ref_opt.eval()
     opt.eval()
     for p, r in zip(params, ref):
         _close(p.detach(), r.detach(), dtype)
-
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -215,7 +247,12 @@ def test_kernels_compile_for_cuda_without_a_gpu(tmp_path, monkeypatch: pytest.Mo
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     step_types = ["*i64"] * 7 + ["*i32", "*i64", "*fp32"] + ["fp32"] * 8  # tables, maps, lr pointer, scalars
     pass_types = ["*i64"] * 4 + ["*i32", "*i64", "fp32", "fp32"]
+    compact_types = ["*i64"] * 8 + ["*i32", "*i64", "*fp32"] + ["fp32"] * 8  # two more tables: the low words
     cases = [
+        (_triton_kernels.gpa_adamw_compact_kernel, compact_types, dict(LR_ON_DEVICE=True, MAXIMIZE=False,
+         MASKED=False, ALIGNED=True, BLOCK=_triton.BLOCK)),
+        (_triton_kernels.gpa_adamw_compact_kernel, compact_types, dict(LR_ON_DEVICE=False, MAXIMIZE=True,
+         MASKED=True, ALIGNED=False, BLOCK=_triton.BLOCK)),
         (_triton_kernels.gpa_adamw_kernel, step_types, dict(PARAM=tl.bfloat16, GRAD=tl.bfloat16, HAS_Y32=True,
          LR_ON_DEVICE=True, MAXIMIZE=False, MASKED=False, ALIGNED=True, BLOCK=_triton.BLOCK)),
         (_triton_kernels.gpa_adamw_kernel, step_types, dict(PARAM=tl.float32, GRAD=tl.float32, HAS_Y32=False,

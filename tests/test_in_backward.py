@@ -39,7 +39,12 @@ def _impl_kwargs(impl: str) -> dict:
 
 
 def _run(
-    impl: str, in_backward: bool, steps: int = 5, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    impl: str,
+    in_backward: bool,
+    steps: int = 5,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    state_dtype: str = "float32",
 ) -> tuple[_Net, GPAAdamW]:
     """Train ``steps`` steps with a warm-up/decay schedule, three groups (one Schedule-Free, one maximizing), and a
     parameter that gets no gradient in every other step; ordinarily or inside backward."""
@@ -49,7 +54,7 @@ def _run(
         {"params": [net.b1, net.unused], "averaging": "schedule_free", "mu_y": 0.5},
         {"params": [net.w2], "mu_x": 0.8, "maximize": True},
     ]
-    opt = GPAAdamW(groups, lr=1e-2, mu_x=0.9, mu_y=0.7, **_impl_kwargs(impl))
+    opt = GPAAdamW(groups, lr=1e-2, mu_x=0.9, mu_y=0.7, state_dtype=state_dtype, **_impl_kwargs(impl))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 3) * 0.8**t)
     gen = torch.Generator().manual_seed(1)
     handle = step_in_backward(opt) if in_backward else None
@@ -107,6 +112,20 @@ def test_in_backward_bf16_keeps_the_float32_copy_of_y() -> None:
     for p, r in zip(net.parameters(), ref_net.parameters()):
         assert torch.equal(p, r)
         assert set(opt.state[p]) == set(ref_opt.state[r]) and "y_fp32" in opt.state[p]
+        for key, value in ref_opt.state[r].items():
+            assert torch.equal(opt.state[p][key], value), key
+
+
+@pytest.mark.parametrize("impl", ["forloop", "foreach", "cpu_kernel"])
+def test_in_backward_bf16_compact_state(impl: str) -> None:
+    """bf16 parameters with state_dtype="compact" (24-bit y and z): bitwise the ordinary step, low words included."""
+    if impl == "cpu_kernel" and _kernels.load_cpu_kernel() is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    ref_net, ref_opt = _run(impl, in_backward=False, dtype=torch.bfloat16, state_dtype="compact")
+    net, opt = _run(impl, in_backward=True, dtype=torch.bfloat16, state_dtype="compact")
+    for p, r in zip(net.parameters(), ref_net.parameters()):
+        assert torch.equal(p, r)
+        assert set(opt.state[p]) == set(ref_opt.state[r]) and "y_lo" in opt.state[p]
         for key, value in ref_opt.state[r].items():
             assert torch.equal(opt.state[p][key], value), key
 

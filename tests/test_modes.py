@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
+from hf_gpa.optim._compact import join24
 from hf_gpa.optim._residual import bits_differ, bits_equal, decode_residual, decode_residual_, encode_residual
 
 FACTORIES = {
@@ -250,7 +251,9 @@ WRITERS = {
 
 
 def _z(opt: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
-    return opt.state[p]["z"].double()
+    """z in float64 (joined with its low word under GPAAdamW's state_dtype="compact")."""
+    state = opt.state[p]
+    return (join24(state["z"], state["z_lo"]) if "z_lo" in state else state["z"]).double()
 
 
 def _assert_rounded(actual: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor) -> None:
@@ -271,10 +274,13 @@ def test_weights_written_in_train_mode_are_kept_by_eval_and_train(name: str, dty
         params[1].normal_(generator=torch.Generator().manual_seed(9))  # re-initializing a head
         params[2].copy_(torch.full_like(params[2], 0.25))  # model.load_state_dict
     written = [p.detach().clone() for p in params]
-    # y in float64: y's float32 copy (bf16/fp16) where the parameter still equals it rounded, else the parameter
+    # y in float64: y's float32 copy (bf16/fp16) where the parameter still equals it rounded, else the parameter;
+    # under state_dtype="compact" the written high word with y's low word (y rounds to the written value)
     y32s = [opt.state[p].get("y_fp32") for p in params]
     exact = [y.double() if y32 is None else torch.where(y32.to(dtype) == y, y32, y.float()).double()
              for y, y32 in zip(written, y32s)]  # fmt: skip
+    exact = [join24(y, opt.state[p]["y_lo"]).double() if "y_lo" in opt.state[p] else e
+             for p, y, e in zip(params, written, exact)]  # fmt: skip
     opt.eval()
     for p, y in zip(params, exact):
         z = _z(opt, p)
@@ -361,7 +367,7 @@ def test_eval_and_train_switch_a_large_weight_in_chunks(dtype: torch.dtype, monk
     def run(chunk: int) -> tuple[torch.Tensor, dict, torch.Tensor]:
         monkeypatch.setattr(_tensors, "CHUNK", chunk)
         p = torch.nn.Parameter(torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(dtype))
-        opt = GPAAdamW([p], lr=1e-2, mu_x=0.9, mu_y=0.3)
+        opt = GPAAdamW([p], lr=1e-2, mu_x=0.9, mu_y=0.3, state_dtype="float32")  # "compact": test_compact_state
         for i in range(3):
             p.grad = torch.randn(1000, generator=torch.Generator().manual_seed(i + 1)).to(dtype)
             opt.step()

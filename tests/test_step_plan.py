@@ -39,11 +39,13 @@ def _grads(params: list[torch.Tensor], t: int) -> None:
         p.grad = torch.sin(3 * p.detach() + t) + 0.1
 
 
-def _host_ops(n_tensors: int) -> int:
-    """aten ops recorded by the profiler in one steady-state step over ``n_tensors`` small tensors."""
+def _host_ops(n_tensors: int, state_dtype: str = "float32") -> int:
+    """aten ops recorded by the profiler in one steady-state step over ``n_tensors`` small tensors (bf16 ones for
+    ``state_dtype="compact"``)."""
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(64, generator=gen)) for _ in range(n_tensors)]
-    opt = GPAAdamW(params, lr=torch.tensor(1e-3), weight_decay=0.1, fused=True)
+    dtype = torch.bfloat16 if state_dtype == "compact" else torch.float32
+    params = [torch.nn.Parameter(torch.randn(64, generator=gen).to(dtype)) for _ in range(n_tensors)]
+    opt = GPAAdamW(params, lr=torch.tensor(1e-3), weight_decay=0.1, fused=True, state_dtype=state_dtype)
     for t in range(2):  # the plan is built at the first step; the second is a steady one already
         _grads(params, t)
         opt.step()
@@ -53,11 +55,13 @@ def _host_ops(n_tensors: int) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "compact"])
 @pytest.mark.parametrize("path", PATHS)
-def test_host_ops_per_step_do_not_grow_with_the_tensors(path: str) -> None:
-    """A step over 200 tensors records at most 2x the host (aten) ops of a step over 20 (was 10x: ~5 per tensor)."""
+def test_host_ops_per_step_do_not_grow_with_the_tensors(path: str, state_dtype: str) -> None:
+    """A step over 200 tensors records at most 2x the host (aten) ops of a step over 20 (was 10x: ~5 per tensor),
+    also for bf16 parameters with state_dtype="compact"."""
     with _path(path):
-        few, many = _host_ops(20), _host_ops(200)
+        few, many = _host_ops(20, state_dtype), _host_ops(200, state_dtype)
     assert many <= 2 * few, f"{path}: {few} aten ops per step for 20 tensors, {many} for 200"
 
 
@@ -139,22 +143,29 @@ def test_new_groups_and_replaced_parameters_get_a_new_plan(impl: str) -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_group_mixing_state_layouts_steps_each_as_alone(impl: str) -> None:
-    """bf16 parameters of one group, one with state in the parameter's dtype and one with float32 state and y's
-    float32 copy, step exactly as each would in a group of its own (the layout is decided per tensor)."""
+    """bf16 parameters of one group, one with state in the parameter's dtype, one with float32 state and y's
+    float32 copy and one with 24-bit y and z ("compact"), step exactly as each would in a group of its own (the
+    layout is decided per tensor)."""
     kwargs = _impl(impl)
-    half_state, f32_state = _params(0, torch.bfloat16)[:2]
-    opt = GPAAdamW([half_state, f32_state], lr=1e-2, mu_x=0.9, state_dtype="param", **kwargs)
+    half_state, f32_state, compact_state = _params(0, torch.bfloat16)
+    opt = GPAAdamW([half_state, f32_state, compact_state], lr=1e-2, mu_x=0.9, state_dtype="param", **kwargs)
     _train([half_state], opt, 0, 1)  # its state: z, m, v in bf16
+    opt.param_groups[0]["state_dtype"] = "compact"
+    _train([half_state, compact_state], opt, 1, 2)  # the third one's state: 24-bit y and z
     opt.param_groups[0]["state_dtype"] = "float32"
-    _train([half_state, f32_state], opt, 1, 4)  # the second one's state: float32, with y's copy
+    _train([half_state, f32_state, compact_state], opt, 2, 5)  # the second one's state: float32, with y's copy
     assert opt.state[half_state]["z"].dtype == torch.bfloat16 and "y_fp32" not in opt.state[half_state]
     assert opt.state[f32_state]["y_fp32"].dtype == torch.float32
-    alone_half, alone_f32 = _params(0, torch.bfloat16)[:2]
+    assert opt.state[compact_state]["z_lo"].dtype == torch.int8 and "y_fp32" not in opt.state[compact_state]
+    alone_half, alone_f32, alone_compact = _params(0, torch.bfloat16)
     opt_half = GPAAdamW([alone_half], lr=1e-2, mu_x=0.9, state_dtype="param", **kwargs)
-    _train([alone_half], opt_half, 0, 4)
+    _train([alone_half], opt_half, 0, 5)
     opt_f32 = GPAAdamW([alone_f32], lr=1e-2, mu_x=0.9, state_dtype="float32", **kwargs)
-    _train([alone_f32], opt_f32, 1, 4)
-    for mixed, alone, alone_opt in ((half_state, alone_half, opt_half), (f32_state, alone_f32, opt_f32)):
+    _train([alone_f32], opt_f32, 2, 5)
+    opt_compact = GPAAdamW([alone_compact], lr=1e-2, mu_x=0.9, state_dtype="compact", **kwargs)
+    _train([alone_compact], opt_compact, 1, 5)
+    pairs = ((half_state, alone_half, opt_half), (f32_state, alone_f32, opt_f32))
+    for mixed, alone, alone_opt in (*pairs, (compact_state, alone_compact, opt_compact)):
         assert torch.equal(mixed, alone)
         for key, value in alone_opt.state[alone].items():
             assert torch.equal(opt.state[mixed][key], value), key

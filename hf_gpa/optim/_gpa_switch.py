@@ -9,6 +9,10 @@ head, clipped weights), ``eval()`` takes x from the written value; likewise, whe
 while in eval mode, ``train()`` takes y from the written x. fp32/fp64 parameters follow the same rule: where x is no
 longer bitwise what ``eval()`` wrote (recomputed from the restored y; a NaN x that eval() wrote is still its own), the
 written x wins and y = mu_y x + (1 - mu_y) z, instead of the residual of the old x being added to it.
+
+Under ``state_dtype="compact"`` (GPAAdamW, bf16 parameters) y and z are 24-bit values whose low words stay in the
+state (``_compact``): ``eval()`` computes x from them, and the residual restores the parameter's high word of y, the
+low word being kept as it is; where x was written in eval mode, y = mu_y x + (1 - mu_y) z is rounded to 24 bits.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from typing import Any
 
 import torch
 
+from ._compact import join24, split24_
 from ._residual import bits_differ, bits_equal, decode_residual_, encode_residual, residual_dtype
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
-from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
+from ._types import MU_Y, Y_FP32, Y_LO, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z_LO, Z
 from .kernels import kernel_for, kernel_module, same_dense_layout
 
 __all__ = ["GPASwitch"]
@@ -55,6 +60,28 @@ def _kernel_takes(x: torch.Tensor, z: torch.Tensor, approx: torch.Tensor, residu
     )
 
 
+def _lows(state: dict[str, Any]) -> list[torch.Tensor]:
+    """The low words of y and z (``state_dtype="compact"``), or an empty list."""
+    return [local_tensor(state[Y_LO]), local_tensor(state[Z_LO])] if Y_LO in state else []
+
+
+def _exact(y: torch.Tensor, z: torch.Tensor, lows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """y and z as the update keeps them: the tensors themselves, or joined with their low words (float32)."""
+    if not lows:
+        return y, z
+    return join24(y, lows[0]), join24(z, lows[1])
+
+
+def _store_y(y_wide: torch.Tensor, y: torch.Tensor, lows: list[torch.Tensor]) -> torch.Tensor:
+    """``y_wide`` in y's form: rounded to y's dtype, or (with low words) split into a new high word, its low word
+    written into ``lows[0]``."""
+    if not lows:
+        return y_wide.to(y.dtype)
+    hi = torch.empty_like(y)
+    split24_(y_wide, hi, lows[0])
+    return hi
+
+
 class GPASwitch(TrainEvalOptimizer):
     """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
 
@@ -74,9 +101,10 @@ class GPASwitch(TrainEvalOptimizer):
             narrow = not is_dtensor(p)
             residual = torch.empty_like(y, dtype=residual_dtype(y.dtype, narrow))
             overflows = []
-            for offset, (yc, zc, rc) in chunks(y, z, residual):
-                xc = _x_from_y(yc, zc, mu_y)
-                small, overflow = encode_residual(yc, _y_from_x(xc, zc, mu_y), narrow=narrow)
+            for offset, (yc, zc, rc, *lows) in chunks(y, z, residual, *_lows(state)):
+                y_exact, z_exact = _exact(yc, zc, lows)
+                xc = _x_from_y(y_exact, z_exact, mu_y).to(yc.dtype)
+                small, overflow = encode_residual(yc, _y_from_x(xc, z_exact, mu_y), narrow=narrow)
                 rc.copy_(small)
                 overflow[:, 0] += offset  # indices into the whole flattened tensor
                 overflows.append(overflow)
@@ -101,22 +129,25 @@ class GPASwitch(TrainEvalOptimizer):
                     xc.copy_(y32c)
                 continue
             if Y_RESIDUAL not in state:  # a loader dropped the residual (see _residual): y by rounding, not bitwise
-                x.copy_(_y_from_x(x, z, mu_y))
+                lows = _lows(state)
+                _, z_exact = _exact(x, z, lows)
+                x.copy_(_store_y(torch.lerp(z_exact, x.to(z_exact.dtype), mu_y), x, lows))
                 continue
             residual = local_tensor(state.pop(Y_RESIDUAL))
             overflow = state.pop(Y_RESIDUAL_OVERFLOW, None)
-            pieces = chunks(x, z, residual)
+            pieces = chunks(x, z, residual, *_lows(state))
             if overflow is not None and overflow.numel():
                 # Where each piece's entries start in the (index-sorted) list: one search, one read to the host.
                 starts = torch.tensor([offset for offset, _ in pieces] + [x.numel()], device=overflow.device)
                 rows = torch.searchsorted(overflow[:, 0].contiguous(), starts).tolist()
             kernel = kernel_module("cpu") if x.dtype in _TRAIN_KERNEL_DTYPES and kernel_for(x) == "cpu" else None
-            for k, (offset, (xc, zc, rc)) in enumerate(pieces):
+            for k, (offset, (xc, zc, rc, *lows)) in enumerate(pieces):
                 listed = None
                 if overflow is not None and overflow.numel():
                     listed = overflow[rows[k] : rows[k + 1]] - torch.tensor([offset, 0], device=overflow.device)
-                approx = _y_from_x(xc, zc, mu_y)
-                if kernel is not None and _kernel_takes(xc, zc, approx, rc):
+                _, z_exact = _exact(xc, zc, lows)
+                approx = _y_from_x(xc, z_exact, mu_y)
+                if not lows and kernel is not None and _kernel_takes(xc, zc, approx, rc):
                     # The rest of the pass below in one pass over memory (held to it bitwise by tests/test_modes.py).
                     none = torch.empty(0, 2, dtype=torch.int64)
                     kernel.gpa_train_residual(xc, zc, approx, rc, none if listed is None else listed, mu_y)
@@ -124,7 +155,13 @@ class GPASwitch(TrainEvalOptimizer):
                 y = decode_residual_(approx, rc, listed)
                 # The residual restores the y of the x eval() wrote; where x was written since, x wins (as for bf16).
                 # One pass compares the whole piece; the mask is built only where something was written.
-                x_again = _x_from_y(y, zc, mu_y)
+                y_exact, _ = _exact(y, zc, lows)
+                x_again = _x_from_y(y_exact, z_exact, mu_y).to(xc.dtype)
                 if not bits_equal(xc, x_again):
-                    y = torch.where(bits_differ(xc, x_again), _y_from_x(xc, zc, mu_y), y)
+                    written = bits_differ(xc, x_again)
+                    y_lo = lows[0].clone() if lows else None
+                    y_new = _store_y(torch.lerp(z_exact, xc.to(z_exact.dtype), mu_y), xc, lows)
+                    if lows:  # the low words of the elements not written stay those eval() kept
+                        lows[0].copy_(torch.where(written, lows[0], y_lo))
+                    y = torch.where(written, y_new, y)
                 xc.copy_(y)

@@ -8,7 +8,8 @@ holds
 * the implementation (`kernels.default_to_fused_or_foreach`, torch's rule) and the buckets: which kernel (one C++
   call, one Triton launch per device and dtype) or which foreach group (per device and every tensor's own dtype)
   takes each tensor (`kernels.fused_buckets`), decided per tensor, once;
-* the tensor lists of the update (y, z, m, v, y's float32 copy) per bucket; only the gradients are gathered per step;
+* the tensor lists of the update (y, z, m, v, y's float32 copy, the low words of y and z under
+  ``state_dtype="compact"``) per bucket; only the gradients are gathered per step;
 * the step counters. A plan for a whole group binds the per-parameter ``state["step"]`` (a 0-d float32 CPU tensor,
   what torch's AdamW saves and loads) as views of one tensor of the group's counts: a step advances all of them with
   one ``add_`` and reads them with one ``tolist()``. A plan for a subset of a group (one parameter stepped from a
@@ -27,8 +28,8 @@ from typing import Any
 import torch
 
 from ._tensors import is_dtensor, local_tensor, real_view
-from ._types import EXP_AVG, EXP_AVG_SQ, STEP, Y_FP32, Z
-from .kernels import PARAM_DTYPE, STATE_DTYPE, fused_buckets
+from ._types import EXP_AVG, EXP_AVG_SQ, STEP, Y_FP32, Y_LO, Z_LO, Z
+from .kernels import LOW_WORD, PARAM_DTYPE, STATE_DTYPE, fused_buckets
 
 __all__ = ["AdamWHyper", "Bucket", "StepPlan", "bias_corrections"]
 
@@ -56,7 +57,8 @@ def bias_corrections(beta1: float, beta2: float, step: float) -> tuple[float, fl
 class Bucket:
     """Tensors one call updates: ``kind`` is "cpu" or "triton" (a kernel), "foreach" or "forloop"; ``idx`` their
     positions in the plan's parameter list; ``ys`` ... ``y32s`` the update's tensors (``y32s`` None where no tensor
-    of the bucket has a float32 copy of y)."""
+    of the bucket has a float32 copy of y); ``lows`` the low words of y and z (``state_dtype="compact"``), None where
+    no tensor of the bucket has them."""
 
     kind: str
     idx: list[int]
@@ -66,6 +68,7 @@ class Bucket:
     vs: list[torch.Tensor]
     y32s: list[torch.Tensor] | None
     whole: bool  # idx is every position in order: the step's lists are used as they are
+    lows: tuple[list[torch.Tensor | None], list[torch.Tensor | None]] | None = None
 
 
 class StepPlan:
@@ -83,13 +86,22 @@ class StepPlan:
         # whatever the parameter holds then); plain tensors are used as they are.
         self.fresh_views = any(is_dtensor(p) or p.is_complex() for p in params)
         ys, zs, ms, vs, y32s = self._tensors()
+        y_los, z_los = self._lows()
         grads = self.grads()
         if impl == "forloop":
             groups = {("forloop", None): list(range(len(params)))}
         else:
             kernel_buckets, foreach_buckets = fused_buckets(
                 ys,
-                [(grads, PARAM_DTYPE), (zs, STATE_DTYPE), (ms, STATE_DTYPE), (vs, STATE_DTYPE), (y32s, STATE_DTYPE)],
+                [
+                    (grads, PARAM_DTYPE),
+                    (zs, STATE_DTYPE),
+                    (ms, STATE_DTYPE),
+                    (vs, STATE_DTYPE),
+                    (y32s, STATE_DTYPE),
+                    (y_los, LOW_WORD),
+                    (z_los, LOW_WORD),
+                ],  # fmt: skip
                 use_kernels=impl == "fused",
             )
             groups = {(key[0], key): idx for key, idx in kernel_buckets.items()}
@@ -98,7 +110,9 @@ class StepPlan:
         for (kind, _), idx in groups.items():
             y_b, z_b, m_b, v_b, y32_b = ([lst[i] for i in idx] for lst in (ys, zs, ms, vs, y32s))
             y32_b = None if all(t is None for t in y32_b) else y32_b
-            self.buckets.append(Bucket(kind, idx, y_b, z_b, m_b, v_b, y32_b, idx == list(range(len(params)))))
+            lows = ([y_los[i] for i in idx], [z_los[i] for i in idx])
+            lows = None if all(t is None for t in lows[0]) else lows
+            self.buckets.append(Bucket(kind, idx, y_b, z_b, m_b, v_b, y32_b, idx == list(range(len(params))), lows))
         self._signature = self.signature(grads)
         self.flat_steps: torch.Tensor | None = None
         if bind_steps and params:
@@ -136,6 +150,15 @@ class StepPlan:
             *([view(s[key]) for s in self.states] for key in (Z, EXP_AVG, EXP_AVG_SQ)),
             [view(s.get(Y_FP32)) for s in self.states],
         )
+
+    def _lows(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """The low words of y and z (None where a parameter has none): state tensors (local shards of DTensors), held
+        as they are, like the rest of the state of plain tensors."""
+
+        def view(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else local_tensor(t)
+
+        return [view(s.get(Y_LO)) for s in self.states], [view(s.get(Z_LO)) for s in self.states]
 
     def grads(self) -> list[torch.Tensor]:
         """This step's gradients, in the parameters' order."""

@@ -75,6 +75,8 @@ Z = "z"  # the unaveraged iterate z (state dtype)
 EXP_AVG = "exp_avg"  # AdamW's m
 EXP_AVG_SQ = "exp_avg_sq"  # AdamW's v
 Y_FP32 = "y_fp32"  # y in float32 beside a bf16/fp16 parameter, which holds it rounded
+Y_LO = "y_lo"  # state_dtype="compact": y's low word (int8) beside the bf16 parameter, its high word (see _compact)
+Z_LO = "z_lo"  # state_dtype="compact": z's low word (int8) beside z's high word (bf16, state["z"])
 Y_RESIDUAL = "y_residual"  # in eval mode: the int8 residual that gives y back bitwise
 Y_RESIDUAL_OVERFLOW = "y_residual_overflow"  # in eval mode: (index, difference) of the elements int8 cannot hold
 BASE = "base"  # a wrapper's base optimizer's state of its tensor
@@ -107,19 +109,27 @@ INNER_STEP = "inner_step"  # DiLoCo's count of inner steps taken
 
 # ---- dtypes ----
 
-#: Parameter dtypes whose optimizer state (z, moments, y's copy) is kept in float32.
+#: Parameter dtypes whose optimizer state (z, moments, y's copy) is kept in float32 (`state_dtype_for`), unless
+#: GPAAdamW's ``state_dtype`` keeps it otherwise.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: GPAAdamW's ``state_dtype`` for bf16/fp16 parameters: "float32" keeps z, m, v and a float32 copy of y (16 bytes per
 #: weight, x as exact as float32 allows); "param" keeps z, m and v in the parameter's dtype and no copy of y (6 bytes;
-#: torch's AdamW keeps m and v so, 4 bytes), computed in float32 and rounded once per step.
-HALF_STATE_MODES = ("float32", "param")
-DEFAULT_HALF_STATE = "float32"
+#: torch's AdamW keeps m and v so, 4 bytes), computed in float32 and rounded once per step; "compact" (bf16
+#: parameters) keeps y and z as 24-bit values, a 16-bit high word (y's: the parameter) and an int8 low word each, and
+#: m and v in bf16: 8 bytes, computed in float32 and rounded once per step to 24 bits (``_compact``). fp16 parameters
+#: keep float32 state under "compact": fp16's 5-bit exponent leaves no 8-bit low word that covers its range.
+HALF_STATE_MODES = ("float32", "param", "compact")
+#: "compact": the float32 state's accuracy (bf16 least squares within 1.001x of the fp32 run, like "float32") in half
+#: its bytes, and faster on CPU (docs/memory.md); fp16 parameters keep the float32 state under it.
+DEFAULT_HALF_STATE = "compact"
 
 
 def state_dtype_for(param: torch.Tensor) -> torch.dtype:
     """The dtype of z and of the base optimizer's moments for a parameter.
 
     Half-precision parameters (bf16, fp16) keep their optimizer state, z included, in float32: z is the only
-    unaveraged copy of the weights and small updates would vanish in bf16. fp32 and fp64 keep their own dtype.
+    unaveraged copy of the weights and small updates would vanish in bf16. fp32 and fp64 keep their own dtype. The
+    rule of the GPA wrapper, DiLoCo and GPAAdamW's ``state_dtype="float32"``; GPAAdamW's default for bf16 parameters
+    (``"compact"``) keeps z as a bf16 high word and an int8 low word instead (``_compact``).
     """
     return torch.float32 if param.dtype in HALF_DTYPES else param.dtype

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
+from ._compact import join24, split24_
 from ._gpa_switch import GPASwitch
 from ._step_plan import AdamWHyper, Bucket, StepPlan, bias_corrections
 from ._tensors import authoritative_y, chunks, local_tensor, real_view
@@ -59,6 +60,8 @@ from ._types import (
     WEIGHT_DECAY,
     WEIGHT_SUM,
     Y_FP32,
+    Y_LO,
+    Z_LO,
     Z,
     state_dtype_for,
 )
@@ -81,13 +84,16 @@ class GPAAdamW(GPASwitch):
         \end{aligned}
 
     The parameters hold y; the state holds ``z``, ``exp_avg`` (m) and ``exp_avg_sq`` (v): 3.0x the parameter
-    bytes for fp32 parameters. For bf16/fp16 parameters z, m and v are kept in float32 (z is the unrounded copy of
-    the weights), and so is y: the state also holds ``y_fp32`` and the parameter holds it rounded, so x is as exact
-    as float32 allows (rounding y to bf16 at every step would accumulate in x, amplified by 1 / mu_y). That is 16
-    bytes of state per parameter, 8.0x the bytes of a bf16 parameter (4 bytes, a third, more than without the copy).
-    The parameter stays authoritative: where it no longer equals ``y_fp32`` rounded (something else wrote it), the
-    step starts from the parameter. ``state_dtype="param"`` trades that accuracy for memory: z, m and v in the
-    parameter's dtype and no copy of y, 6 bytes per bf16 weight (torch's AdamW: 4).
+    bytes for fp32 parameters. y and z of bf16/fp16 parameters need more than their 8 (or 11) bits: rounding y to
+    bf16 at every step would accumulate in x, amplified by 1 / mu_y. By default (``state_dtype="compact"``) bf16
+    parameters keep y and z as 24-bit values, the parameter (y's high word) or z's bf16 high word and an int8 low
+    word each (``y_lo``, ``z_lo``; see ``_compact``), and m and v in bf16: 8 bytes of state per weight, with the
+    accuracy of float32 state (docs/memory.md). ``state_dtype="float32"`` keeps z, m, v and a float32 copy of y
+    (``y_fp32``, the parameter holds it rounded), x as exact as float32 allows, 16 bytes per weight; fp16 parameters
+    keep this state under either mode. A parameter written by something else is taken: exactly where it no longer
+    equals ``y_fp32`` rounded, with y's low word under ``"compact"`` (y then rounds to the written value).
+    ``state_dtype="param"`` trades the accuracy for memory: z, m and v in the parameter's dtype and no copy of y, 6
+    bytes per bf16 weight (torch's AdamW: 4).
     Weight decay is decoupled and acts on z, as in Algorithm 1 of the paper.
     ``mu_x = 0`` is AdamW; ``mu_y = 1`` is stochastic primal averaging. Call ``eval()`` before evaluating or saving
     (the parameters then hold x) and ``train()`` before the next step (y comes back bitwise).
@@ -115,10 +121,12 @@ class GPAAdamW(GPASwitch):
             fuses, ``None`` fuses where every parameter has a kernel and ``foreach`` is unset; a parameter whose
             tensors differ in layout takes foreach within the fused path (default: None).
         maximize: maximize the objective instead of minimizing it (default: False).
-        state_dtype: the state of bf16/fp16 parameters: ``"float32"`` (z, m, v and y's float32 copy) or ``"param"``
-            (z, m, v in the parameter's dtype, no copy of y; computed in float32 and rounded once per step). The
-            fused kernels take float32 state only: such parameters take the foreach path inside the fused one.
-            fp32/fp64 parameters are not affected (default: "float32").
+        state_dtype: the state of bf16/fp16 parameters: ``"float32"`` (z, m, v and y's float32 copy, 16 bytes per
+            weight), ``"compact"`` (bf16 parameters: 24-bit y and z, m and v in bf16, 8 bytes; fp16 ones keep
+            ``"float32"``'s state) or ``"param"`` (z, m, v in the parameter's dtype, no copy of y, 6 bytes); the last
+            two are computed in float32 and rounded once per step. The fused kernels take ``"float32"`` and
+            ``"compact"``; ``"param"`` state takes the foreach path inside the fused one. fp32/fp64 parameters are not
+            affected (default: "compact").
 
     Paper: Defazio, Mishchenko, Raman, Shi, Xiao, "Smoothing DiLoCo with Primal Averaging for Faster Training of
     LLMs" (Generalized Primal Averaging).
@@ -170,16 +178,21 @@ class GPAAdamW(GPASwitch):
 
     def _init_state(self, p: torch.Tensor, half_state: str = DEFAULT_HALF_STATE) -> dict[str, Any]:
         """Create what is missing of ``p``'s state (z = y, m = v = 0, step 0; y's float32 copy for bf16/fp16
-        parameters whose state is float32, ``half_state`` deciding that for new state)."""
+        parameters whose state is float32, ``half_state`` deciding that for new state; the low words of y and z,
+        zero, for bf16 parameters under ``"compact"``)."""
         state = self.state[p]
         if Z not in state:
             # Created lazily, after any wrapping (FSDP2 replaces parameters by DTensor shards in prepare()).
-            dtype = p.dtype if half_state == "param" else state_dtype_for(p)
+            compact = half_state == "compact" and p.dtype == torch.bfloat16
+            dtype = p.dtype if half_state == "param" or compact else state_dtype_for(p)
             z = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
             state[STEP] = torch.tensor(0.0, dtype=torch.float32)
             state[Z] = z
             state[EXP_AVG] = torch.zeros_like(z, memory_format=torch.preserve_format)
             state[EXP_AVG_SQ] = torch.zeros_like(z, memory_format=torch.preserve_format)
+            if compact:  # y and z are then exactly the bf16 parameter's value: their low words are zero
+                state[Y_LO] = torch.zeros_like(z, dtype=torch.int8, memory_format=torch.preserve_format)
+                state[Z_LO] = torch.zeros_like(z, dtype=torch.int8, memory_format=torch.preserve_format)
         if p.dtype in HALF_DTYPES and Y_FP32 not in state and state[Z].dtype == torch.float32:
             # Also for state saved before this copy existed: the parameter holds y rounded, a fine start.
             state[Y_FP32] = p.detach().to(dtype=torch.float32, copy=True, memory_format=torch.preserve_format)
@@ -290,13 +303,25 @@ def gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> N
 def _single_tensor_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
     """The ground truth: one tensor at a time, plain ops, in the state dtype.
 
-    State kept in a half-precision dtype (``state_dtype="param"``) is computed in float32 and rounded once at the end.
+    State kept in a half-precision dtype (``state_dtype="param"``) is computed in float32 and rounded once at the end;
+    so is the 24-bit y and z of ``state_dtype="compact"`` (`_compact`).
     """
     (bucket,) = plan.buckets
     ys, zs, ms, vs, y32s = plan.bucket_tensors(bucket)
-    for y, g, z, m, v, y32, step_t in zip(ys, grads, zs, ms, vs, y32s or [None] * len(ys), plan.step_tensors()):
+    nones = [None] * len(ys)
+    y_los, z_los = bucket.lows or (nones, nones)
+    tensors = zip(ys, grads, zs, ms, vs, y32s or nones, y_los, z_los, plan.step_tensors())
+    for y, g, z, m, v, y32, y_lo, z_lo, step_t in tensors:
         step_t += 1
-        _single_tensor_update(y, g, z, m, v, y32, step_t.item(), hyper)  # step lives on the CPU: no device sync
+        step = step_t.item()  # step lives on the CPU: no device sync
+        if y_lo is None:
+            _single_tensor_update(y, g, z, m, v, y32, step, hyper)
+            continue
+        y24, z24, m32, v32 = join24(y, y_lo), join24(z, z_lo), m.float(), v.float()
+        _single_tensor_update(y24, g, z24, m32, v32, None, step, hyper)
+        split24_(y24, y, y_lo)
+        split24_(z24, z, z_lo)
+        torch._foreach_copy_([m, v], [m32, v32])
 
 
 def _single_tensor_update(
@@ -358,6 +383,18 @@ def _foreach_update(
     g_b = grads if bucket.whole else [grads[i] for i in bucket.idx]
     steps = _bucket_steps(bucket, counts, uniform)
     state_dtype = z_b[0].dtype
+    if bucket.lows is not None:
+        # state_dtype="compact": y and z joined to float32, updated, rounded to 24 bits and split, a piece at a time.
+        y_los, z_los = bucket.lows
+        for k in range(len(y_b)):
+            step = steps if uniform is not None else steps[k]
+            for _, (y, g, z, m, v, y_lo, z_lo) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k], y_los[k], z_los[k]):
+                y24, z24, m32, v32 = join24(y, y_lo), join24(z, z_lo), m.float(), v.float()
+                _foreach_math(([y24], [g], [z24], [m32], [v32], None), step, lr, h)
+                split24_(y24, y, y_lo)
+                split24_(z24, z, z_lo)
+                torch._foreach_copy_([m, v], [m32, v32])
+        return
     if state_dtype in HALF_DTYPES:
         # state_dtype="param": computed in float32 and rounded once at the end, a piece at a time, so that the
         # float32 copies of z, m and v are a few MB, not the whole bucket (32 bytes per weight at once).
@@ -427,6 +464,12 @@ def _fused_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHype
         lr = hyper.lr  # a tensor on the tensors' device is read by the Triton kernel itself
         if bucket.kind == "cpu" or not (torch.is_tensor(lr) and lr.device == y_b[0].device):
             lr = float(lr)
+        if bucket.lows is not None:  # state_dtype="compact": the C++ kernel's 24-bit update
+            kernel_module(bucket.kind).gpa_adamw_step_compact(
+                y_b, g_b, z_b, m_b, v_b, *bucket.lows, bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
+                hyper.weight_decay, hyper.mu_x, hyper.mu_y, hyper.maximize,
+            )  # fmt: skip
+            continue
         kernel_module(bucket.kind).gpa_adamw_step(
             y_b, g_b, z_b, m_b, v_b, y32_b or [], bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
             hyper.weight_decay, hyper.mu_x, hyper.mu_y, hyper.maximize,

@@ -29,8 +29,11 @@ FORCE: dict[str, str | None] = {"backend": None}
 
 _CPU_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-#: What a companion tensor's dtype must be for a kernel: the parameter's own, or its state dtype (`state_dtype_for`).
-PARAM_DTYPE, STATE_DTYPE = "param", "state"
+#: What a companion tensor's dtype must be for a kernel: the parameter's own, its state dtype (`state_dtype_for`;
+#: the parameter's own for a tensor with low words), or int8 (the low words of ``state_dtype="compact"``).
+PARAM_DTYPE, STATE_DTYPE, LOW_WORD = "param", "state", "low"
+#: The kernels that take the 24-bit y and z of ``state_dtype="compact"`` (``gpa_adamw_step_compact``).
+_COMPACT_KERNELS = ("cpu", "triton")
 
 
 def kernel_for(t: torch.Tensor) -> str | None:
@@ -110,27 +113,28 @@ def fused_buckets(
 ) -> tuple[dict[tuple, list[int]], dict[tuple, list[int]]]:
     """Bucket the indices of ``ys`` into kernel calls and foreach calls, deciding per tensor.
 
-    ``companions``: the other tensor lists of the update (gradients, z, moments, y's float32 copy), each with the
-    dtype a kernel needs it in (`PARAM_DTYPE` or `STATE_DTYPE`); a None entry is a tensor that this parameter does
-    not have (the y32 of an fp32 parameter). An index goes to a kernel when one takes ``ys[i]`` (`kernel_for`), all
-    its tensors share one dense layout and have the dtypes needed. A kernel bucket is one C++ call (which takes any
-    mix of dtypes), keyed ``("cpu", None, None, absent)``, or one Triton launch per device and dtype, keyed
-    ``("triton", device, dtype, absent)``; ``absent`` tells which companions are missing. The rest is grouped for
-    foreach by ``(device, dtype of y, dtype of each companion or None)``: every tensor's own dtypes, so one group
-    never mixes, say, float32 state with state in the parameter's dtype. ``use_kernels=False``: foreach groups only.
+    ``companions``: the other tensor lists of the update (gradients, z, moments, y's float32 copy), each with the dtype
+    a kernel needs it in (`PARAM_DTYPE`, `STATE_DTYPE` or `LOW_WORD`); a None entry is a tensor that this parameter
+    does not have (the y32 of an fp32 parameter). An index goes to a kernel when one takes ``ys[i]`` (`kernel_for`),
+    all its tensors share one dense layout and have the dtypes needed; a parameter with low words
+    (``state_dtype="compact"``: its state is in its own dtype) only to the kernels that take them. A kernel bucket is
+    one C++ call (which takes any mix of dtypes), keyed ``("cpu", None, None, absent)``, or one Triton launch per
+    device and dtype, keyed ``("triton", device, dtype, absent)``; ``absent`` tells which companions are missing. The
+    rest is grouped for foreach by ``(device, dtype of y, dtype of each companion or None)``: every tensor's own
+    dtypes, so one group never mixes, say, float32 state with state in the parameter's dtype. ``use_kernels=False``:
+    foreach groups only.
     """
     kernel_buckets: dict[tuple, list[int]] = defaultdict(list)
     foreach_buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, y in enumerate(ys):
         kernel = kernel_for(y) if use_kernels else None
         tensors = [lst[i] for lst, _ in companions]
-        ok = kernel is not None and same_dense_layout(y, tensors)
+        compact = any(t is not None and need == LOW_WORD for t, (_, need) in zip(tensors, companions))
+        ok = kernel is not None and same_dense_layout(y, tensors) and (not compact or kernel in _COMPACT_KERNELS)
         if ok:
-            state_dtype = state_dtype_for(y)
-            ok = all(
-                t is None or t.dtype == (y.dtype if need == PARAM_DTYPE else state_dtype)
-                for t, (_, need) in zip(tensors, companions)
-            )
+            state_dtype = y.dtype if compact else state_dtype_for(y)
+            need_dtype = {PARAM_DTYPE: y.dtype, STATE_DTYPE: state_dtype, LOW_WORD: torch.int8}
+            ok = all(t is None or t.dtype == need_dtype[need] for t, (_, need) in zip(tensors, companions))
         if not ok:
             foreach_buckets[(y.device, y.dtype, tuple(None if t is None else t.dtype for t in tensors))].append(i)
             continue

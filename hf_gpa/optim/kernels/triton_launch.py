@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["triton_available", "supports", "gpa_adamw_step", "gpa_wrapper_pass"]
+__all__ = ["triton_available", "supports", "gpa_adamw_step", "gpa_adamw_step_compact", "gpa_wrapper_pass"]
 
 BLOCK = 2048
 _TABLE_CACHE_SIZE = 64
@@ -139,6 +139,36 @@ def gpa_adamw_step(
 
     ``lr`` is a float, or a 0-d tensor on the tensors' device that the kernel reads itself (no host sync).
     """
+    _step(ys, [ys, gs, zs, ms, vs, y32s], bc1s, bc2_sqrts, hyper, compact=False)
+
+
+def gpa_adamw_step_compact(
+    ys: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    y_los: list[torch.Tensor],
+    z_los: list[torch.Tensor],
+    bc1s: list[float],
+    bc2_sqrts: list[float],
+    *hyper: Any,
+) -> None:
+    """The step of ``state_dtype="compact"`` (bf16 y, g, z, m, v; int8 low words of y and z): the C++ kernel's
+    ``gpa_adamw_step_compact`` arguments."""
+    _step(ys, [ys, gs, zs, ms, vs, y_los, z_los], bc1s, bc2_sqrts, hyper, compact=True)
+
+
+def _step(
+    ys: list[torch.Tensor],
+    all_lists: list[list[torch.Tensor]],
+    bc1s: list[float],
+    bc2_sqrts: list[float],
+    hyper: tuple[Any, ...],
+    compact: bool,
+) -> None:
+    """Launch the step kernel (``compact``: its 24-bit form) over the tensor lists, one launch pair per distinct bias
+    correction."""
     if not ys:
         return
     lr, beta1, beta2, eps, weight_decay, mu_x, mu_y, maximize = hyper
@@ -146,7 +176,7 @@ def gpa_adamw_step(
     kernels = _kernels(device.type == "cpu")
     lr_on_device = torch.is_tensor(lr)
     for (bc1, bc2_sqrt), pos in _launches(len(ys), list(zip(bc1s, bc2_sqrts))).items():
-        lists = [ys, gs, zs, ms, vs, y32s]
+        lists = all_lists
         if len(pos) != len(ys):
             lists = [[lst[k] for k in pos] if lst else lst for lst in lists]
         *tables, numels, full_tensor, full_start, tail_tensor, tail_start, aligned = _tables_for(lists, device)
@@ -157,11 +187,17 @@ def gpa_adamw_step(
         for block_tensor, block_start, masked in ((full_tensor, full_start, False), (tail_tensor, tail_start, True)):
             if block_tensor.numel() == 0:
                 continue
-            kernels.gpa_adamw_kernel[(block_tensor.numel(),)](
+            args = (
                 *tables, numels, block_tensor, block_start,
                 lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, 1.0 - mu_x, 1.0 - mu_x * mu_y,
-                PARAM=_dtype(kernels.tl, ys[0].dtype), GRAD=_dtype(kernels.tl, gs[0].dtype), HAS_Y32=bool(y32s),
-                LR_ON_DEVICE=lr_on_device, MAXIMIZE=bool(maximize), MASKED=masked, ALIGNED=aligned, BLOCK=BLOCK,
+            )  # fmt: skip
+            flags = {"LR_ON_DEVICE": lr_on_device, "MAXIMIZE": bool(maximize), "MASKED": masked, "ALIGNED": aligned}
+            if compact:
+                kernels.gpa_adamw_compact_kernel[(block_tensor.numel(),)](*args, **flags, BLOCK=BLOCK)
+                continue
+            kernels.gpa_adamw_kernel[(block_tensor.numel(),)](
+                *args, PARAM=_dtype(kernels.tl, ys[0].dtype), GRAD=_dtype(kernels.tl, all_lists[1][0].dtype),
+                HAS_Y32=bool(all_lists[5]), **flags, BLOCK=BLOCK,
             )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ source with Triton's interpreter on, for CPU tensors (tests).
 import triton
 import triton.language as tl
 
-__all__ = ["gpa_adamw_kernel", "wrapper_pass_kernel"]
+__all__ = ["gpa_adamw_compact_kernel", "gpa_adamw_kernel", "wrapper_pass_kernel"]
 
 
 @triton.jit
@@ -61,6 +61,29 @@ def store(ptr, offs, value, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def lr_scales(lr_ptr, step_scale, decay_scale, LR_ON_DEVICE: tl.constexpr):
+    """(lr / bc1, lr * weight_decay): the host passes them whole, or without lr where lr is read on the device."""
+    lr = 1.0
+    if LR_ON_DEVICE:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    return lr * step_scale, lr * decay_scale
+
+
+@triton.jit
+def adamw_gpa_update(g, m, v, z, y, step_size, decay, bc2_sqrt, beta1, beta2, eps, one_minus_mu_x, c):
+    """The update in float32: (m', v', z' - z, y'), every kernel's (the C++ kernel's and the for-loop's formulas)."""
+    # torch's lerp(m, g, w): m + w (g - m) if |w| < 0.5, else g - (1 - w) (g - m) (exact for w = 1, i.e. beta1 = 0)
+    w = 1.0 - beta1
+    w_small = (w < 0.5) & (w > -0.5)
+    m = tl.where(w_small, m, g) + tl.where(w_small, w, w - 1.0) * (g - m)
+    v = beta2 * v + (1.0 - beta2) * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    delta = -decay * z - step_size * tl.div_rn(m, denom)  # z' - z
+    y = y + one_minus_mu_x * (z - y) + c * delta  # = mu_x mu_y x + (1 - mu_x mu_y) z'
+    return m, v, delta, y
+
+
+@triton.jit
 def gpa_adamw_kernel(
     y_ptrs, g_ptrs, z_ptrs, m_ptrs, v_ptrs, y32_ptrs, numels, block_tensor, block_start,
     lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, one_minus_mu_x, c,
@@ -73,11 +96,7 @@ def gpa_adamw_kernel(
     z_ptr = pointer(z_ptrs, t, tl.float32, ALIGNED)
     m_ptr = pointer(m_ptrs, t, tl.float32, ALIGNED)
     v_ptr = pointer(v_ptrs, t, tl.float32, ALIGNED)
-    lr = 1.0
-    if LR_ON_DEVICE:
-        lr = tl.load(lr_ptr).to(tl.float32)
-    step_size = lr * step_scale  # lr / bc1
-    decay = lr * decay_scale  # lr * weight_decay
+    step_size, decay = lr_scales(lr_ptr, step_scale, decay_scale, LR_ON_DEVICE)
 
     g = load(g_ptr, offs, mask, MASKED).to(tl.float32)
     if MAXIMIZE:
@@ -93,21 +112,68 @@ def gpa_adamw_kernel(
         # The float32 copy is y unless something else wrote the parameter since the last step.
         y = tl.where(round_to(y32, PARAM).to(tl.float32) == y, y32, y)
 
-    # torch's lerp(m, g, w): m + w (g - m) if |w| < 0.5, else g - (1 - w) (g - m) (exact for w = 1, i.e. beta1 = 0)
-    w = 1.0 - beta1
-    w_small = (w < 0.5) & (w > -0.5)
-    m = tl.where(w_small, m, g) + tl.where(w_small, w, w - 1.0) * (g - m)
-    v = beta2 * v + (1.0 - beta2) * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    delta = -decay * z - step_size * tl.div_rn(m, denom)  # z' - z
-    y = y + one_minus_mu_x * (z - y) + c * delta  # = mu_x mu_y x + (1 - mu_x mu_y) z'
-
+    m, v, delta, y = adamw_gpa_update(g, m, v, z, y, step_size, decay, bc2_sqrt, beta1, beta2, eps, one_minus_mu_x, c)
     store(m_ptr, offs, m, mask, MASKED)
     store(v_ptr, offs, v, mask, MASKED)
     store(z_ptr, offs, z + delta, mask, MASKED)
     store(y_ptr, offs, round_to(y, PARAM), mask, MASKED)
     if HAS_Y32:
         store(y32_ptr, offs, y, mask, MASKED)
+
+
+@triton.jit
+def join24(hi, lo):
+    """The float32 value of a bf16 high word and an int8 low word: (hi << 16) + (lo << 8) (see optim/_compact)."""
+    bits = (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16) + (lo.to(tl.int32).to(tl.uint32, bitcast=True) << 8)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def split24(u):
+    """float32 rounded to 24 bits (nearest even), as its bf16 high word (nearest, ties away) and int8 low word."""
+    bits = u.to(tl.uint32, bitcast=True)
+    b24 = ((bits + 0x7F + ((bits >> 8) & 1)) >> 8) << 8
+    hi = ((b24 + 0x8000) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    lo = ((b24 >> 8) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True)
+    return hi, lo
+
+
+@triton.jit
+def gpa_adamw_compact_kernel(
+    y_ptrs, g_ptrs, z_ptrs, m_ptrs, v_ptrs, y_lo_ptrs, z_lo_ptrs, numels, block_tensor, block_start,
+    lr_ptr, step_scale, decay_scale, bc2_sqrt, beta1, beta2, eps, one_minus_mu_x, c,
+    LR_ON_DEVICE: tl.constexpr, MAXIMIZE: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """gpa_adamw_kernel's update for state_dtype="compact": bf16 y, g, z, m, v; y and z joined with their int8 low
+    words, computed in float32, rounded once to 24 bits and split; m and v rounded to bf16."""
+    t, offs, mask = block_of(block_tensor, block_start, numels, BLOCK)
+    y_ptr = pointer(y_ptrs, t, tl.bfloat16, ALIGNED)
+    g_ptr = pointer(g_ptrs, t, tl.bfloat16, ALIGNED)
+    z_ptr = pointer(z_ptrs, t, tl.bfloat16, ALIGNED)
+    m_ptr = pointer(m_ptrs, t, tl.bfloat16, ALIGNED)
+    v_ptr = pointer(v_ptrs, t, tl.bfloat16, ALIGNED)
+    y_lo_ptr = pointer(y_lo_ptrs, t, tl.int8, ALIGNED)
+    z_lo_ptr = pointer(z_lo_ptrs, t, tl.int8, ALIGNED)
+    step_size, decay = lr_scales(lr_ptr, step_scale, decay_scale, LR_ON_DEVICE)
+
+    g = load(g_ptr, offs, mask, MASKED).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    m = load(m_ptr, offs, mask, MASKED).to(tl.float32)
+    v = load(v_ptr, offs, mask, MASKED).to(tl.float32)
+    z = join24(load(z_ptr, offs, mask, MASKED), load(z_lo_ptr, offs, mask, MASKED))
+    y = join24(load(y_ptr, offs, mask, MASKED), load(y_lo_ptr, offs, mask, MASKED))
+
+    m, v, delta, y = adamw_gpa_update(g, m, v, z, y, step_size, decay, bc2_sqrt, beta1, beta2, eps, one_minus_mu_x, c)
+    store(m_ptr, offs, round_to(m, tl.bfloat16), mask, MASKED)
+    store(v_ptr, offs, round_to(v, tl.bfloat16), mask, MASKED)
+    z_hi, z_lo = split24(z + delta)
+    store(z_ptr, offs, z_hi, mask, MASKED)
+    store(z_lo_ptr, offs, z_lo, mask, MASKED)
+    y_hi, y_lo = split24(y)
+    store(y_ptr, offs, y_hi, mask, MASKED)
+    store(y_lo_ptr, offs, y_lo, mask, MASKED)
 
 
 @triton.jit

@@ -164,6 +164,124 @@ void gpa_adamw_step(std::vector<at::Tensor> ys, std::vector<at::Tensor> gs, std:
   }
 }
 
+// state_dtype="compact" (bf16 parameters): y and z are 24-bit values, a bf16 high word (y's: the parameter) and an
+// int8 low word each (hf_gpa/optim/_compact.py defines them), m and v are bf16. Computed in float32 as above, then
+// u is rounded once to 24 bits (round to nearest even on the bit pattern), hi = the bf16 nearest to it (ties away),
+// lo = its bits 15..8 read as a signed byte, so that u24 = (hi << 16) + (lo << 8): integer ops only, vectorizable.
+inline float join24(uint16_t hi, int8_t lo) {
+  const uint32_t bits = (static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int32_t>(lo) * 256);
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// bf16 as its bits: the loop below vectorizes on uint16_t arrays, not on c10::BFloat16 ones (GCC 12).
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline uint16_t float_to_bf16(float v) {  // round to nearest even, as to_param<c10::BFloat16, float>
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t rounded = (bits + UINT32_C(0x7FFF) + ((bits >> 16) & 1)) >> 16;
+  return static_cast<uint16_t>(v != v ? UINT32_C(0x7FC0) : rounded);
+}
+
+inline void split24(float u, uint16_t& hi, int8_t& lo) {
+  uint32_t bits;
+  std::memcpy(&bits, &u, sizeof(bits));
+  const uint32_t b24 = (bits + UINT32_C(0x7F) + ((bits >> 8) & 1)) & UINT32_C(0xFFFFFF00);
+  hi = static_cast<uint16_t>((b24 + UINT32_C(0x8000)) >> 16);
+  lo = static_cast<int8_t>(static_cast<uint8_t>(b24 >> 8));
+}
+
+struct CompactConsts {
+  float sign, lerp_coeff, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_decay, neg_step_size, one_minus_mu_x, c;
+};
+
+// One range of one tensor. A function of its own, with restrict pointers as arguments: inside parallel_for's lambda
+// (pointers captured by reference) GCC 12 does not vectorize this loop.
+template <bool lerp_small>
+void compact_range(int64_t begin, int64_t end, uint16_t* __restrict__ y, const uint16_t* __restrict__ g,
+                   uint16_t* __restrict__ z, uint16_t* __restrict__ m, uint16_t* __restrict__ v,
+                   int8_t* __restrict__ y_lo, int8_t* __restrict__ z_lo, const CompactConsts k) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    const float gi = k.sign * bf16_to_float(g[i]);
+    const float m_old = bf16_to_float(m[i]);
+    const float mi = (lerp_small ? m_old : gi) + k.lerp_coeff * (gi - m_old);
+    const float vi = k.beta2 * bf16_to_float(v[i]) + k.one_minus_beta2 * gi * gi;
+    const float zi = join24(z[i], z_lo[i]);
+    const float d = k.neg_decay * zi + k.neg_step_size * (mi / (std::sqrt(vi) * k.inv_bc2_sqrt + k.eps));
+    const float yi = join24(y[i], y_lo[i]);
+    split24(yi + k.one_minus_mu_x * (zi - yi) + k.c * d, y[i], y_lo[i]);
+    split24(zi + d, z[i], z_lo[i]);
+    m[i] = float_to_bf16(mi);
+    v[i] = float_to_bf16(vi);
+  }
+}
+
+template <bool lerp_small>
+void update_compact_tensor(at::Tensor& y_t, const at::Tensor& g_t, at::Tensor& z_t, at::Tensor& m_t, at::Tensor& v_t,
+                           at::Tensor& y_lo_t, at::Tensor& z_lo_t, const Hyper& h, double step_size,
+                           double bc2_sqrt) {
+  uint16_t* y = reinterpret_cast<uint16_t*>(y_t.data_ptr<c10::BFloat16>());
+  const uint16_t* g = reinterpret_cast<const uint16_t*>(g_t.data_ptr<c10::BFloat16>());
+  uint16_t* z = reinterpret_cast<uint16_t*>(z_t.data_ptr<c10::BFloat16>());
+  uint16_t* m = reinterpret_cast<uint16_t*>(m_t.data_ptr<c10::BFloat16>());
+  uint16_t* v = reinterpret_cast<uint16_t*>(v_t.data_ptr<c10::BFloat16>());
+  int8_t* y_lo = y_lo_t.data_ptr<int8_t>();
+  int8_t* z_lo = z_lo_t.data_ptr<int8_t>();
+  const float w = static_cast<float>(1.0 - h.beta1);
+  const CompactConsts k{h.maximize ? -1.0f : 1.0f,
+                        lerp_small ? w : w - 1.0f,
+                        static_cast<float>(h.beta2),
+                        static_cast<float>(1.0 - h.beta2),
+                        static_cast<float>(1.0 / bc2_sqrt),
+                        static_cast<float>(h.eps),
+                        static_cast<float>(-h.lr * h.weight_decay),
+                        static_cast<float>(-step_size),
+                        static_cast<float>(1.0 - h.mu_x),
+                        static_cast<float>(1.0 - h.mu_x * h.mu_y)};
+  at::parallel_for(0, y_t.numel(), 16384, [&](int64_t begin, int64_t end) {
+    compact_range<lerp_small>(begin, end, y, g, z, m, v, y_lo, z_lo, k);
+  });
+}
+
+void gpa_adamw_step_compact(std::vector<at::Tensor> ys, std::vector<at::Tensor> gs, std::vector<at::Tensor> zs,
+                            std::vector<at::Tensor> ms, std::vector<at::Tensor> vs, std::vector<at::Tensor> y_los,
+                            std::vector<at::Tensor> z_los, std::vector<double> bc1s, std::vector<double> bc2_sqrts,
+                            double lr, double beta1, double beta2, double eps, double weight_decay, double mu_x,
+                            double mu_y, bool maximize) {
+  const Hyper h{lr, beta1, beta2, eps, weight_decay, mu_x, mu_y, maximize};
+  const size_t n = ys.size();
+  TORCH_CHECK(gs.size() == n && zs.size() == n && ms.size() == n && vs.size() == n && y_los.size() == n &&
+                  z_los.size() == n && bc1s.size() == n && bc2_sqrts.size() == n,
+              "gpa_adamw_step_compact: all lists must have the same length");
+  const bool lerp_small = std::abs(static_cast<float>(1.0 - beta1)) < 0.5f;  // torch's lerp's branch
+  for (size_t i = 0; i < n; ++i) {
+    at::Tensor& y = ys[i];
+    TORCH_CHECK(y.device().is_cpu(), "gpa_adamw_step_compact: CPU tensors only");
+    TORCH_CHECK(same_dense_layout(y, gs[i]) && same_dense_layout(y, zs[i]) && same_dense_layout(y, ms[i]) &&
+                    same_dense_layout(y, vs[i]) && same_dense_layout(y, y_los[i]) && same_dense_layout(y, z_los[i]),
+                "gpa_adamw_step_compact: the tensors of one parameter must share one dense layout");
+    for (const at::Tensor* t : {&y, &gs[i], &zs[i], &ms[i], &vs[i]}) {
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16, "gpa_adamw_step_compact: y, g, z, m, v must be bf16");
+    }
+    TORCH_CHECK(y_los[i].scalar_type() == at::kChar && z_los[i].scalar_type() == at::kChar,
+                "gpa_adamw_step_compact: the low words must be int8");
+    const double step_size = lr / bc1s[i];  // as Python computes it
+    if (lerp_small) {
+      update_compact_tensor<true>(y, gs[i], zs[i], ms[i], vs[i], y_los[i], z_los[i], h, step_size, bc2_sqrts[i]);
+    } else {
+      update_compact_tensor<false>(y, gs[i], zs[i], ms[i], vs[i], y_los[i], z_los[i], h, step_size, bc2_sqrts[i]);
+    }
+  }
+}
+
 // The two passes the generic GPA wrapper adds around its base optimizer's step, each one read-modify-write of y
 // with one read of z:  before: y <- scale (y - alpha z);  after: y <- y + alpha z. With a float32 copy y32 (bf16/fp16
 // parameters) y32 carries y: before the base step only y32 moves; after it the parameter receives y32 rounded.
@@ -322,6 +440,8 @@ void gpa_train_residual(at::Tensor x, at::Tensor z, at::Tensor approx, at::Tenso
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("gpa_adamw_step", &gpa_adamw_step, "One fused GPA-AdamW step over lists of CPU tensors");
+  module.def("gpa_adamw_step_compact", &gpa_adamw_step_compact,
+             "One fused GPA-AdamW step over bf16 CPU tensors with 24-bit y and z (state_dtype='compact')");
   module.def("gpa_wrapper_pass", &gpa_wrapper_pass,
              "y <- scale (y - alpha z) (before) or y <- y + alpha z (after), through float32 copies of y if given");
   module.def("gpa_train_residual", &gpa_train_residual,
