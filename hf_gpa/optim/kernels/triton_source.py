@@ -61,6 +61,28 @@ def store(ptr, offs, value, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def adamw_pointers(y_ptrs, g_ptrs, z_ptrs, m_ptrs, v_ptrs, t, PARAM: tl.constexpr, GRAD: tl.constexpr,
+                   STATE: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+    """Typed pointers to tensor t's y (PARAM), gradient (GRAD), z, m and v (STATE): every AdamW kernel's five."""
+    return (
+        pointer(y_ptrs, t, PARAM, ALIGNED),
+        pointer(g_ptrs, t, GRAD, ALIGNED),
+        pointer(z_ptrs, t, STATE, ALIGNED),
+        pointer(m_ptrs, t, STATE, ALIGNED),
+        pointer(v_ptrs, t, STATE, ALIGNED),
+    )
+
+
+@triton.jit
+def load_grad(g_ptr, offs, mask, MASKED: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """The gradient in float32, negated when maximizing."""
+    g = load(g_ptr, offs, mask, MASKED).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
+    return g
+
+
+@triton.jit
 def lr_scales(lr_ptr, step_scale, decay_scale, LR_ON_DEVICE: tl.constexpr):
     """(lr / bc1, lr * weight_decay): the host passes them whole, or without lr where lr is read on the device."""
     lr = 1.0
@@ -91,16 +113,12 @@ def gpa_adamw_kernel(
     MAXIMIZE: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t, offs, mask = block_of(block_tensor, block_start, numels, BLOCK)
-    y_ptr = pointer(y_ptrs, t, PARAM, ALIGNED)
-    g_ptr = pointer(g_ptrs, t, GRAD, ALIGNED)
-    z_ptr = pointer(z_ptrs, t, tl.float32, ALIGNED)
-    m_ptr = pointer(m_ptrs, t, tl.float32, ALIGNED)
-    v_ptr = pointer(v_ptrs, t, tl.float32, ALIGNED)
+    y_ptr, g_ptr, z_ptr, m_ptr, v_ptr = adamw_pointers(
+        y_ptrs, g_ptrs, z_ptrs, m_ptrs, v_ptrs, t, PARAM, GRAD, tl.float32, ALIGNED
+    )
     step_size, decay = lr_scales(lr_ptr, step_scale, decay_scale, LR_ON_DEVICE)
 
-    g = load(g_ptr, offs, mask, MASKED).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
+    g = load_grad(g_ptr, offs, mask, MASKED, MAXIMIZE)
     m = load(m_ptr, offs, mask, MASKED)
     v = load(v_ptr, offs, mask, MASKED)
     z = load(z_ptr, offs, mask, MASKED)
@@ -148,18 +166,14 @@ def gpa_adamw_compact_kernel(
     """gpa_adamw_kernel's update for state_dtype="compact": bf16 y, g, z, m, v; y and z joined with their int8 low
     words, computed in float32, rounded once to 24 bits and split; m and v rounded to bf16."""
     t, offs, mask = block_of(block_tensor, block_start, numels, BLOCK)
-    y_ptr = pointer(y_ptrs, t, tl.bfloat16, ALIGNED)
-    g_ptr = pointer(g_ptrs, t, tl.bfloat16, ALIGNED)
-    z_ptr = pointer(z_ptrs, t, tl.bfloat16, ALIGNED)
-    m_ptr = pointer(m_ptrs, t, tl.bfloat16, ALIGNED)
-    v_ptr = pointer(v_ptrs, t, tl.bfloat16, ALIGNED)
+    y_ptr, g_ptr, z_ptr, m_ptr, v_ptr = adamw_pointers(
+        y_ptrs, g_ptrs, z_ptrs, m_ptrs, v_ptrs, t, tl.bfloat16, tl.bfloat16, tl.bfloat16, ALIGNED
+    )
     y_lo_ptr = pointer(y_lo_ptrs, t, tl.int8, ALIGNED)
     z_lo_ptr = pointer(z_lo_ptrs, t, tl.int8, ALIGNED)
     step_size, decay = lr_scales(lr_ptr, step_scale, decay_scale, LR_ON_DEVICE)
 
-    g = load(g_ptr, offs, mask, MASKED).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
+    g = load_grad(g_ptr, offs, mask, MASKED, MAXIMIZE)
     m = load(m_ptr, offs, mask, MASKED).to(tl.float32)
     v = load(v_ptr, offs, mask, MASKED).to(tl.float32)
     z = join24(load(z_ptr, offs, mask, MASKED), load(z_lo_ptr, offs, mask, MASKED))
