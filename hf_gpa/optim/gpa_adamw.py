@@ -314,14 +314,48 @@ def _single_tensor_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: A
     for y, g, z, m, v, y32, y_lo, z_lo, step_t in tensors:
         step_t += 1
         step = step_t.item()  # step lives on the CPU: no device sync
-        if y_lo is None:
+        if z.dtype not in HALF_DTYPES:
             _single_tensor_update(y, g, z, m, v, y32, step, hyper)
             continue
-        y24, z24, m32, v32 = join24(y, y_lo), join24(z, z_lo), m.float(), v.float()
-        _single_tensor_update(y24, g, z24, m32, v32, None, step, hyper)
-        split24_(y24, y, y_lo)
-        split24_(z24, z, z_lo)
-        torch._foreach_copy_([m, v], [m32, v32])
+        y_w, z_w, m_w, v_w = _widened(y, z, m, v, y_lo, z_lo)
+        _single_tensor_update(y_w, g, z_w, m_w, v_w, y32, step, hyper)
+        _narrow_(y_w, z_w, m_w, v_w, y, z, m, v, y_lo, z_lo)
+
+
+def _widened(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    y_lo: torch.Tensor | None,
+    z_lo: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """float32 working copies of half-precision state: y and z joined with their low words (``state_dtype="compact"``,
+    `_compact`), or z, m and v widened with y left as it is (``"param"``); `_narrow_` rounds them back once."""
+    if y_lo is None:
+        return y, z.float(), m.float(), v.float()
+    return join24(y, y_lo), join24(z, z_lo), m.float(), v.float()
+
+
+def _narrow_(
+    y_w: torch.Tensor,
+    z_w: torch.Tensor,
+    m_w: torch.Tensor,
+    v_w: torch.Tensor,
+    y: torch.Tensor,
+    z: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    y_lo: torch.Tensor | None,
+    z_lo: torch.Tensor | None,
+) -> None:
+    """Round `_widened`'s working copies back into the state (and y's low word) once."""
+    if y_lo is None:
+        torch._foreach_copy_([z, m, v], [z_w, m_w, v_w])
+        return
+    split24_(y_w, y, y_lo)
+    split24_(z_w, z, z_lo)
+    torch._foreach_copy_([m, v], [m_w, v_w])
 
 
 def _single_tensor_update(
@@ -334,11 +368,6 @@ def _single_tensor_update(
     step: float,
     h: AdamWHyper,
 ) -> None:
-    if z.dtype in HALF_DTYPES:
-        wide = [t.float() for t in (z, m, v)]
-        _single_tensor_update(y, g, *wide, y32, step, h)
-        torch._foreach_copy_([z, m, v], wide)
-        return
     lr = float(h.lr)
     bias_correction1, bias_correction2_sqrt = bias_corrections(h.beta1, h.beta2, step)
     g = g.to(z.dtype)
@@ -382,28 +411,19 @@ def _foreach_update(
     y_b, z_b, m_b, v_b, y32_b = plan.bucket_tensors(bucket)
     g_b = grads if bucket.whole else [grads[i] for i in bucket.idx]
     steps = _bucket_steps(bucket, counts, uniform)
-    state_dtype = z_b[0].dtype
-    if bucket.lows is not None:
-        # state_dtype="compact": y and z joined to float32, updated, rounded to 24 bits and split, a piece at a time.
-        y_los, z_los = bucket.lows
+    if z_b[0].dtype in HALF_DTYPES:
+        # state_dtype="compact" or "param": computed in float32 (`_widened`) and rounded once at the end, a piece at a
+        # time, so that the float32 copies are a few MB, not the whole bucket (up to 32 bytes per weight at once).
+        nones = [None] * len(y_b)
+        y_los, z_los = bucket.lows or (nones, nones)
         for k in range(len(y_b)):
             step = steps if uniform is not None else steps[k]
-            for _, (y, g, z, m, v, y_lo, z_lo) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k], y_los[k], z_los[k]):
-                y24, z24, m32, v32 = join24(y, y_lo), join24(z, z_lo), m.float(), v.float()
-                _foreach_math(([y24], [g], [z24], [m32], [v32], None), step, lr, h)
-                split24_(y24, y, y_lo)
-                split24_(z24, z, z_lo)
-                torch._foreach_copy_([m, v], [m32, v32])
-        return
-    if state_dtype in HALF_DTYPES:
-        # state_dtype="param": computed in float32 and rounded once at the end, a piece at a time, so that the
-        # float32 copies of z, m and v are a few MB, not the whole bucket (32 bytes per weight at once).
-        for k in range(len(y_b)):
-            step = steps if uniform is not None else steps[k]
-            for _, (y, g, z, m, v) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k]):
-                z32, m32, v32 = z.float(), m.float(), v.float()
-                _foreach_math(([y], [g], [z32], [m32], [v32], None), step, lr, h)
-                torch._foreach_copy_([z, m, v], [z32, m32, v32])
+            lows = () if y_los[k] is None else (y_los[k], z_los[k])
+            for _, (y, g, z, m, v, *lo) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k], *lows):
+                y_lo, z_lo = lo or (None, None)
+                y_w, z_w, m_w, v_w = _widened(y, z, m, v, y_lo, z_lo)
+                _foreach_math(([y_w], [g], [z_w], [m_w], [v_w], None), step, lr, h)
+                _narrow_(y_w, z_w, m_w, v_w, y, z, m, v, y_lo, z_lo)
         return
     _foreach_math((y_b, g_b, z_b, m_b, v_b, y32_b), steps, lr, h)
 
@@ -464,13 +484,12 @@ def _fused_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHype
         lr = hyper.lr  # a tensor on the tensors' device is read by the Triton kernel itself
         if bucket.kind == "cpu" or not (torch.is_tensor(lr) and lr.device == y_b[0].device):
             lr = float(lr)
-        if bucket.lows is not None:  # state_dtype="compact": the C++ kernel's 24-bit update
-            kernel_module(bucket.kind).gpa_adamw_step_compact(
-                y_b, g_b, z_b, m_b, v_b, *bucket.lows, bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
-                hyper.weight_decay, hyper.mu_x, hyper.mu_y, hyper.maximize,
-            )  # fmt: skip
-            continue
-        kernel_module(bucket.kind).gpa_adamw_step(
-            y_b, g_b, z_b, m_b, v_b, y32_b or [], bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
+        kernel = kernel_module(bucket.kind)
+        if bucket.lows is not None:  # state_dtype="compact": the kernels' 24-bit update, with the low words
+            launch, extra = kernel.gpa_adamw_step_compact, bucket.lows
+        else:  # float32 state, with y's float32 copies where there are any
+            launch, extra = kernel.gpa_adamw_step, (y32_b or [],)
+        launch(
+            y_b, g_b, z_b, m_b, v_b, *extra, bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
             hyper.weight_decay, hyper.mu_x, hyper.mu_y, hyper.maximize,
         )  # fmt: skip
