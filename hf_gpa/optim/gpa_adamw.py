@@ -317,39 +317,32 @@ def _single_tensor_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: A
         if z.dtype not in HALF_DTYPES:
             _single_tensor_update(y, g, z, m, v, y32, step, hyper)
             continue
-        y_w, z_w, m_w, v_w = _widened(y, z, m, v, y_lo, z_lo)
+        half = (y, z, m, v, y_lo, z_lo)
+        wide = _widened(half)
+        y_w, z_w, m_w, v_w = wide
         _single_tensor_update(y_w, g, z_w, m_w, v_w, y32, step, hyper)
-        _narrow_(y_w, z_w, m_w, v_w, y, z, m, v, y_lo, z_lo)
+        _narrow_(wide, half)
 
 
-def _widened(
-    y: torch.Tensor,
-    z: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    y_lo: torch.Tensor | None,
-    z_lo: torch.Tensor | None,
-) -> tuple[torch.Tensor, ...]:
-    """float32 working copies of half-precision state: y and z joined with their low words (``state_dtype="compact"``,
-    `_compact`), or z, m and v widened with y left as it is (``"param"``); `_narrow_` rounds them back once."""
+#: A tensor's half-precision state as `_widened` and `_narrow_` take it: (y, z, m, v, y_lo, z_lo), the low words of y
+#: and z None except with ``state_dtype="compact"``.
+HalfState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def _widened(state: HalfState) -> tuple[torch.Tensor, ...]:
+    """float32 working copies (y, z, m, v) of half-precision state: y and z joined with their low words
+    (``state_dtype="compact"``, `_compact`), or z, m and v widened with y left as it is (``"param"``); `_narrow_`
+    rounds them back once."""
+    y, z, m, v, y_lo, z_lo = state
     if y_lo is None:
         return y, z.float(), m.float(), v.float()
     return join24(y, y_lo), join24(z, z_lo), m.float(), v.float()
 
 
-def _narrow_(
-    y_w: torch.Tensor,
-    z_w: torch.Tensor,
-    m_w: torch.Tensor,
-    v_w: torch.Tensor,
-    y: torch.Tensor,
-    z: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    y_lo: torch.Tensor | None,
-    z_lo: torch.Tensor | None,
-) -> None:
+def _narrow_(wide: tuple[torch.Tensor, ...], state: HalfState) -> None:
     """Round `_widened`'s working copies back into the state (and y's low word) once."""
+    y_w, z_w, m_w, v_w = wide
+    y, z, m, v, y_lo, z_lo = state
     if y_lo is None:
         torch._foreach_copy_([z, m, v], [z_w, m_w, v_w])
         return
@@ -420,10 +413,11 @@ def _foreach_update(
             step = steps if uniform is not None else steps[k]
             lows = () if y_los[k] is None else (y_los[k], z_los[k])
             for _, (y, g, z, m, v, *lo) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k], *lows):
-                y_lo, z_lo = lo or (None, None)
-                y_w, z_w, m_w, v_w = _widened(y, z, m, v, y_lo, z_lo)
+                half = (y, z, m, v, *(lo or (None, None)))
+                wide = _widened(half)
+                y_w, z_w, m_w, v_w = wide
                 _foreach_math(([y_w], [g], [z_w], [m_w], [v_w], None), step, lr, h)
-                _narrow_(y_w, z_w, m_w, v_w, y, z, m, v, y_lo, z_lo)
+                _narrow_(wide, half)
         return
     _foreach_math((y_b, g_b, z_b, m_b, v_b, y32_b), steps, lr, h)
 
