@@ -229,7 +229,7 @@ def trainer_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("base", ["adamw_torch_8bit", "adamw_torch_4bit"])
-def test_trainer_low_bit_base_saves_x_and_resumes_bitwise(base, trainer_runs):
+def test_trainer_low_bit_base_saves_x_and_resumes_bitwise(base: str, trainer_runs) -> None:
     """--optim gpa --gpa_base_optim adamw_torch_8bit/4bit trains, saves x, resumes bitwise, holds less than AdamW."""
     from safetensors.torch import load_file
 
