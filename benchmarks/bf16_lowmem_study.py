@@ -1,4 +1,4 @@
-"""Which low-memory state for pure-bf16 GPA-AdamW keeps the accuracy of the float32-state default (issue 22, item 2).
+"""Which low-memory state for pure-bf16 GPA-AdamW keeps the accuracy of a float32 state.
 
 Why this file exists: before a compact state for bf16 parameters is written into four implementations (for-loop,
 foreach, C++, Triton), the storage designs are compared here on data. Each design stores y (the bf16 parameter, plus
@@ -12,27 +12,26 @@ back, so only the storage differs. The precisions:
 
 The emulation is checked against ``GPAAdamW`` itself: the float32 state, the all-bf16 design and the 24-bit one
 (``state_dtype="compact"``, built from this study, the default for bf16 parameters) reproduce its final losses
-(``--check``). The run is the noisy least-squares problem of ``tests/least_squares.py`` with noise added to the
+(``--check``). The run is the noisy least-squares problem of ``benchmarks.workloads`` with noise added to the
 targets, so the fp32 run's loss is the noise floor and a ratio to it measures what the storage loses. State bytes per
 weight beyond the bf16 parameter: AdamW in bf16 keeps 4, GPA-AdamW's float32 state 16, its default ("compact") 8.
 
-    python benchmarks/bf16_lowmem_study.py                               # 400 steps, lr 0.05, mu_x 0.98
-    python benchmarks/bf16_lowmem_study.py --steps 2000 --lr 0.01 --mu-x 0.996
+    python -m benchmarks.bf16_lowmem_study                               # 400 steps, lr 0.05, mu_x 0.98
+    python -m benchmarks.bf16_lowmem_study --steps 2000 --lr 0.01 --mu-x 0.996
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
-import json
 import logging
 import math
 import statistics
 from pathlib import Path
-from types import ModuleType
 
 import torch
+
+from benchmarks import report
+from benchmarks.workloads import least_squares_problem, least_squares_x
 
 logger = logging.getLogger(__name__)
 
@@ -64,24 +63,9 @@ def store(t: torch.Tensor, precision: str, gen: torch.Generator) -> torch.Tensor
     raise ValueError(f"Invalid precision: {precision!r}")
 
 
-@functools.cache
-def _least_squares() -> ModuleType:
-    """``tests/least_squares.py``: the problem and the GPAAdamW run, one copy for the tests and this study."""
-    path = Path(__file__).resolve().parents[1] / "tests" / "least_squares.py"
-    spec = importlib.util.spec_from_file_location("least_squares", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def problem(seed: int, noise: float) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
-    """The least-squares problem of ``tests/least_squares.py`` and the generator that then draws its batches."""
-    return _least_squares().least_squares_problem(seed, noise)
-
-
 def run(design: tuple[str, str, str, str] | None, seed: int, args: argparse.Namespace) -> float:
     """Loss at x after a cosine-scheduled run (mu_y 0.3, betas 0.9/0.999, AdamW's bias corrections)."""
-    a, b, gen = problem(seed, args.noise)
+    a, b, gen = least_squares_problem(seed, args.noise)
     rounding = torch.Generator().manual_seed(1000 + seed)
     half = design is not None  # a bf16 parameter: the forward sees y rounded, the gradient is bf16
     qy, qz, qm, qv = design or ("f32",) * 4
@@ -106,15 +90,13 @@ def run(design: tuple[str, str, str, str] | None, seed: int, args: argparse.Name
 
 def check(args: argparse.Namespace) -> None:
     """The emulation against GPAAdamW itself (seed 0): fp32, the float32 state, state_dtype="param" and "compact"."""
-    least_squares_x = _least_squares().least_squares_x
-
     for name, dtype, extra in (
         ("fp32 parameters (the reference)", torch.float32, {}),
         ("state_dtype=float32: y copy, z, m, v in float32", torch.bfloat16, {"state_dtype": "float32"}),
         ("state_dtype=param: z, m, v bf16", torch.bfloat16, {"state_dtype": "param"}),
         ("state_dtype=compact: 24-bit y, z; m, v bf16", torch.bfloat16, {"state_dtype": "compact"}),
     ):
-        a, b, _ = problem(0, args.noise)
+        a, b, _ = least_squares_problem(0, args.noise)
         x = least_squares_x(dtype, extra, steps=args.steps, lr=args.lr, mu_x=args.mu_x, noise=args.noise)
         real = ((a @ x - b) ** 2).mean().item()
         logger.info("%s: GPAAdamW %.6g, emulated %.6g", name, real, run(DESIGNS[name][0], 0, args))
@@ -155,29 +137,16 @@ def main(argv: list[str] | None = None) -> None:
     ]
     table = "\n".join(lines)
     print(table)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bf16_lowmem_study_{args.steps}"
-    (args.out_dir / f"{stem}.md").write_text(table + "\n")
-    (args.out_dir / f"{stem}.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                           "rows": rows}, indent=2))  # fmt: skip
-    plot(rows, args.out_dir / f"{stem}.png")
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
-    ax.barh([r["design"] for r in rows][::-1], [r["median"] for r in rows][::-1], color="tab:green")
-    ax.set_xscale("log")
-    ax.axvline(1.2, color="tab:red", lw=0.8, ls="--", label="target: 1.2x the fp32 run's loss")
-    ax.set_xlabel("final loss at x / fp32 run's loss (median over seeds)")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.write_outputs(args.out_dir, stem, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, table)
+    report.bar_chart(
+        args.out_dir / f"{stem}.png",
+        [r["design"] for r in rows],
+        [r["median"] for r in rows],
+        "final loss at x / fp32 run's loss (median over seeds)",
+        lines=[(1.2, "target: 1.2x the fp32 run's loss")],
+        log=True,
+    )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """Memory of GPA's eval mode: the state eval() adds (the residual that lets train() restore y bitwise) and the peak
 allocation during eval() and train(), per weight, after real steps on the 58M-parameter benchmark list.
 
-GPAAdamW steps the parameter list of ``step_time.py`` (a Llama of 58M parameters, fp32, read on the meta device)
+GPAAdamW steps a Llama parameter list of ``benchmarks.workloads`` (58M parameters, fp32, read on the meta device)
 with a seeded random gradient sequence; after each checkpoint step count it calls eval() and train() under torch's
 profiler (CPU allocations, in order) and prints, per weight: the bytes of state eval() adds, the peak of CPU memory
 allocated during eval() and during train() above what was allocated before each call, and whether train() gave y
 back bitwise. A benchmark, never a test:
 
-    python benchmarks/eval_memory.py                        # 58M parameters, after 20 and 300 steps
-    python benchmarks/eval_memory.py --size small --steps 5 20
+    python -m benchmarks.eval_memory                        # 58M parameters, after 20 and 300 steps
+    python -m benchmarks.eval_memory --size small --steps 5 20
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import argparse
 import logging
 
 import torch
-from step_time import SIZES, llama_shapes  # benchmarks/step_time.py, beside this file
 
+from benchmarks.workloads import LLAMA_SIZES, llama_shapes
 from hf_gpa import GPAAdamW
 
 logger = logging.getLogger(__name__)
@@ -48,12 +48,12 @@ def eval_state_bytes(opt: torch.optim.Optimizer, keys_before: dict) -> int:
     return total
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=list(SIZES), default="llama58m")
+    parser.add_argument("--size", choices=list(LLAMA_SIZES), default="llama58m")
     parser.add_argument("--steps", type=int, nargs="+", default=[20, 300], help="step counts to measure after")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     gen = torch.Generator().manual_seed(args.seed)
@@ -61,8 +61,10 @@ def main() -> None:
     n = sum(p.numel() for p in params)
     opt = GPAAdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     print(f"GPAAdamW, {n} fp32 weights in {len(params)} tensors ({args.size}), random gradients, seed {args.seed}")
-    print("| steps | state added by eval() (B/weight) | peak during eval() (B/weight) "
-          "| peak during train() (B/weight) | residual dtypes | overflow elements | train() bitwise |")
+    print(
+        "| steps | state added by eval() (B/weight) | peak during eval() (B/weight) "
+        "| peak during train() (B/weight) | residual dtypes | overflow elements | train() bitwise |"
+    )
     print("|---:|---:|---:|---:|---|---:|---|", flush=True)
     done = 0
     for target in sorted(args.steps):

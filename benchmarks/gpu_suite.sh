@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on one GPU, in under 10 minutes: the GPU tests (pytest -m gpu), the optimizer step-time
 # benchmark on Llama-1B shapes in fp32 and bf16, the end-to-end throughput benchmark (110M Llama, bf16 autocast) and
-# the optimizer memory table with CUDA peak memory (benchmarks/memory_table.py).
+# the optimizer memory table with CUDA peak memory (benchmarks.memory_table).
 #
 #   bash benchmarks/gpu_suite.sh OUT_DIR
 #
@@ -67,16 +67,16 @@ print(\"transformers\", transformers.__version__, \"accelerate\", accelerate.__v
 mapfile -t gpu_tests < <(grep -l "pytest.mark.gpu" tests/test_*.py)
 step gpu_tests 240 "$PY" -m pytest -m gpu -p no:cacheprovider -q -ra --junitxml "$OUT/gpu_tests.xml" \
     "${gpu_tests[@]}"
-step step_time_fp32 80 "$PY" benchmarks/step_time.py --device cuda --dtype float32 --rounds 20 --out-dir "$OUT"
-step step_time_bf16 70 "$PY" benchmarks/step_time.py --device cuda --dtype bfloat16 --rounds 20 --out-dir "$OUT"
-step throughput 150 "$PY" benchmarks/throughput.py --device cuda --out-dir "$OUT"
+step step_time_fp32 80 "$PY" -m benchmarks.step_time --device cuda --dtype float32 --rounds 20 --out-dir "$OUT"
+step step_time_bf16 70 "$PY" -m benchmarks.step_time --device cuda --dtype bfloat16 --rounds 20 --out-dir "$OUT"
+step throughput 150 "$PY" -m benchmarks.throughput --device cuda --out-dir "$OUT"
 # Optimizer state and CUDA peak memory (torch.cuda.max_memory_allocated) of a step and of a save, Llama-1B shapes;
 # the torchao rows need torchao (hf_gpa[lowbit]) and are left out where it does not import.
-step memory_table 240 "$PY" benchmarks/memory_table.py --device cuda --size llama1b --no-meta --timeout 60 \
+step memory_table 240 "$PY" -m benchmarks.memory_table --device cuda --size llama1b --no-meta --timeout 60 \
     --out "$OUT/memory_cuda"
 # The peak of a whole training step of the 58M Llama with GPA-AdamW's step inside backward, and its step time against
-# the ordinary GPA-AdamW step (issue 25).
-step training_step 180 "$PY" benchmarks/memory_table.py --training-step --device cuda --timeout 60 \
+# the ordinary GPA-AdamW step.
+step training_step 180 "$PY" -m benchmarks.memory_table --training-step --device cuda --timeout 60 \
     --out "$OUT/memory_cuda"
 
 {

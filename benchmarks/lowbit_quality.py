@@ -2,22 +2,23 @@
 
 Why this file exists: ``GPA(base=torchao.optim.AdamW8bit)`` keeps z in float32 and m, v in 8 bits (about 1.5x the
 parameter bytes against GPA-AdamW's 3.0x and AdamW's 2.0x). Whether the quantized moments cost validation loss is
-measured here on the workload of ``benchmarks/paper_table.py`` (its tiny Llama, data, batches, lr schedule,
-evaluation), at that bench's best full-budget GPA setting (``best_configurations``: H = 8, lr 0.02, mu_y 0.5), over
-three seeds. Only the optimizer changes between the rows:
+measured here on the workload of ``benchmarks.paper_recipe`` (its tiny Llama, data, batches, lr schedule,
+evaluation, training loop), at the paper bench's best full-budget GPA setting (``best_configurations``: H = 8, lr
+0.02, mu_y 0.5), over three seeds. Each optimizer is ``--optim gpa --gpa_base_optim NAME`` built through the one
+``--optim`` table; only the base changes between the rows:
 
-* ``fp32``: ``GPA(base=torch.optim.AdamW)``, the reference;
-* ``8bit`` / ``4bit``: ``GPA(base=torchao.optim.AdamW8bit / AdamW4bit)`` as torchao ships them. torchao quantizes
-  only tensors of at least 4096 elements (as bitsandbytes does), which on this 37K-parameter model is the embedding
-  alone (44% of the parameters);
+* ``fp32``: ``adamw_torch`` (torch's AdamW), the reference;
+* ``8bit`` / ``4bit``: ``adamw_torch_8bit`` / ``adamw_torch_4bit``, torchao's AdamW8bit / AdamW4bit as it ships them.
+  torchao quantizes only tensors of at least 4096 elements (as bitsandbytes does), which on this 37K-parameter model
+  is the embedding alone (44% of the parameters);
 * ``8bit-all`` / ``4bit-all``: the same optimizers with every tensor whose size is a multiple of the block size
   quantized (all matrices; only the norm weights stay float32), the regime of a large model;
 * ``torchao-fp32``: torchao's AdamW8bit with no tensor quantized (its step, float32 m and v): a control that
   separates torchao's step from torch's AdamW's and from the quantization.
 
-    nice -n 10 python benchmarks/lowbit_quality.py                        # 15 runs, one process, one thread
-    python benchmarks/lowbit_quality.py --report-only
-    python benchmarks/lowbit_quality.py --quick                           # a 12-step smoke run
+    nice -n 10 python -m benchmarks.lowbit_quality                        # 15 runs, one process, one thread
+    python -m benchmarks.lowbit_quality --report-only
+    python -m benchmarks.lowbit_quality --quick                           # a 12-step smoke run
 
 Results (resumable JSON, one record per finished run) and ``table.md`` go to ``benchmarks/results/lowbit/``.
 """
@@ -26,23 +27,28 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import paper_table as pt  # noqa: E402  (the workload's data, model, schedule and evaluation)
+from benchmarks import paper_recipe as pr
+from benchmarks import workloads
 
 logger = logging.getLogger("lowbit_quality")
 
 VARIANTS = ("fp32", "8bit", "4bit", "8bit-all", "4bit-all", "torchao-fp32")
+#: The base of each variant: its --gpa_base_optim, and how its quantization is changed ("all", "none" or as shipped).
+BASES = {
+    "fp32": ("adamw_torch", None),
+    "8bit": ("adamw_torch_8bit", None),
+    "4bit": ("adamw_torch_4bit", None),
+    "8bit-all": ("adamw_torch_8bit", "all"),
+    "4bit-all": ("adamw_torch_4bit", "all"),
+    "torchao-fp32": ("adamw_torch_8bit", "none"),
+}
 #: The paper bench's best full-budget GPA configuration (benchmarks/results/paper_table/table.md).
 INNER_STEPS, LR, MU_Y = 8, 0.02, 0.5
 SEEDS = (0, 1, 2)
@@ -72,31 +78,24 @@ def _quantize_none(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimiz
     return QuantizeNone
 
 
-def base_class(variant: str) -> type[torch.optim.Optimizer]:
-    if variant == "fp32":
-        return torch.optim.AdamW
-    from torchao.optim import AdamW4bit, AdamW8bit
-
-    if variant == "torchao-fp32":
-        return _quantize_none(AdamW8bit)
-
-    cls = AdamW8bit if variant.startswith("8bit") else AdamW4bit
-    return _quantize_all(cls) if variant.endswith("-all") else cls
+def gpa_flags(base: str, workload: pr.Workload) -> dict[str, Any]:
+    """The paper bench's GPA-AdamW at its best setting (`paper_recipe.optimizer_flags`), as ``--optim gpa`` around
+    ``base``."""
+    best_gpa = pr.RunSpec("gpa", LR, 0, workload.steps, "full", INNER_STEPS, MU_Y)
+    return {**pr.optimizer_flags(best_gpa, workload), "optim": "gpa", "gpa_base_optim": base}
 
 
-def build_optimizer(variant: str, params: list[torch.nn.Parameter], workload: pt.Workload) -> torch.optim.Optimizer:
-    from hf_gpa import mu_x_from_inner_steps
-    from hf_gpa.optim import GPA
-
-    return GPA(
-        params,
-        base=base_class(variant),
-        mu_x=mu_x_from_inner_steps(INNER_STEPS),
-        mu_y=MU_Y,
-        lr=LR,
-        betas=pt.BETAS["gpa"],
-        eps=1e-8,
-        weight_decay=workload.weight_decay,
+def build_optimizer(variant: str, model: torch.nn.Module, workload: pr.Workload) -> torch.optim.Optimizer:
+    """GPA around the base of ``variant``, built through the ``--optim`` table; the "-all" and control variants
+    replace the table's torchao class by one that quantizes every tensor, or none."""
+    base, quantize = BASES[variant]
+    overrides = {}
+    if quantize is not None:
+        table_base = workloads.optimizer_cls_and_kwargs(gpa_flags(base, workload))[1]["base"]
+        overrides["base"] = (_quantize_all if quantize == "all" else _quantize_none)(table_base)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return workloads.optimizer_from_flags(
+        gpa_flags(base, workload), params, weight_decay=workload.weight_decay, **overrides
     )
 
 
@@ -114,55 +113,25 @@ def quantized_fraction(optimizer: torch.optim.Optimizer) -> float:
 def train_run(
     variant: str,
     seed: int,
-    workload: pt.Workload,
+    workload: pr.Workload,
     data: tuple[torch.Tensor, torch.Tensor],
-    make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+    make_optimizer: Any = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """One run of ``paper_table.train_run``'s loop (same batches, schedule, clipping, evaluation): GPA(base of
-    ``variant``), or the optimizer ``make_optimizer`` builds; the model in ``dtype``."""
-    train, val = data
-    model = pt.build_model(workload, seed).to(dtype)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params) if make_optimizer else build_optimizer(variant, params, workload)
-    order = pt.batch_order(train.shape[0], workload, workload.steps, seed)
-    record: dict[str, Any] = {"steps": [], "val": [], "val_train": []}
-    start = time.perf_counter()
-    for step in range(workload.steps):
-        factor = pt.lr_factor(step, workload.steps, workload.warmup_fraction, "cosine")
-        for group in optimizer.param_groups:
-            group["lr"] = LR * factor
-        batch = train[order[step]].long()
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, workload.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if not math.isfinite(loss.item()):
-            record["diverged_at"] = step + 1
-            break
-        if (step + 1) % workload.eval_every == 0 or step + 1 == workload.steps:
-            averaged = hasattr(optimizer, "train_mode")
-            record["val_train"].append(pt.evaluate(model, val, workload.batch_size))
-            if averaged:
-                optimizer.eval()
-            record["val"].append(pt.evaluate(model, val, workload.batch_size))
-            if averaged:
-                optimizer.train()
-            record["steps"].append(step + 1)
-    record["wall_s"] = time.perf_counter() - start
-    record["final_val"] = record["val"][-1] if record["val"] and "diverged_at" not in record else math.inf
-    record["quantized_fraction"] = quantized_fraction(optimizer)
+    """One run of the paper bench's loop (`paper_recipe.train`: same batches, schedule, clipping, evaluation) with
+    GPA around the base of ``variant``, or the optimizer ``make_optimizer(model)`` builds; the model in ``dtype``."""
+    make = make_optimizer or (lambda model: build_optimizer(variant, model, workload))
+    record = pr.train(workload, data, seed, workload.steps, make, LR, "cosine", dtype)
+    record["quantized_fraction"] = quantized_fraction(record.pop("optimizer"))
     return {"key": f"{variant}/s{seed}/T{workload.steps}", "variant": variant, "seed": seed, **record}
 
 
 def markdown_table(data: dict[str, Any]) -> str:
     workload = data["workload"]
     lines = [
-        f"Workload: benchmarks/paper_table.py's Llama (d={workload['hidden_size']}, L={workload['num_layers']}), "
+        f"Workload: the paper bench's Llama (d={workload['hidden_size']}, L={workload['num_layers']}), "
         f"{workload['steps']} steps; GPA H = {INNER_STEPS} (mu_x from H), lr {LR}, mu_y {MU_Y}, betas "
-        f"{pt.BETAS['gpa']}, weight decay {workload['weight_decay']}; final validation loss at x, mean ± std over "
+        f"{pr.BETAS['gpa']}, weight decay {workload['weight_decay']}; final validation loss at x, mean ± std over "
         "seeds; the difference to fp32 is paired by seed (same batches, same initialisation).",
         "",
         "| Base of GPA | seeds | quantized share of parameters | final val loss | minus fp32 (paired) | s/run |",
@@ -214,11 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    workload = pt.QUICK_WORKLOAD if args.quick else pt.Workload()
-    results = pt.ResultsFile(args.out / ("quick.json" if args.quick else "results.json"), workload, pt.Plan())
+    workload = pr.QUICK_WORKLOAD if args.quick else pr.Workload()
+    results = pr.results_file(args.out / ("quick.json" if args.quick else "results.json"), workload, pr.Plan())
     if not args.report_only:
         torch.set_num_threads(1)
-        data = pt.load_token_windows(workload)
+        data = pr.load_token_windows(workload)
         for seed in args.seeds:  # seed-major: a partial record already compares every variant
             for variant in args.variants:
                 key = f"{variant}/s{seed}/T{workload.steps}"

@@ -4,10 +4,10 @@ Why this file exists: GPA's one cost is memory (z beside AdamW's m and v). This 
 optimizer, how many bytes of state each weight costs in train mode and in eval mode (``eval()`` may keep what
 restores y exactly), and how much more memory a step and a checkpoint save take at their peak.
 
-How it is measured (CPU, the 58M-parameter Llama list of ``benchmarks/step_time.py``, 3 real optimizer steps with
-random gradients, each optimizer in its own process):
+How it is measured (CPU, the 58M-parameter Llama list of ``benchmarks.workloads``, 3 real optimizer steps with
+random gradients, each optimizer in its own process, built from its ``--optim`` flags as the Trainer builds it):
 
-* state bytes: every tensor in ``optimizer.state`` counted exactly (``state_bytes``): a wrapper subclass such as
+* state bytes: every tensor in ``optimizer.state`` counted exactly (``report.state_bytes``): a wrapper subclass such as
   torchao's 8-bit state by its inner tensors (uint8 codes, per-block scales, lookup table), each storage once;
 * peaks: the process's resident memory. The child runs with ``MALLOC_MMAP_THRESHOLD_=65536``, so every tensor
   above 64 KiB is its own mapping, returned to the kernel when freed: resident memory then follows the live tensors.
@@ -20,10 +20,10 @@ random gradients, each optimizer in its own process):
 Llama-3.2-1B is accounted on the meta device: the same optimizers step once on meta tensors of its shapes, and their
 state is counted the same way (no peaks: meta tensors hold no memory).
 
-    python benchmarks/memory_table.py                     # 58M list on CPU, then Llama-1B on meta
-    python benchmarks/memory_table.py --size small        # a quick look
-    python benchmarks/memory_table.py --device cuda --size llama1b --no-meta --out OUT   # CUDA peaks
-    python benchmarks/memory_table.py --training-step     # a whole training step, with the step in backward
+    python -m benchmarks.memory_table                     # 58M list on CPU, then Llama-1B on meta
+    python -m benchmarks.memory_table --size small        # a quick look
+    python -m benchmarks.memory_table --device cuda --size llama1b --no-meta --out OUT   # CUDA peaks
+    python -m benchmarks.memory_table --training-step     # a whole training step, with the step in backward
 
 ``--training-step`` measures what decides what fits: the peak of one training step (forward, backward, step) of the
 58M Llama itself, above the process before the model was built (parameters, gradients, state, activations and
@@ -42,6 +42,7 @@ import io
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -51,12 +52,30 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from devices import device_arg  # noqa: E402  (benchmarks/devices.py, beside this file)
+from benchmarks import report, workloads
+from benchmarks.devices import device_arg
 
 logger = logging.getLogger("memory_table")
 
-ADAM = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+ROOT = Path(__file__).resolve().parents[1]
+#: The hyper-parameters every row takes, as flags; one weight decay on every tensor.
+ADAM_FLAGS = dict(learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.95)
+WEIGHT_DECAY = 0.1
+
+#: Each optimizer of the table: its --optim flags and the keyword arguments that vary GPAAdamW's state.
+OPTIMIZERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "AdamW": ({"optim": "adamw_torch"}, {}),
+    "AdamW (fused)": ({"optim": "adamw_torch_fused"}, {}),
+    "GPA-AdamW": ({"optim": "gpa_adamw"}, {}),
+    "GPA-AdamW, state_dtype=float32": ({"optim": "gpa_adamw"}, {"state_dtype": "float32"}),
+    "GPA-AdamW, state_dtype=param": ({"optim": "gpa_adamw"}, {"state_dtype": "param"}),
+    "GPA(AdamW)": ({"optim": "gpa", "gpa_base_optim": "adamw_torch"}, {}),
+    "AdamW8bit": ({"optim": "adamw_torch_8bit"}, {}),
+    "GPA(AdamW8bit)": ({"optim": "gpa", "gpa_base_optim": "adamw_torch_8bit"}, {}),
+    "AdamW4bit": ({"optim": "adamw_torch_4bit"}, {}),
+    "GPA(AdamW4bit)": ({"optim": "gpa", "gpa_base_optim": "adamw_torch_4bit"}, {}),
+    "DiLoCo(AdamW), H=32": ({"optim": "diloco_adamw", "diloco_inner_steps": 32}, {}),
+}
 
 #: (configuration, optimizer, parameter dtype): the rows, in table order.
 ROWS: list[tuple[str, str, str]] = [
@@ -75,54 +94,10 @@ ROWS: list[tuple[str, str, str]] = [
 ]
 
 
-def tensor_bytes(t: torch.Tensor, seen: set[int] | None = None) -> int:
-    """Bytes a tensor holds: its inner tensors' for a wrapper subclass (torchao's 8-bit and 4-bit states report a
-    float32 dtype, but hold uint8 codes and per-block scales); each storage counted once in ``seen``."""
-    seen = set() if seen is None else seen
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, name), seen) for name in names)
-    key = t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t)
-    if key in seen and t.numel():
-        return 0
-    seen.add(key)
-    return t.numel() * t.element_size()
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of all tensor state of an optimizer (nested dicts, such as a wrapper's base state, included)."""
-    seen: set[int] = set()
-
-    def walk(value: Any) -> int:
-        if torch.is_tensor(value):
-            return tensor_bytes(value, seen)
-        if isinstance(value, dict):
-            return sum(walk(v) for v in value.values())
-        return 0
-
-    return sum(walk(s) for s in optimizer.state.values())
-
-
 def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
-
-    if name == "AdamW":
-        return torch.optim.AdamW(params, **ADAM)
-    if name == "GPA-AdamW":
-        return GPAAdamW(params, **ADAM)
-    if name.startswith("GPA-AdamW, state_dtype="):
-        return GPAAdamW(params, **ADAM, state_dtype=name.rpartition("=")[2])
-    if name == "GPA(AdamW)":
-        return GPA(params, base=torch.optim.AdamW, **ADAM)
-    if name.startswith("DiLoCo"):
-        return DiLoCo(params, base=torch.optim.AdamW, inner_steps=32, **ADAM)
-    import torchao.optim
-
-    if name in ("AdamW8bit", "AdamW4bit"):
-        return getattr(torchao.optim, name)(params, **ADAM)
-    if name in ("GPA(AdamW8bit)", "GPA(AdamW4bit)"):
-        return GPA(params, base=getattr(torchao.optim, name[4:-1]), **ADAM)
-    raise ValueError(f"Invalid optimizer: {name!r}")
+    """The optimizer of the row ``name``, built from its ``--optim`` flags (`workloads.optimizer_from_flags`)."""
+    flags, overrides = OPTIMIZERS[name]
+    return workloads.optimizer_from_flags({**flags, **ADAM_FLAGS}, params, weight_decay=WEIGHT_DECAY, **overrides)
 
 
 # ---- measuring one optimizer (in a child process) ----
@@ -169,13 +144,6 @@ class _Discard(io.RawIOBase):
         return size
 
 
-def _shapes(size: str) -> list[tuple[int, ...]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from step_time import llama_shapes
-
-    return llama_shapes(size)
-
-
 def measure(name: str, dtype: str, size: str, steps: int, device: str = "cpu") -> dict[str, Any]:
     """One optimizer on the parameter list of ``size``: state bytes in train and eval mode, step and save peaks."""
     start = time.perf_counter()
@@ -183,7 +151,10 @@ def measure(name: str, dtype: str, size: str, steps: int, device: str = "cpu") -
         torch.cuda.set_device(device)  # the peak counters below read the current device
     torch.manual_seed(0)
     torch_dtype = getattr(torch, dtype)
-    params = [torch.nn.Parameter((torch.randn(s, device=device) * 0.02).to(torch_dtype)) for s in _shapes(size)]
+    params = [
+        torch.nn.Parameter((torch.randn(s, device=device) * 0.02).to(torch_dtype))
+        for s in workloads.llama_shapes(size)
+    ]
     numel = sum(p.numel() for p in params)
     optimizer = make_optimizer(name, params)
     for p in params:
@@ -196,13 +167,13 @@ def measure(name: str, dtype: str, size: str, steps: int, device: str = "cpu") -
     for p in params:  # fresh gradients for the measured step, in place
         p.grad.copy_(torch.randn_like(p) * 1e-3)
     rss_steady = _status()["VmRSS"]
-    train = state_bytes(optimizer)
+    train = report.state_bytes(optimizer)
     step_peak = _peak_of(optimizer.step, device)
     averaged = hasattr(optimizer, "eval") and hasattr(optimizer, "train_mode")
     evaluated = None
     if averaged:
         optimizer.eval()
-        evaluated = state_bytes(optimizer)
+        evaluated = report.state_bytes(optimizer)
         optimizer.train()
 
     def save() -> None:
@@ -236,24 +207,24 @@ def measure_meta(name: str, dtype: str, size: str) -> dict[str, Any]:
     """State bytes per weight of one optimizer on meta tensors of ``size``'s shapes (train and eval mode)."""
     torch_dtype = getattr(torch, dtype)
     with torch.device("meta"):
-        params = [torch.nn.Parameter(torch.empty(s, dtype=torch_dtype)) for s in _shapes(size)]
+        params = [torch.nn.Parameter(torch.empty(s, dtype=torch_dtype)) for s in workloads.llama_shapes(size)]
         for p in params:
             p.grad = torch.empty_like(p)
     numel = sum(p.numel() for p in params)
     optimizer = make_optimizer(name, params)
     optimizer.step()
-    train = state_bytes(optimizer)
+    train = report.state_bytes(optimizer)
     evaluated = None
     if hasattr(optimizer, "train_mode"):
         try:
             optimizer.eval()
-            evaluated = state_bytes(optimizer) / numel
+            evaluated = report.state_bytes(optimizer) / numel
         except (NotImplementedError, RuntimeError) as error:  # an op without a meta kernel
             logger.warning("%s: eval() on meta tensors failed (%s)", name, error)
     return {"optimizer": name, "dtype": dtype, "numel": numel, "state_train": train / numel, "state_eval": evaluated}
 
 
-# ---- the training step: forward, backward and step, ordinary or inside backward (issue 25) ----
+# ---- the training step: forward, backward and step, ordinary or inside backward ----
 
 #: (optimizer, whether it steps inside backward): the rows of the training-step table, in order.
 TRAINING_STEP_ROWS: list[tuple[str, bool]] = [
@@ -264,45 +235,35 @@ TRAINING_STEP_ROWS: list[tuple[str, bool]] = [
 ]
 
 
-def _llama_config(size: str) -> Any:
-    """The ``LlamaConfig`` of ``size`` (imports transformers and hf_gpa, and loads the C++ kernel: called before the
-    baseline of a measurement is taken, so that none of that counts)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from step_time import SIZES
-    from transformers import LlamaConfig
+def _warm_up(size: str) -> None:
+    """Import transformers, hf_gpa's Trainer side and the Llama of ``size``, and step a default GPAAdamW once (which
+    loads the C++ kernel where it runs): called before the baseline of a measurement is taken, so that none of that
+    counts."""
+    from hf_gpa import GPAAdamW
 
-    from hf_gpa.optim.kernels.cpu import load_cpu_kernel
-
-    load_cpu_kernel()
-    return LlamaConfig(**SIZES[size])
+    workloads.training_args(optim="gpa_adamw")
+    weight = torch.nn.Parameter(torch.zeros(8))
+    weight.grad = torch.ones(8)
+    GPAAdamW([weight]).step()
+    workloads.llama_config(size)
 
 
 def _llama(size: str, device: str) -> torch.nn.Module:
-    from transformers import LlamaForCausalLM
-
-    config = _llama_config(size)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device)
+    return workloads.llama(size, seed=0).to(device)
 
 
 def _training_optimizer(name: str, model: torch.nn.Module, in_backward: bool) -> torch.optim.Optimizer:
     from hf_gpa.optim import step_in_backward
 
-    params = list(model.parameters())
-    optimizer = (
-        torch.optim.AdamW(params, **ADAM, fused=True) if name == "AdamW (fused)" else make_optimizer(name, params)
-    )
+    optimizer = make_optimizer(name, list(model.parameters()))
     if in_backward:
         step_in_backward(optimizer)  # the hooks live as long as the parameters
     return optimizer
 
 
 def _batch(size: str, batch: tuple[int, int], device: str) -> torch.Tensor:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from step_time import SIZES
-
     generator = torch.Generator().manual_seed(1)
-    return torch.randint(0, SIZES[size]["vocab_size"], batch, generator=generator).to(device)
+    return torch.randint(0, workloads.LLAMA_SIZES[size]["vocab_size"], batch, generator=generator).to(device)
 
 
 def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> None:
@@ -317,7 +278,7 @@ def measure_training_step(
     name: str, in_backward: bool, size: str, steps: int, batch: tuple[int, int], device: str = "cpu"
 ) -> dict[str, Any]:
     """The peak of one training step above the process before the model existed, after ``steps`` warm-up steps."""
-    _llama_config(size)
+    _warm_up(size)
     if device != "cpu":
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
@@ -345,38 +306,38 @@ def measure_training_step(
 
 def time_training_step(size: str, rounds: int, batch: tuple[int, int], device: str = "cpu") -> dict[str, Any]:
     """GPA-AdamW's training step inside backward against the ordinary one: two models from the same seed in this
-    process, one step each per round in alternating order, medians; also the ordinary ``step()`` alone."""
+    process, one step each per round in alternating order (`report.interleaved_rounds`), medians; also the ordinary
+    ``step()`` alone."""
 
     def sync() -> None:
         if device != "cpu":
             torch.cuda.synchronize()
 
-    setups = {mode: (_llama(size, device), mode) for mode in ("ordinary", "in backward")}
-    setups = {
-        mode: (model, _training_optimizer("GPA-AdamW", model, mode == "in backward"))
-        for mode, (model, _) in setups.items()
-    }
+    _warm_up(size)
     ids = _batch(size, batch, device)
-    times: dict[str, list[float]] = {"ordinary": [], "in backward": [], "ordinary step()": []}
-    for model, optimizer in setups.values():  # warm-up: state created, kernels built
-        _train_step(model, optimizer, ids)
-    for r in range(rounds):
-        order = ["ordinary", "in backward"] if r % 2 == 0 else ["in backward", "ordinary"]
-        for mode in order:
-            model, optimizer = setups[mode]
-            sync()
-            t0 = time.perf_counter()
-            model(input_ids=ids, labels=ids).loss.backward()
-            sync()
-            t1 = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sync()
-            t2 = time.perf_counter()
-            times[mode].append(t2 - t0)
-            if mode == "ordinary":
-                times["ordinary step()"].append(t2 - t1)
-    medians = {mode: sorted(ts)[len(ts) // 2] for mode, ts in times.items()}
+
+    def timed_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[float, float]:
+        """(the whole training step, its ``step()`` and ``zero_grad()``) in seconds."""
+        sync()
+        t0 = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        sync()
+        t1 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
+
+    runs = {}
+    for mode in ("ordinary", "in backward"):
+        model = _llama(size, device)
+        optimizer = _training_optimizer("GPA-AdamW", model, mode == "in backward")
+        runs[mode] = lambda model=model, optimizer=optimizer: timed_step(model, optimizer)
+    # one warm-up round (state created, kernels built), then the timed ones
+    timed = report.interleaved_rounds(runs, rounds, warmup=1)
+    medians = timed.medians(0)
+    medians["ordinary step()"] = statistics.median(step for _, step in timed.samples["ordinary"])
     return {
         "rounds": rounds,
         "batch": list(batch),
@@ -463,7 +424,12 @@ def _run_child_cmd(
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     try:
         done = subprocess.run(
-            [sys.executable, __file__, *child_args], env=env, capture_output=True, text=True, timeout=timeout
+            [sys.executable, "-m", "benchmarks.memory_table", *child_args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         logger.warning("%s: timed out after %.0f s", what, timeout)
@@ -578,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--training-step",
         action="store_true",
-        help="the peak and time of a whole training step, with the optimizer step inside backward (issue 25)",
+        help="the peak and time of a whole training step, with the optimizer step inside backward",
     )
     parser.add_argument("--batch", type=int, nargs=2, default=(1, 128), help="--training-step: batch size, length")
     parser.add_argument("--rounds", type=int, default=15, help="--training-step: timing rounds (0: no timing)")

@@ -2,78 +2,86 @@
 
 Every optimizer steps the same Llama-shaped parameter list with fixed gradients: on CPU by default a 58M-parameter
 Llama (vocabulary 32000, width 512, 8 layers, MLP 1376, untied head), on CUDA Llama 3.2 1B's (1.24B parameters in
-146 tensors), both read from a ``LlamaConfig`` on the meta device. The optimizers take turns, one step each per
-round, the order reversed every other round, so that machine noise hits them alike; the table reports the median over
-rounds, the ratio to fused AdamW's median in the same session, the optimizer state in bytes per parameter byte and,
-on CUDA, the peak memory of building and stepping the optimizer above the weights and gradients
-(``torch.cuda.max_memory_allocated``, reset per optimizer). On CUDA each step is timed with CUDA events from an idle
-device, so host launch overhead counts, and each optimizer is paired with its own fused-AdamW baseline (the states
-of all of them would not fit on one GPU). Beside each step time: the host time (the wall time of the ``step()`` call
-without a synchronization; on CPU the step time itself) and the aten ops the profiler records in one step. A
-benchmark, never a test: run it on a quiet machine.
+146 tensors), both read from a ``LlamaConfig`` on the meta device (``benchmarks.workloads``). The optimizers take
+turns, one step each per round, the order reversed every other round, so that machine noise hits them alike; the
+table reports the median over rounds, the ratio to fused AdamW's median in the same session, the optimizer state in
+bytes per parameter byte and, on CUDA, the peak memory of building and stepping the optimizer above the weights and
+gradients (``torch.cuda.max_memory_allocated``, reset per optimizer). On CUDA each step is timed with CUDA events
+from an idle device, so host launch overhead counts, and each optimizer is paired with its own fused-AdamW baseline
+(the states of all of them would not fit on one GPU). Beside each step time: the host time (the wall time of the
+``step()`` call without a synchronization; on CPU the step time itself) and the aten ops the profiler records in one
+step.
 
-    python benchmarks/step_time.py                           # 58M parameters, CPU
-    python benchmarks/step_time.py --size small --rounds 5   # a quick look
-    python benchmarks/step_time.py --size host_bound         # 219 tiny tensors: host work per step
-    python benchmarks/step_time.py --device cuda             # Llama-1B shapes, fp32 parameters
-    python benchmarks/step_time.py --device cuda --dtype bfloat16
-    python benchmarks/step_time.py --dtype bfloat16 --only "AdamW (fused)" "GPAAdamW (fused"   # the bf16 state modes
-    python benchmarks/step_time.py --end-to-end              # also GPATrainer vs Trainer tokens/s (throughput.py)
+The rows marked "Trainer's 2 groups" step the same list as the Trainer groups it (weight decay on the weights, none
+on the norm weights), built as the Trainer builds them from ``--optim adamw_torch_fused`` and ``--optim gpa_adamw``;
+their ratio is against fused AdamW with the same two groups. With ``--size host_bound`` a second table counts the
+aten ops of one step for 20 and for 200 tensors, in one group and in the Trainer's two: host work that grows with
+the tensor count shows there. A benchmark, never a test: run it on a quiet machine.
+
+    python -m benchmarks.step_time                           # 58M parameters, CPU
+    python -m benchmarks.step_time --size small --rounds 5   # a quick look
+    python -m benchmarks.step_time --size host_bound         # 219 tiny tensors: host work per step
+    python -m benchmarks.step_time --device cuda             # Llama-1B shapes, fp32 parameters
+    python -m benchmarks.step_time --device cuda --dtype bfloat16
+    python -m benchmarks.step_time --dtype bfloat16 --only "AdamW (fused)" "GPAAdamW (fused"   # the bf16 state modes
+    python -m benchmarks.step_time --only Trainer           # the one-group and Trainer-shaped rows of GPA-AdamW
+    python -m benchmarks.step_time --end-to-end              # also GPATrainer vs Trainer tokens/s (throughput.py)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from devices import device_arg  # benchmarks/devices.py, beside this file
 
+from benchmarks import report, workloads
+from benchmarks.devices import device_arg
 from hf_gpa import GPA, DiLoCo, GPAAdamW
 
 logger = logging.getLogger(__name__)
 
-#: LlamaConfig fields; the benchmark steps exactly the parameter list of this model (shapes read on the meta device).
-SIZES: dict[str, dict[str, Any]] = {
-    "llama58m": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, intermediate_size=1376,
-                     num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False),
-    "small": dict(vocab_size=4000, hidden_size=256, num_hidden_layers=4, intermediate_size=688,
-                  num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
-    # 219 tiny tensors (as many as the 374M Llama's): the step is host work, which this size shows on any device.
-    "host_bound": dict(vocab_size=256, hidden_size=64, num_hidden_layers=24, intermediate_size=128,
-                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
-    # Llama 3.2 1B: grouped-query attention (8 KV heads), tied embeddings; 1.24B parameters in 146 tensors.
-    "llama1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
-                    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
-}  # fmt: skip
 DEFAULT_SIZE = {"cpu": "llama58m", "cuda": "llama1b"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BASELINE = "AdamW (fused)"
-TARGET_RATIO = 1.35  # issue 9: GPA-AdamW at most 1.35x fused AdamW (9 passes over memory against 7: 1.29x)
+TRAINER_BASELINE = "Trainer: AdamW (fused), 2 groups"
+TRAINER_GPA = "Trainer: GPAAdamW (--optim gpa_adamw), 2 groups"
+#: GPA-AdamW's target: at most 1.35x fused AdamW (9 passes over memory against 7: 1.29x).
+TARGET_RATIO = 1.35
+#: The hyper-parameters of every AdamW-like row; the Trainer-shaped rows take them as flags.
+ADAM = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+TRAINER_FLAGS = dict(learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.95, weight_decay=0.1)
+#: Tensor counts of the host-work table (``--size host_bound``).
+HOST_OP_COUNTS = (20, 200)
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
-def llama_shapes(size: str) -> list[tuple[int, ...]]:
-    """Parameter shapes of the Llama ``SIZES[size]``, in ``model.parameters()`` order, without allocating it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+@dataclass(frozen=True)
+class Candidate:
+    """One row: how its optimizer is built from the parameter list, and the row its ratio is taken against."""
 
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**SIZES[size]))
-    return [tuple(p.shape) for p in model.parameters()]
+    factory: Factory
+    baseline: str = BASELINE
 
 
-def candidates(device: str, dtype: str = "float32") -> dict[str, Factory]:
-    """The optimizers to time, by row name; the first is the baseline every ratio refers to. bf16 parameters add
+def _trainer_row(optim: str) -> Factory:
+    """The optimizer ``--optim optim`` builds for the Trainer's two groups of the list."""
+    flags = {"optim": optim, **TRAINER_FLAGS}
+    return lambda ps: workloads.optimizer_from_flags(
+        flags, workloads.trainer_groups(ps, TRAINER_FLAGS["weight_decay"])
+    )
+
+
+def candidates(device: str, dtype: str = "float32") -> dict[str, Candidate]:
+    """The optimizers to time, by row name; the first is the baseline of every one-group row. bf16 parameters add
     GPAAdamW's low-memory state modes (``state_dtype``)."""
-    adam = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    adam = ADAM
     cands: dict[str, Factory] = {
         BASELINE: lambda ps: torch.optim.AdamW(ps, **adam, fused=True),
         "AdamW (foreach)": lambda ps: torch.optim.AdamW(ps, **adam, foreach=True),
@@ -107,25 +115,16 @@ def candidates(device: str, dtype: str = "float32") -> dict[str, Factory]:
         )
     except ImportError:
         logger.info("schedulefree is not installed; its row is left out")
-    return cands
+    rows = {name: Candidate(factory) for name, factory in cands.items()}
+    # The Trainer's path: its two groups, the optimizers its --optim values build; against fused AdamW with them.
+    rows[TRAINER_BASELINE] = Candidate(_trainer_row("adamw_torch_fused"), baseline=TRAINER_BASELINE)
+    rows[TRAINER_GPA] = Candidate(_trainer_row("gpa_adamw"), baseline=TRAINER_BASELINE)
+    return rows
 
 
 def _train_mode(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     opt.train()
     return opt
-
-
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of all tensor state of an optimizer, nested dicts included (scalar step counters count too)."""
-
-    def walk(value: object) -> int:
-        if torch.is_tensor(value):
-            return value.numel() * value.element_size()
-        if isinstance(value, dict):
-            return sum(walk(v) for v in value.values())
-        return 0
-
-    return sum(walk(s) for s in opt.state.values())
 
 
 class _Clock:
@@ -165,6 +164,14 @@ def host_ops(opt: torch.optim.Optimizer) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
+def _params(init: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """A fresh copy of the weights, each with its fixed gradient."""
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    for p, g in zip(params, grads):
+        p.grad = g
+    return params
+
+
 def _start(name: str, factory: Factory, init: list[torch.Tensor], grads: list[torch.Tensor], device: str) -> dict:
     """A fresh copy of the weights, its optimizer, and its first two steps (lazy state, kernel build or compile).
 
@@ -172,9 +179,7 @@ def _start(name: str, factory: Factory, init: list[torch.Tensor], grads: list[to
     and gradients): the optimizer's state plus whatever its step allocates for a moment.
     """
     cuda = device.startswith("cuda")
-    params = [torch.nn.Parameter(t.clone()) for t in init]
-    for p, g in zip(params, grads):
-        p.grad = g
+    params = _params(init, grads)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -186,8 +191,7 @@ def _start(name: str, factory: Factory, init: list[torch.Tensor], grads: list[to
         torch.cuda.synchronize()
     first = time.perf_counter() - t0
     opt.step()
-    entry = {"name": name, "opt": opt, "params": params, "times": [], "host_times": [], "first_step_s": first}
-    entry["clock"] = _Clock(device)
+    entry = {"name": name, "opt": opt, "params": params, "first_step_s": first, "clock": _Clock(device)}
     if cuda:
         torch.cuda.synchronize()
         entry["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
@@ -195,36 +199,37 @@ def _start(name: str, factory: Factory, init: list[torch.Tensor], grads: list[to
 
 
 def _session(
-    names: list[str], cands: dict[str, Factory], init: list, grads: list, device: str, rounds: int, warmup: int
+    names: list[str], cands: dict[str, Candidate], init: list, grads: list, device: str, rounds: int, warmup: int
 ) -> tuple[dict[str, dict], dict[str, str]]:
-    """Time ``names`` side by side: each steps once per round, the order reversed every other round (ABBA).
+    """Time ``names`` side by side in interleaved rounds (`report.interleaved_rounds`).
 
-    Returns the timed entries by name and, for each optimizer that raised, its error (it is dropped, the rest go on).
+    Returns the timed entries by name (their (step, host) times under ``"times"``) and, for each optimizer that
+    raised, its error (it is dropped, the rest go on).
     """
-    entries, failed = [], {}
+    entries, failed = {}, {}
     for name in names:
         try:
-            entries.append(_start(name, cands[name], init, grads, device))
+            entries[name] = _start(name, cands[name].factory, init, grads, device)
         except Exception as error:  # noqa: BLE001 -- a failing candidate is a result: its row says why
             logger.exception("%s failed", name)
             failed[name] = f"{type(error).__name__}: {error}"
-    for r in range(warmup + rounds):
-        for e in entries if r % 2 == 0 else entries[::-1]:
-            if e["name"] in failed:
-                continue
-            try:
-                elapsed, host = e["clock"].time(e["opt"])
-            except Exception as error:  # noqa: BLE001
-                logger.exception("%s failed", e["name"])
-                failed[e["name"]] = f"{type(error).__name__}: {error}"
-                continue
-            if r >= warmup:
-                e["times"].append(elapsed)
-                e["host_times"].append(host)
-    for e in entries:  # after the timed rounds, so that the profiler's own overhead times nothing
-        if e["name"] not in failed:
-            e["host_ops"] = host_ops(e["opt"])
-    return {e["name"]: e for e in entries if e["name"] not in failed}, failed
+    timed = report.interleaved_rounds(
+        {name: (lambda e=e: e["clock"].time(e["opt"])) for name, e in entries.items()}, rounds, warmup, keep_going=True
+    )
+    failed |= timed.failed
+    for name, samples in timed.samples.items():  # after the timed rounds, so that the profiler times nothing
+        entries[name]["times"] = samples
+        entries[name]["host_ops"] = host_ops(entries[name]["opt"])
+    return {name: e for name, e in entries.items() if name not in failed}, failed
+
+
+def _tensors(size: str, dtype: str, device: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(weights, gradients) of the Llama list ``size``, seeded."""
+    shapes = workloads.llama_shapes(size)
+    gen = torch.Generator(device=device).manual_seed(0)
+    init = [torch.randn(s, generator=gen, device=device).mul_(0.02).to(DTYPES[dtype]) for s in shapes]
+    grads = [torch.randn(s, generator=gen, device=device).mul_(1e-3).to(DTYPES[dtype]) for s in shapes]
+    return init, grads
 
 
 def run(
@@ -237,62 +242,72 @@ def run(
     sessions: str = "all",
     only: list[str] | None = None,
 ) -> list[dict]:
-    """Median step time of every candidate, its ratio to fused AdamW's median in the same session, and its memory.
+    """Median step time of every candidate, its ratio to its baseline's median in the same session, and its memory.
 
     ``sessions="all"`` times every optimizer in one session (all alive at once: fine for the CPU sizes);
-    ``"pairs"`` times each against its own fused-AdamW baseline and frees both before the next (a 1B-parameter
-    list takes 5 GB per fp32 copy, and the optimizers' states together would not fit on one GPU). A candidate that
-    fails is reported with its error, and the others still run.
+    ``"pairs"`` times each against its own baseline and frees both before the next (a 1B-parameter list takes 5 GB
+    per fp32 copy, and the optimizers' states together would not fit on one GPU). A candidate that fails is reported
+    with its error, and the others still run.
     """
     if threads:
         torch.set_num_threads(threads)
-    shapes = llama_shapes(size)
-    gen = torch.Generator(device=device).manual_seed(0)
-    init = [torch.randn(s, generator=gen, device=device).mul_(0.02).to(DTYPES[dtype]) for s in shapes]
-    grads = [torch.randn(s, generator=gen, device=device).mul_(1e-3).to(DTYPES[dtype]) for s in shapes]
+    init, grads = _tensors(size, dtype, device)
     param_bytes = sum(t.numel() * t.element_size() for t in init)
-    logger.info("%d tensors, %.1fM %s parameters, device %s", len(shapes), sum(t.numel() for t in init) / 1e6,
+    logger.info("%d tensors, %.1fM %s parameters, device %s", len(init), sum(t.numel() for t in init) / 1e6,
                 dtype, device)  # fmt: skip
     cands = candidates(device, dtype)
     if only:
-        cands = {name: f for name, f in cands.items() if name == BASELINE or any(name.startswith(o) for o in only)}
-    others = [name for name in cands if name != BASELINE]
-    plan = [[BASELINE, *others]] if sessions == "all" else [[BASELINE, name] for name in others]
+        chosen = {name for name in cands if any(name.startswith(prefix) for prefix in only)}
+        chosen |= {cands[name].baseline for name in chosen} | {BASELINE}
+        cands = {name: c for name, c in cands.items() if name in chosen}
+    baselines = list(dict.fromkeys(c.baseline for c in cands.values()))
+    others = [name for name in cands if name not in baselines]
+    if sessions == "all":
+        plan = [[*baselines, *others]]
+    else:
+        plan = [[b] for b in baselines if not any(cands[o].baseline == b for o in others)]
+        plan += [[cands[name].baseline, name] for name in others]
 
     rows: dict[str, dict] = {}
-    baseline_times: list[float] = []
+    baseline_times: dict[str, list[float]] = {b: [] for b in baselines}
     for names in plan:
         timed, failed = _session(names, cands, init, grads, device, rounds, warmup)
         for name, error in failed.items():
             rows[name] = {"optimizer": name, "error": error}
-        if BASELINE in timed:
-            base = statistics.median(timed[BASELINE]["times"])
-            baseline_times += timed[BASELINE]["times"]
-            rows.setdefault(BASELINE, _row(timed[BASELINE], base, param_bytes))
-            for name in names[1:]:
-                if name in timed:
-                    rows[name] = _row(timed[name], base, param_bytes)
-        else:
-            for name in names[1:]:
-                rows.setdefault(name, {"optimizer": name, "error": "its fused-AdamW baseline failed"})
+        for name in names:
+            if name in failed:
+                continue
+            base = cands[name].baseline
+            if base not in timed:
+                rows.setdefault(name, {"optimizer": name, "error": f"its baseline ({base}) failed"})
+                continue
+            base_median = statistics.median(t for t, _ in timed[base]["times"])
+            if name in baselines:
+                baseline_times[name] += [t for t, _ in timed[name]["times"]]
+                rows.setdefault(name, _row(timed[name], base, base_median, param_bytes))
+            else:
+                rows[name] = _row(timed[name], base, base_median, param_bytes)
         del timed
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    if baseline_times:  # the baseline row: all its rounds, every session
-        rows[BASELINE]["ms_per_step"] = 1e3 * statistics.median(baseline_times)
+    for name, times in baseline_times.items():  # a baseline row: all its rounds, every session
+        if times and "error" not in rows.get(name, {"error": None}):
+            rows[name]["ms_per_step"] = 1e3 * statistics.median(times)
     return [rows[name] for name in cands if name in rows]
 
 
-def _row(entry: dict, base: float, param_bytes: int) -> dict:
-    med = statistics.median(entry["times"])
+def _row(entry: dict, baseline: str, base: float, param_bytes: int) -> dict:
+    times = [t for t, _ in entry["times"]]
+    med = statistics.median(times)
     row = {
         "optimizer": entry["name"],
+        "baseline": baseline,
         "ms_per_step": 1e3 * med,
-        "ms_per_step_mean": 1e3 * statistics.fmean(entry["times"]),  # shows DiLoCo's outer steps
+        "ms_per_step_mean": 1e3 * statistics.fmean(times),  # shows DiLoCo's outer steps
         "ratio_to_fused_adamw": med / base,
-        "host_ms_per_step": 1e3 * statistics.median(entry["host_times"]),
+        "host_ms_per_step": 1e3 * statistics.median(h for _, h in entry["times"]),
         "host_ops_per_step": entry["host_ops"],
-        "state_bytes_per_param_byte": state_bytes(entry["opt"]) / param_bytes,
+        "state_bytes_per_param_byte": report.state_bytes(entry["opt"]) / param_bytes,
         "first_step_s": entry["first_step_s"],
     }
     if "peak_gib" in entry:
@@ -300,49 +315,90 @@ def _row(entry: dict, base: float, param_bytes: int) -> dict:
     return row
 
 
+def host_ops_table_rows(dtype: str, device: str, counts: tuple[int, ...] = HOST_OP_COUNTS) -> list[dict]:
+    """aten ops of one steady step of fused AdamW and GPA-AdamW, each built from its ``--optim`` name, on the first
+    ``n`` tensors of the ``host_bound`` list for each ``n`` of ``counts``, in one group and in the Trainer's two."""
+    named = workloads.llama_named_shapes("host_bound")
+    if max(counts) > len(named):
+        raise ValueError(f"Invalid tensor count: {max(counts)} (the host_bound list has {len(named)} tensors)")
+    init, grads = _tensors("host_bound", dtype, device)
+    rows = []
+    for label, optim in (("AdamW (fused)", "adamw_torch_fused"), ("GPAAdamW (--optim gpa_adamw)", "gpa_adamw")):
+        flags = {"optim": optim, **TRAINER_FLAGS}
+        for groups in (1, 2):
+            ops = {}
+            for n in counts:
+                params = _params(init[:n], grads[:n])
+                if groups == 1:
+                    opt = workloads.optimizer_from_flags(flags, params, weight_decay=TRAINER_FLAGS["weight_decay"])
+                else:
+                    opt = workloads.optimizer_from_flags(
+                        flags, workloads.trainer_groups(params, TRAINER_FLAGS["weight_decay"])
+                    )
+                opt.step()
+                opt.step()  # the state exists and any plan is built: what is counted is a steady step
+                ops[n] = host_ops(opt)
+            rows.append({"optimizer": label, "groups": groups, "aten_ops_per_step": ops})
+    return rows
+
+
+def host_ops_table(rows: list[dict]) -> str:
+    counts = list(rows[0]["aten_ops_per_step"]) if rows else []
+    header = ["optimizer", "param groups", *(f"aten ops / step, {n} tensors" for n in counts)]
+    header.append(f"{counts[-1]} / {counts[0]}" if counts else "")
+    body = []
+    for r in rows:
+        ops = r["aten_ops_per_step"]
+        body.append(
+            [r["optimizer"], r["groups"], *(ops[n] for n in counts), f"{ops[counts[-1]] / ops[counts[0]]:.1f}x"]
+        )
+    intro = "Host work of one steady step, the first N tensors of the host_bound list (torch.profiler, CPU):\n\n"
+    return intro + report.markdown_table(header, body, right=range(1, len(header)))
+
+
 def markdown_table(results: list[dict]) -> str:
     """The results as a markdown table; on CUDA with the peak memory column, failed rows with their error."""
     memory = any("peak_gib_over_params_and_grads" in r for r in results)
-    head = (
-        "| optimizer | ms / step (median) | ratio to fused AdamW | host ms / step (median) | aten ops / step "
-        "| state bytes / param bytes |"
-    )
-    lines = [head + (" peak memory over params + grads (GiB) |" if memory else ""), "|---|---:|---:|---:|---:|---:|"]
-    lines[1] += "---:|" if memory else ""
+    header = ["optimizer", "ms / step (median)", "ratio to fused AdamW", "host ms / step (median)",
+              "aten ops / step", "state bytes / param bytes"]  # fmt: skip
+    if memory:
+        header.append("peak memory over params + grads (GiB)")
+    body = []
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['optimizer']} | failed: {r['error'][:120]} | | | | |" + (" |" if memory else ""))
+            body.append([r["optimizer"], f"failed: {r['error'][:120]}", *[""] * (len(header) - 2)])
             continue
-        line = (
-            f"| {r['optimizer']} | {r['ms_per_step']:.1f} | {r['ratio_to_fused_adamw']:.2f}x "
-            f"| {r['host_ms_per_step']:.2f} | {r['host_ops_per_step']} | {r['state_bytes_per_param_byte']:.2f} |"
-        )
+        line = [
+            r["optimizer"],
+            f"{r['ms_per_step']:.1f}",
+            f"{r['ratio_to_fused_adamw']:.2f}x",
+            f"{r['host_ms_per_step']:.2f}",
+            r["host_ops_per_step"],
+            f"{r['state_bytes_per_param_byte']:.2f}",
+        ]
         if memory:
-            line += f" {r.get('peak_gib_over_params_and_grads', float('nan')):.2f} |"
-        lines.append(line)
-    return "\n".join(lines)
+            line.append(f"{r.get('peak_gib_over_params_and_grads', float('nan')):.2f}")
+        body.append(line)
+    note = (
+        '\n\nThe rows named "Trainer: ..." step the Trainer\'s two groups (weight decay on the weights, none on the '
+        f'norm weights); their ratio is against "{TRAINER_BASELINE}".'
+        if any(r["optimizer"].startswith("Trainer:") for r in results)
+        else ""
+    )
+    return report.markdown_table(header, body, right=range(1, len(header))) + note
 
 
-def plot(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    results = [r for r in results if "error" not in r]
-    names = [r["optimizer"] for r in results]
-    ratios = [r["ratio_to_fused_adamw"] for r in results]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
-    colors = ["tab:green" if n.startswith(("GPA", "DiLoCo")) else "tab:gray" for n in names]
-    ax.barh(names[::-1], ratios[::-1], color=colors[::-1])
-    ax.axvline(1.0, color="black", lw=0.8)
-    ax.axvline(9 / 7, color="tab:red", lw=0.8, ls="--", label="GPA-AdamW bound (9 vs 7 passes)")
-    ax.set_xlabel("step time / fused AdamW step time (median)")
-    ax.set_title(title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _verdict(results: list[dict]) -> str:
+    """GPA-AdamW's default path against its target (<= 1.35x fused AdamW), in one group and in the Trainer's two."""
+    rows = {r["optimizer"]: r for r in results if "error" not in r}
+    name = next((n for n in ("GPAAdamW (default, fused=None)", "GPAAdamW (fused)") if n in rows), None)
+    lines = []
+    for row in (name, TRAINER_GPA):
+        if row in rows:
+            ratio = rows[row]["ratio_to_fused_adamw"]
+            met = "met" if ratio <= TARGET_RATIO else "NOT met"
+            lines.append(f"{row}: {ratio:.2f}x fused AdamW (target <= {TARGET_RATIO}x: {met}).")
+    return " ".join(lines) or "GPA-AdamW's fused path did not run."
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,7 +406,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", type=device_arg, default="cpu", help="cpu or cuda[:N] (default: cpu)")
     parser.add_argument(
-        "--size", choices=sorted(SIZES), default=None, help=f"parameter list (default: {DEFAULT_SIZE} by device)"
+        "--size",
+        choices=sorted(workloads.LLAMA_SIZES),
+        default=None,
+        help=f"parameter list (default: {DEFAULT_SIZE} by device)",
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and gradient dtype")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds (each optimizer steps once per round)")
@@ -367,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=None,
         metavar="PREFIX",
-        help="time only the rows whose names start so (and the baseline)",
+        help="time only the rows whose names start so (and their baselines)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
@@ -375,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         "--end-to-end",
         action="store_true",
         help="afterwards, measure training throughput: GPATrainer (gpa_adamw) vs Trainer (adamw_torch_fused), "
-        "tokens/s as a ratio in one run (benchmarks/throughput.py, writing under OUT_DIR/throughput)",
+        "tokens/s as a ratio in one run (benchmarks.throughput, writing under OUT_DIR/throughput)",
     )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
@@ -385,28 +444,27 @@ def main(argv: list[str] | None = None) -> None:
     size = args.size or DEFAULT_SIZE[device_type]
     sessions = args.sessions if args.sessions != "auto" else ("all" if device_type == "cpu" else "pairs")
     results = run(size, args.rounds, args.warmup, args.device, args.threads, args.dtype, sessions, args.only)
-    table = markdown_table(results)
-    verdict = _verdict(results)
-    print(table + "\n\n" + verdict)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    text = markdown_table(results) + "\n\n" + _verdict(results)
+    data: dict = {"meta": _meta(args, size, sessions), "results": results}
+    if size == "host_bound":
+        data["host_ops"] = host_ops_table_rows(args.dtype, args.device)
+        text += "\n\n" + host_ops_table(data["host_ops"])
+    print(text)
     stem = f"step_time_{size}_{device_type}" + ("" if args.dtype == "float32" else f"_{args.dtype}")
-    meta = {
-        "size": size,
-        "device": args.device,
-        "device_name": torch.cuda.get_device_name(args.device) if device_type == "cuda" else None,
-        "dtype": args.dtype,
-        "rounds": args.rounds,
-        "sessions": sessions,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
-    }
-    (args.out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    (args.out_dir / f"{stem}.md").write_text(table + "\n\n" + verdict + "\n")
-    plot(results, args.out_dir / f"{stem}.png", f"Optimizer step time, {size}, {args.dtype}, {args.device}")
+    report.write_outputs(args.out_dir, stem, data, text)
+    timed = [r for r in results if "error" not in r]
+    report.bar_chart(
+        args.out_dir / f"{stem}.png",
+        [r["optimizer"] for r in timed],
+        [r["ratio_to_fused_adamw"] for r in timed],
+        "step time / fused AdamW step time (median)",
+        f"Optimizer step time, {size}, {args.dtype}, {args.device}",
+        lines=[(9 / 7, "GPA-AdamW bound (9 vs 7 passes)")],
+        highlight=lambda name: "GPA" in name or name.startswith("DiLoCo"),
+    )
     logger.info("wrote %s.{json,md,png} in %s", stem, args.out_dir)
     if args.end_to_end:
-        import throughput  # benchmarks/throughput.py, beside this file
+        from benchmarks import throughput
 
         throughput.main(["--device", args.device, "--out-dir", str(args.out_dir / "throughput")])
     failed = [r["optimizer"] for r in results if "error" in r]
@@ -414,15 +472,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"failed: {', '.join(failed)}")
 
 
-def _verdict(results: list[dict]) -> str:
-    """GPA-AdamW's default path against the issue's target (<= 1.35x fused AdamW)."""
-    rows = {r["optimizer"]: r for r in results if "error" not in r}
-    name = next((n for n in ("GPAAdamW (default, fused=None)", "GPAAdamW (fused)") if n in rows), None)
-    if name is None:
-        return "GPA-AdamW's fused path did not run."
-    ratio = rows[name]["ratio_to_fused_adamw"]
-    met = "met" if ratio <= TARGET_RATIO else "NOT met"
-    return f"{name}: {ratio:.2f}x fused AdamW (target <= {TARGET_RATIO}x: {met})."
+def _meta(args: argparse.Namespace, size: str, sessions: str) -> dict:
+    return {
+        "size": size,
+        "device": report.device_name(args.device),
+        "dtype": args.dtype,
+        "rounds": args.rounds,
+        "sessions": sessions,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 if __name__ == "__main__":

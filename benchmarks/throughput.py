@@ -14,54 +14,53 @@ On CUDA the default setup is a ~110M-parameter Llama (width 768, 12 layers, tied
 sequences of 1024 x batch 16 (16K tokens per step) in bf16 autocast (``--bf16``, fp32 weights): a realistic GPU
 step, so that the optimizer's share of it is what a user sees.
 
-    python benchmarks/throughput.py --threads 1              # CPU: Llama 2.9M, seq 128, batch 8
-    python benchmarks/throughput.py --quick                  # a quick look (tiny model, few steps)
-    python benchmarks/throughput.py --device cuda            # GPU: Llama 110M, seq 1024, batch 16, bf16 autocast
+    python -m benchmarks.throughput --threads 1              # CPU: Llama 2.9M, seq 128, batch 8
+    python -m benchmarks.throughput --quick                  # a quick look (tiny model, few steps)
+    python -m benchmarks.throughput --device cuda            # GPU: Llama 110M, seq 1024, batch 16, bf16 autocast
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
-import platform
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from devices import device_arg  # benchmarks/devices.py, beside this file
+
+from benchmarks import report, workloads
+from benchmarks.devices import device_arg
 
 logger = logging.getLogger("throughput")
 
 
 @dataclass(frozen=True)
-class Setup:
-    """The shared model, data and loop; both trainers get exactly this."""
+class Setup(workloads.LlamaSpec):
+    """The shared model (a Llama: `workloads.LlamaSpec`), data and loop; both trainers get exactly this."""
 
-    vocab_size: int = 8192
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    intermediate_size: int = 344
-    seq_len: int = 128
     batch_size: int = 8
+    #: steps of each training run; tokens/s is timed after the first ``warmup`` of them
     steps: int = 25
     warmup: int = 5
+    #: runs of each trainer, in alternating order
     rounds: int = 6
     #: torch threads (None: torch's default); 1 gives steadier numbers on a shared machine.
     threads: int | None = None
-    tie_embeddings: bool = False
     #: bf16 autocast (the Trainer's --bf16); the weights and the optimizer stay in fp32.
     bf16: bool = False
 
 
-QUICK = Setup(vocab_size=512, hidden_size=32, num_layers=2, intermediate_size=64, seq_len=64, batch_size=4, steps=8,
-              warmup=2, rounds=2)  # fmt: skip
+#: The CPU default: a 2.9M-parameter Llama, seq 128 x batch 8.
+CPU_SETUP = Setup(vocab_size=8192, hidden_size=128, num_layers=4, intermediate_size=344, seq_len=128,
+                  tie_embeddings=False)  # fmt: skip
+QUICK = Setup(vocab_size=512, hidden_size=32, num_layers=2, intermediate_size=64, seq_len=64, tie_embeddings=False,
+              batch_size=4, steps=8, warmup=2, rounds=2)  # fmt: skip
 #: The GPU default: 110M parameters, 16K tokens per step, bf16 autocast.
 CUDA_SETUP = Setup(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048,
                    seq_len=1024, batch_size=16, steps=30, warmup=10, rounds=4, tie_embeddings=True,
@@ -94,23 +93,6 @@ def _dataset(setup: Setup) -> _Windows:
             break
     stream = torch.tensor(ids[: len(ids) // setup.seq_len * setup.seq_len])
     return _Windows(stream.view(-1, setup.seq_len))
-
-
-def _model(setup: Setup) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=setup.vocab_size,
-        hidden_size=setup.hidden_size,
-        intermediate_size=setup.intermediate_size,
-        num_hidden_layers=setup.num_layers,
-        num_attention_heads=setup.num_heads,
-        num_key_value_heads=setup.num_heads,
-        max_position_embeddings=setup.seq_len,
-        tie_word_embeddings=setup.tie_embeddings,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
 
 
 class _StepClock:
@@ -184,33 +166,26 @@ def measure(setup: Setup, device: str = "cpu") -> dict[str, Any]:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))  # the Trainer trains on the current CUDA device
     dataset = _dataset(setup)
-    model = _model(setup)
+    model = setup.build(seed=0)
     names = ("adamw_torch_fused", "gpa_adamw")
-    rates: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        _train_once("gpa_adamw", setup, model, dataset, tmp, device)  # untimed: kernel load or compile, caches
-        for r in range(setup.rounds):
-            for name in names if r % 2 == 0 else names[::-1]:
-                rates[name].append(_train_once(name, setup, model, dataset, tmp, device))
-                logger.info("round %d %-18s %.0f tokens/s", r, name, rates[name][-1])
+        train = partial(_train_once, setup=setup, model=model, dataset=dataset, out_dir=tmp, device=device)
+        train("gpa_adamw")  # untimed: kernel load or compile, caches
+        rates = report.interleaved_rounds({name: partial(train, name) for name in names}, setup.rounds).samples
+    for name, values in rates.items():
+        logger.info("%-18s tokens/s by round: %s", name, " ".join(f"{v:.0f}" for v in values))
     medians = {name: statistics.median(values) for name, values in rates.items()}
     ratios = [g / a for g, a in zip(rates["gpa_adamw"], rates["adamw_torch_fused"])]
     return {
         "setup": asdict(setup),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "device": _device_name(device),
+        "device": report.device_name(device),
         "torch_threads": torch.get_num_threads(),
         "tokens_per_s": rates,
         "median_tokens_per_s": medians,
         "ratio_of_medians": medians["gpa_adamw"] / medians["adamw_torch_fused"],
         "median_round_ratio": statistics.median(ratios),
     }
-
-
-def _device_name(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -244,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cuda = args.device.startswith("cuda")
-    setup = QUICK if args.quick else CUDA_SETUP if cuda else Setup()
+    setup = QUICK if args.quick else CUDA_SETUP if cuda else CPU_SETUP
     if cuda:
         setup = Setup(**{**asdict(setup), "bf16": True})
     overrides = {k: v for k, v in (("rounds", args.rounds), ("steps", args.steps), ("threads", args.threads)) if v}
@@ -252,10 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     result = measure(setup, args.device)
     text = table(result)
     print(text)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "throughput" if args.device == "cpu" else "throughput_cuda"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    (args.out_dir / f"{stem}.md").write_text(text)
+    report.write_outputs(args.out_dir, "throughput" if args.device == "cpu" else "throughput_cuda", result, text)
 
 
 if __name__ == "__main__":

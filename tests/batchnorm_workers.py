@@ -27,12 +27,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from batchnorm_models import conv_net, make_trainer  # beside this script, which the launcher runs by its path
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parent))
-from batchnorm_models import conv_net, make_trainer  # noqa: E402
-
-from hf_gpa.batchnorm import norm_statistics, recalibrate_norm_statistics  # noqa: E402
+from hf_gpa.batchnorm import norm_statistics, recalibrate_norm_statistics
 
 
 def recalibrate(out: Path, rank: int) -> None:

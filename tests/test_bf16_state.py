@@ -6,16 +6,11 @@ Its cost in accuracy is measured here against an fp32 run (the default keeps x w
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks.workloads import least_squares_x
 from hf_gpa.optim import GPAAdamW
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from least_squares import least_squares_x  # noqa: E402
 
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "default": {}}
 

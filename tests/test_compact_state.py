@@ -7,17 +7,12 @@ adopting an AdamW state."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks.workloads import least_squares_problem, least_squares_x
 from hf_gpa.optim import GPAAdamW
 from hf_gpa.optim._compact import join24, split24_
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from least_squares import least_squares_problem, least_squares_x  # noqa: E402
 
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "default": {}}
 
@@ -97,7 +92,7 @@ def test_bad_state_dtype_names_the_allowed_values() -> None:
 
 
 def test_accuracy_against_the_fp32_run() -> None:
-    """Least squares with noisy targets in bf16 (400 steps, cosine lr; benchmarks/bf16_lowmem_study.py's problem,
+    """Least squares with noisy targets in bf16 (400 steps, cosine lr; benchmarks.bf16_lowmem_study's problem,
     seed 0): the final loss at x is within 1.2x of the fp32 run's (the noise floor), as with the float32 state;
     state_dtype="param" is not (5.75x over 5 seeds, docs/memory.md), so the test tells the modes apart."""
     a, b, _ = least_squares_problem(noise=0.3)

@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 import torch
-from least_squares import least_squares_x
 
+from benchmarks.workloads import least_squares_x
 from hf_gpa import GPA, DiLoCo, GPAAdamW, ReferenceGPA
 from hf_gpa.optim.kernels import cpu as _kernels
 

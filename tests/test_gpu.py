@@ -435,8 +435,6 @@ def test_launch_resume_ends_bitwise_equal(clm_launches: Callable, config: str, d
 
 # ---------------------------------------------------------------- the benchmarks' --device argument, on CPU
 
-BENCHMARKS = REPO / "benchmarks"
-
 
 @pytest.mark.skipif(CUDA, reason="checks the refusal where CUDA is missing")
 @pytest.mark.parametrize("script", ["step_time", "throughput", "memory_table", "paper_table"])
@@ -447,8 +445,7 @@ def test_benchmark_refuses_an_unusable_device(
     """--device cuda without CUDA, or a device name torch does not know, stops at parsing with a message naming it."""
     import importlib
 
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    module = importlib.import_module(script)
+    module = importlib.import_module(f"benchmarks.{script}")
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--device", device])
     assert exit_info.value.code == 2
@@ -503,8 +500,7 @@ def test_benchmark_device_comes_back_indexed(
 ) -> None:
     """--device cuda is the current CUDA device by index, which torch.cuda.set_device accepts (a bare "cuda" it
     refuses with "Expected a torch.device with a specified index"); CUDA is mocked, 2 devices."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from devices import device_arg
+    from benchmarks.devices import device_arg
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -522,8 +518,7 @@ def test_benchmark_device_beyond_the_count_is_refused(monkeypatch: pytest.Monkey
     """--device cuda:2 with 2 CUDA devices (mocked) stops at parsing with the count named."""
     import argparse
 
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from devices import device_arg
+    from benchmarks.devices import device_arg
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

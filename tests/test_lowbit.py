@@ -8,31 +8,20 @@ shape), so one test runs compiled on a 64x64 tensor (4096 elements, the smallest
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.report import state_bytes
 from hf_gpa.optim import GPA, DiLoCo
 
 torchao_optim = pytest.importorskip("torchao.optim", reason="torchao is the `lowbit` extra")
 
-_MEMORY_TABLE = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_table.py"
 SHAPES = [(64, 64), (8,)]  # quantized (>= 4096 elements), float32 state (fewer)
 ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LOWBIT = ["AdamW8bit", "AdamW4bit"]
-
-
-@pytest.fixture(scope="module")
-def memory_table():
-    spec = importlib.util.spec_from_file_location("memory_table", _MEMORY_TABLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -147,7 +136,7 @@ def test_diloco_with_plain_outer_step_equals_the_base(eager):
 # z 4 bytes, m and v 1 byte (8-bit) or half a byte (4-bit) each, per-block scales; at 4096 weights the 8-bit lookup
 # tables (256 float32 values for each of m and v) add 0.5 bytes per weight.
 @pytest.mark.parametrize("name, most", [("AdamW8bit", 6.55), ("AdamW4bit", 5.1)])
-def test_state_is_below_fp32_adamw(name, most, memory_table, eager):
+def test_state_is_below_fp32_adamw(name, most, eager):
     """GPA(8-bit AdamW) holds z in float32 and m, v in 8 bits: ~6 bytes per weight against AdamW's 8 (4-bit: ~5)."""
     p = torch.nn.Parameter(torch.randn(64, 64))
     gpa = GPA([p], base=getattr(torchao_optim, name), **ADAM)
@@ -155,12 +144,12 @@ def test_state_is_below_fp32_adamw(name, most, memory_table, eager):
     for opt in (gpa, adamw):
         opt.param_groups[0]["params"][0].grad = torch.randn(64, 64)
         opt.step()
-    per_weight = memory_table.state_bytes(gpa) / p.numel()
-    assert per_weight < most < memory_table.state_bytes(adamw) / p.numel() == pytest.approx(8.0, abs=0.01)
+    per_weight = state_bytes(gpa) / p.numel()
+    assert per_weight < most < state_bytes(adamw) / p.numel() == pytest.approx(8.0, abs=0.01)
 
 
 @pytest.mark.parametrize("saver", ["AdamW8bit", "torch.optim.AdamW"])
-def test_an_adopted_state_keeps_the_low_bit_moments(saver, memory_table, eager):
+def test_an_adopted_state_keeps_the_low_bit_moments(saver, eager):
     """GPA(base=AdamW8bit) adopting an AdamW8bit (or torch AdamW) run keeps m, v quantized: the bytes per weight of a
     fresh GPA(AdamW8bit), not fp32 moments (8 bytes per weight); the adopted values are kept within 8-bit rounding."""
     cls = torchao_optim.AdamW8bit
@@ -175,8 +164,8 @@ def test_an_adopted_state_keeps_the_low_bit_moments(saver, memory_table, eager):
     run(fresh, fresh_params, range(1))
     quantized = adopted.state[adopted_params[0]]["base"]["exp_avg"]
     assert type(quantized).__name__.startswith("OptimState")
-    per_weight = memory_table.state_bytes(adopted) / sum(p.numel() for p in params)
-    assert per_weight == memory_table.state_bytes(fresh) / sum(p.numel() for p in params)
+    per_weight = state_bytes(adopted) / sum(p.numel() for p in params)
+    assert per_weight == state_bytes(fresh) / sum(p.numel() for p in params)
     saved = _plain(base.state[params[0]]["exp_avg"])
     torch.testing.assert_close(_plain(quantized), saved, atol=0.02 * saved.abs().max().item(), rtol=0)
     run(adopted, adopted_params, range(3, 5))
@@ -201,7 +190,6 @@ def lowbit_llama():
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     """Per base name: a 4-step run saving at steps 2 and 4, and one resumed from its step-2 checkpoint."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from helpers import Snapshots, TokenDataset, make_args
 
     from hf_gpa.trainer import GPATrainer
@@ -241,7 +229,7 @@ def trainer_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("base", ["adamw_torch_8bit", "adamw_torch_4bit"])
-def test_trainer_low_bit_base_saves_x_and_resumes_bitwise(base, trainer_runs, memory_table):
+def test_trainer_low_bit_base_saves_x_and_resumes_bitwise(base: str, trainer_runs) -> None:
     """--optim gpa --gpa_base_optim adamw_torch_8bit/4bit trains, saves x, resumes bitwise, holds less than AdamW."""
     from safetensors.torch import load_file
 
@@ -262,14 +250,13 @@ def test_trainer_low_bit_base_saves_x_and_resumes_bitwise(base, trainer_runs, me
     for name, y in full_snaps.y[4].items():
         assert torch.equal(resumed_snaps.y[4][name], y), name
     weights = sum(p.numel() for p in full.model.parameters())
-    assert memory_table.state_bytes(gpa) < 8 * weights  # fp32 AdamW: m and v, 8 bytes per weight
+    assert state_bytes(gpa) < 8 * weights  # fp32 AdamW: m and v, 8 bytes per weight
 
 
 @pytest.mark.parametrize("saver", ["adamw_torch", "adamw_torch_8bit"])
-def test_trainer_adopts_a_run_into_a_low_bit_base_keeping_its_low_bit_moments(saver, tmp_path, memory_table, eager):
+def test_trainer_adopts_a_run_into_a_low_bit_base_keeping_its_low_bit_moments(saver, tmp_path, eager):
     """--optim adamw_torch (or adamw_torch_8bit) saved at step 2, resumed with --optim gpa --gpa_base_optim
     adamw_torch_8bit: the adopted m, v are 8-bit, as a fresh GPA(AdamW8bit) keeps them (not fp32 m and v)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from helpers import TokenDataset, make_args
 
     from hf_gpa.checkpoint import unwrap_gpa_optimizer
@@ -287,4 +274,4 @@ def test_trainer_adopts_a_run_into_a_low_bit_base_keeping_its_low_bit_moments(sa
     assert type(gpa.state[weight]["base"]["exp_avg"]).__name__ == "OptimState8bit"
     weights = sum(p.numel() for p in trainer.model.parameters())
     # z 4 bytes, m and v about 1 each, the eval-mode residual 1 (the trainer ends at x); fp32 m and v would be 13
-    assert memory_table.state_bytes(gpa) < 8 * weights
+    assert state_bytes(gpa) < 8 * weights

@@ -25,15 +25,13 @@ def test_transformers_side_names_without_transformers_name_the_hf_extra(name, mo
 
 
 def test_paper_table_without_schedulefree_names_the_bench_extra(tmp_path, monkeypatch):
-    """benchmarks/paper_table.py fails before any run with an ImportError naming `pip install "hf_gpa[bench]"`."""
-    spec = importlib.util.spec_from_file_location("paper_table_under_test", REPO / "benchmarks" / "paper_table.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
+    """benchmarks.paper_table fails before any run with an ImportError naming `pip install "hf_gpa[bench]"`."""
+    from benchmarks import paper_table
+
     monkeypatch.setitem(sys.modules, "schedulefree", None)
-    monkeypatch.setattr(module, "run_pipeline", lambda *args, **kwargs: pytest.fail("ran without schedulefree"))
+    monkeypatch.setattr(paper_table, "run_pipeline", lambda *args, **kwargs: pytest.fail("ran without schedulefree"))
     with pytest.raises(ImportError, match=r'needs schedulefree: pip install "hf_gpa\[bench\]"'):
-        module.main(["--quick", "--out", str(tmp_path)])
+        paper_table.main(["--quick", "--out", str(tmp_path)])
 
 
 def _lower_bounds() -> dict[str, str]:

@@ -1,0 +1,162 @@
+"""The benchmarks run: each at a tiny size through its own command line (what it prints and writes has the rows it
+promises), the Trainer-shaped groups of the step-time benchmark are the Trainer's own, and the package imports
+without touching ``sys.path``. A benchmark's figures are never asserted here: these are not timed tests."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmarks
+from benchmarks import workloads
+
+
+def test_every_benchmark_module_imports_without_changing_sys_path() -> None:
+    """Every module of the package imports as ``benchmarks.NAME`` (how the scripts run: ``python -m``) and leaves
+    ``sys.path`` as it was: the benchmarks reach each other and the tests reach them as a package."""
+    before = list(sys.path)
+    names = [info.name for info in pkgutil.iter_modules(benchmarks.__path__)]
+    assert {"workloads", "report", "step_time", "paper_table", "paper_recipe", "paper_report"} <= set(names)
+    for name in names:
+        importlib.import_module(f"benchmarks.{name}")
+    assert sys.path == before
+
+
+def test_trainer_groups_are_the_groups_gpatrainer_builds(tmp_path: Path) -> None:
+    """The step-time benchmark's two groups of a Llama list are, tensor for tensor and with their weight decay, the
+    groups `GPATrainer` builds for that Llama (decay on the weights, none on the norm weights)."""
+    from hf_gpa import GPATrainer
+
+    model = workloads.llama("host_bound", seed=0)
+    args = workloads.training_args(optim="gpa_adamw", weight_decay=0.1, use_cpu=True)
+    args.output_dir = str(tmp_path)
+    trainer_groups = GPATrainer(model=model, args=args).create_optimizer().param_groups
+    ours = workloads.trainer_groups(list(model.parameters()), 0.1)
+    assert [len(group["params"]) for group in ours] == [170, 49]  # 7 matrices a layer, embedding, head; the norms
+    assert len(trainer_groups) == len(ours)
+    for theirs, mine in zip(trainer_groups, ours):
+        assert theirs["weight_decay"] == mine["weight_decay"]
+        assert [id(p) for p in theirs["params"]] == [id(p) for p in mine["params"]]
+
+
+def test_step_time_times_the_trainer_rows_beside_the_one_group_rows(tmp_path: Path) -> None:
+    """``--size host_bound --only "GPAAdamW (fused)" Trainer``: the one-group rows against fused AdamW, the Trainer's
+    two-group rows against fused AdamW with the same two groups, and the aten-op table for 20 and 200 tensors in one
+    group and in two."""
+    from benchmarks import step_time
+
+    argv = ["--size", "host_bound", "--rounds", "1", "--warmup", "0", "--threads", "1", "--out-dir", str(tmp_path)]
+    step_time.main([*argv, "--only", "GPAAdamW (fused)", "Trainer"])
+    data = json.loads((tmp_path / "step_time_host_bound_cpu.json").read_text())
+    rows = {row["optimizer"]: row for row in data["results"]}
+    assert list(rows) == [step_time.BASELINE, "GPAAdamW (fused)", step_time.TRAINER_BASELINE, step_time.TRAINER_GPA]
+    assert rows[step_time.TRAINER_GPA]["baseline"] == step_time.TRAINER_BASELINE
+    assert rows[step_time.TRAINER_BASELINE]["ratio_to_fused_adamw"] == 1.0
+    assert rows["GPAAdamW (fused)"]["baseline"] == step_time.BASELINE
+    assert all(row["ms_per_step"] > 0 and row["host_ops_per_step"] > 0 for row in rows.values())
+    assert rows[step_time.TRAINER_GPA]["state_bytes_per_param_byte"] == pytest.approx(3.0, abs=0.01)
+    ops = {(row["optimizer"], row["groups"]): row["aten_ops_per_step"] for row in data["host_ops"]}
+    assert set(ops) == {
+        (name, groups) for name in ("AdamW (fused)", "GPAAdamW (--optim gpa_adamw)") for groups in (1, 2)
+    }
+    assert all(set(counts) == {"20", "200"} for counts in ops.values())
+    text = (tmp_path / "step_time_host_bound_cpu.md").read_text()
+    assert "aten ops / step, 200 tensors" in text and (tmp_path / "step_time_host_bound_cpu.png").stat().st_size
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the peaks are read from Linux's /proc")
+def test_memory_table_counts_the_state_of_an_optimizer_the_table_builds(tmp_path: Path) -> None:
+    """One row measured in a child process (``python -m benchmarks.memory_table``): GPA around fp32 AdamW, built from
+    ``--optim gpa --gpa_base_optim adamw_torch``, keeps z, m and v (12 bytes per weight), eval() a little more."""
+    from benchmarks import memory_table
+
+    memory_table.main(["--size", "host_bound", "--rows", "GPA(AdamW)", "--no-meta", "--steps", "1", "--timeout",
+                       "300", "--out", str(tmp_path)])  # fmt: skip
+    [row] = json.loads((tmp_path / "memory.json").read_text())["cpu"]
+    assert row["optimizer"] == "GPA(AdamW)" and row["state_train"] == pytest.approx(12.0, abs=0.01)
+    assert row["state_eval"] > row["state_train"]  # eval() keeps what restores y
+    assert "| fp32 parameters | GPA(AdamW) | 12.00 |" in (tmp_path / "table.md").read_text()
+
+
+def test_eval_memory_runs_and_train_gives_y_back(capsys: pytest.CaptureFixture) -> None:
+    """The eval-mode memory table on a tiny list: one row per step count, train() giving y back bitwise."""
+    from benchmarks import eval_memory
+
+    eval_memory.main(["--size", "host_bound", "--steps", "1", "3"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
+    assert len(rows) == 2 and all(row.rstrip(" |").endswith("True") for row in rows)
+
+
+def test_lora_memory_keeps_state_for_the_adapters_only(capsys: pytest.CaptureFixture) -> None:
+    """LoRA adapters on a tiny Llama: gpa_adamw keeps about 3x the adapters' bytes, adamw_torch about 2x."""
+    pytest.importorskip("peft", reason="peft is the `peft` extra")
+    from benchmarks import lora_memory
+
+    lora_memory.main(["--size", "host_bound", "--rank", "2"])
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in capsys.readouterr().out.splitlines()}
+    assert float(rows["gpa_adamw"][2]) == pytest.approx(3.0, abs=0.05)
+    assert float(rows["adamw_torch"][2]) == pytest.approx(2.0, abs=0.05)
+
+
+def test_throughput_quick_compares_the_two_trainers(tmp_path: Path) -> None:
+    """``--quick``: GPATrainer (gpa_adamw) and Trainer (adamw_torch_fused) in interleaved rounds, medians, a ratio."""
+    from benchmarks import throughput
+
+    throughput.main(["--quick", "--threads", "1", "--out-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "throughput.json").read_text())
+    assert all(len(rates) == 2 for rates in result["tokens_per_s"].values())
+    assert result["ratio_of_medians"] > 0 and "ratio of medians" in (tmp_path / "throughput.md").read_text()
+
+
+def test_bf16_state_quick_reports_every_row(tmp_path: Path) -> None:
+    """``--quick --steps 2``: every state mode of bf16 GPA-AdamW, fp32 GPA-AdamW and bf16 AdamW, a finite loss each."""
+    from benchmarks import bf16_state
+
+    bf16_state.main(["--quick", "--steps", "2", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "bf16_state.json").read_text())
+    assert set(bf16_state.ROWS) <= set(record)
+    assert all(0 < record[row][0] < 10 for row in bf16_state.ROWS)
+
+
+def test_bf16_lowmem_study_emulation_and_table(tmp_path: Path) -> None:
+    """A short study: one row per storage design, the fp32 reference at ratio 1 and the plot written."""
+    from benchmarks import bf16_lowmem_study
+
+    bf16_lowmem_study.main(["--steps", "20", "--seeds", "1", "--check", "--out-dir", str(tmp_path)])
+    rows = {row["design"]: row for row in json.loads((tmp_path / "bf16_lowmem_study_20.json").read_text())["rows"]}
+    assert set(rows) == set(bf16_lowmem_study.DESIGNS)
+    assert rows["fp32 parameters (the reference)"]["median"] == 1.0
+    assert (tmp_path / "bf16_lowmem_study_20.png").stat().st_size
+
+
+def test_lowbit_quality_quantizes_every_matrix_in_the_all_variant(tmp_path: Path, monkeypatch) -> None:
+    """``--quick``: GPA around torch's AdamW quantizes nothing, around AdamW8bit with every matrix quantized all but
+    the norm weights (the table's torchao class, changed only in what it quantizes)."""
+    pytest.importorskip("torchao.optim", reason="torchao is the `lowbit` extra")
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")  # torchao's step eagerly: seconds instead of minutes
+    from benchmarks import lowbit_quality
+
+    lowbit_quality.main(["--quick", "--variants", "fp32", "8bit-all", "--seeds", "0", "--out", str(tmp_path)])
+    runs = {run["variant"]: run for run in json.loads((tmp_path / "quick.json").read_text())["runs"]}
+    assert runs["fp32"]["quantized_fraction"] == 0.0
+    assert 0.9 < runs["8bit-all"]["quantized_fraction"] < 1.0
+    assert all(0 < run["final_val"] < 10 for run in runs.values())
+
+
+def test_bn_recalibration_sweeps_the_checkpoints_of_the_scripts_run(tmp_path: Path) -> None:
+    """One epoch of ``run_vit_gpa.py --model_type resnet`` on 64 images: the checkpoint's accuracy with y's
+    statistics, with statistics recomputed from N batches, and with the reference statistics."""
+    from benchmarks import bn_recalibration
+
+    bn_recalibration.main(["--out", str(tmp_path), "--epochs", "1", "--max_train_samples", "64", "--batch_counts",
+                           "1", "--seeds", "1", "--reference_epochs", "1"])  # fmt: skip
+    rows = json.loads((tmp_path / "bn_recalibration.json").read_text())["rows"]
+    assert [row["epoch"] for row in rows] == [1.0]
+    assert all(0 <= rows[0][key] <= 1 for key in ("accuracy_y_stats", "accuracy_reference"))
+    assert rows[0]["N=1"]["var_rel_err"] > 0 and torch.isfinite(torch.tensor(rows[0]["y_stats"]["var_rel_err"]))
