@@ -19,7 +19,11 @@ Defaults, in the order they apply (a flag given on the command line or in the JS
 * :data:`GPA_RECIPE_DEFAULTS`, always: ``--optim gpa_adamw``, 10% linear warmup, cosine decay, weight decay 0.1,
   gradient clipping at 1.0 (the paper's recipe);
 * :data:`EMBEDDED_DEFAULTS`, when no ``--dataset_name``/``--train_file``/``--validation_file`` is given;
-* ``--do_train --do_eval`` when none of ``--do_train``/``--do_eval``/``--do_predict`` is given.
+* ``--do_train --do_eval`` unless a ``--do_*`` flag is turned on (``--do_eval false`` trains without evaluating).
+
+A flag given also wins over a default it acts against: ``--save_steps N`` saves every N steps although the embedded
+data's default is ``--save_strategy no`` (``hf_gpa.example_args``). ``--resume_from_checkpoint`` must name a
+``checkpoint-N`` folder (a run's final folder has no optimizer state and is refused before any data is read).
 
 Examples::
 
@@ -63,7 +67,7 @@ try:  # the examples extra; without it, stop here with the pip command that inst
 
     from hf_gpa import GPATrainer, GPATrainingArguments
     from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
-    from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging, size_in_parameters
+    from hf_gpa.example_args import checkpoint_to_resume, parse_with_defaults, setup_logging, size_in_parameters
     from hf_gpa.metrics import ACCURACY
 except ModuleNotFoundError as error:
     raise missing_extra("run_clm_gpa.py", "examples", error) from error
@@ -458,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     model_args, data_args, training_args = parse_args(argv)
 
     setup_logging(training_args, logger)
-    last_checkpoint = detect_last_checkpoint(training_args, logger)
+    checkpoint = checkpoint_to_resume(training_args, logger)
 
     # Set seed before initializing model.
     set_seed(training_args.seed)
@@ -613,7 +617,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     all_metrics: dict[str, float] = {}
     # Training
     if training_args.do_train:
-        checkpoint = training_args.resume_from_checkpoint or last_checkpoint
         train_result = trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()  # Saves the tokenizer too for easy upload; GPATrainer writes the averaged weights x.
 

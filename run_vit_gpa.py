@@ -28,7 +28,11 @@ Defaults, in the order they apply (a flag given on the command line or in the JS
   gradient clipping at 1.0 (the paper's recipe), and ``--remove_unused_columns false`` (the image column must
   reach the transform);
 * :data:`EMBEDDED_DEFAULTS`, when no ``--dataset_name``/``--train_dir``/``--validation_dir`` is given;
-* ``--do_train --do_eval`` when none of ``--do_train``/``--do_eval``/``--do_predict`` is given.
+* ``--do_train --do_eval`` unless a ``--do_*`` flag is turned on (``--do_eval false`` trains without evaluating).
+
+A flag given also wins over a default it acts against: ``--save_steps N`` saves every N steps although the embedded
+data's default is ``--save_strategy no`` (``hf_gpa.example_args``). ``--resume_from_checkpoint`` must name a
+``checkpoint-N`` folder (a run's final folder has no optimizer state and is refused before any data is read).
 
 Examples::
 
@@ -65,7 +69,6 @@ try:  # the examples extra; without it, stop here with the pip command that inst
         AutoModelForImageClassification,
         EvalPrediction,
         PreTrainedConfig,
-        TrainerCallback,
         ViTConfig,
         ViTImageProcessorPil,
         set_seed,
@@ -74,7 +77,7 @@ try:  # the examples extra; without it, stop here with the pip command that inst
 
     from hf_gpa import GPATrainer, GPATrainingArguments
     from hf_gpa.data import load_digits_dataset
-    from hf_gpa.example_args import detect_last_checkpoint, parse_with_defaults, setup_logging, size_in_parameters
+    from hf_gpa.example_args import checkpoint_to_resume, parse_with_defaults, setup_logging, size_in_parameters
     from hf_gpa.metrics import ACCURACY
 except ModuleNotFoundError as error:
     raise missing_extra("run_vit_gpa.py", "examples", error) from error
@@ -444,16 +447,11 @@ def random_resized_crop(image: Image.Image, min_scale: float, rng: random.Random
     return image
 
 
-def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback] = ()) -> dict[str, float]:
-    """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json.
-
-    ``callbacks`` are added to the Trainer's (benchmarks/bn_recalibration.py measures through one).
-    """
-    model_args, data_args, training_args = parse_args(argv)
-
-    setup_logging(training_args, logger)
-    last_checkpoint = detect_last_checkpoint(training_args, logger)
-
+def build_trainer(
+    model_args: ModelArguments, data_args: DataTrainingArguments, training_args: GPATrainingArguments
+) -> GPATrainer:
+    """The trainer `main` runs: the seeded model, the datasets with their transforms, the metric. A caller that
+    measures something during training adds its callback to it (``trainer.add_callback(...)``) and trains it."""
     # Set seed before initializing model.
     set_seed(training_args.seed)
 
@@ -543,7 +541,7 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback]
         dataset["validation"].set_transform(val_transforms)
 
     # Initialize our trainer
-    trainer = GPATrainer(
+    return GPATrainer(
         model=model,
         args=training_args,
         train_dataset=dataset["train"] if training_args.do_train else None,
@@ -551,17 +549,24 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback]
         compute_metrics=compute_metrics,
         processing_class=image_processor,
         data_collator=collate_fn,
-        callbacks=list(callbacks) or None,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
+    model_args, data_args, training_args = parse_args(argv)
+
+    setup_logging(training_args, logger)
+    checkpoint = checkpoint_to_resume(training_args, logger)
+    trainer = build_trainer(model_args, data_args, training_args)
 
     all_metrics: dict[str, float] = {}
     # Training
     if training_args.do_train:
-        checkpoint = training_args.resume_from_checkpoint or last_checkpoint
         train_result = trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model()  # GPATrainer writes the averaged weights x, and the image processor with them.
         metrics = train_result.metrics
-        metrics["train_samples"] = len(dataset["train"])
+        metrics["train_samples"] = len(trainer.train_dataset)
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
         trainer.save_state()
@@ -570,7 +575,7 @@ def main(argv: Sequence[str] | None = None, callbacks: Sequence[TrainerCallback]
     # Evaluation
     if training_args.do_eval:
         metrics = trainer.evaluate()
-        metrics["eval_samples"] = len(dataset["validation"])
+        metrics["eval_samples"] = len(trainer.eval_dataset)
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
         all_metrics.update(metrics)

@@ -47,6 +47,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 __all__ = [
     "DEFAULT_RECALIBRATION_BATCHES",
+    "NormStatisticsAtX",
     "check_recalibration_batches",
     "count_over_processes",
     "default_forward",
@@ -267,6 +268,63 @@ def count_over_processes(flag: bool, device: torch.device | str = "cpu") -> int:
     return int(count.item())
 
 
+class NormStatisticsAtX:
+    """The one holder of a model's norm statistics at x: while the buffers hold those recomputed at x, it keeps y's.
+
+    `to_x` recomputes the running statistics at the weights the parameters hold (x) and keeps y's; `to_y` puts y's
+    back, bitwise. Whatever puts x's statistics in place goes through one: `GPATrainer` keeps one for its model
+    across evaluations, saves and the end of training (and writes `statistics_y` into each checkpoint), and
+    `recalibrated_norm_statistics` (hence `hf_gpa.checkpoint.evaluation_weights(bn_batches=...)`) uses one for a
+    block.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._statistics_y: dict[str, torch.Tensor] | None = None
+
+    @property
+    def statistics_y(self) -> dict[str, torch.Tensor] | None:
+        """y's statistics while the buffers hold x's, else None."""
+        return self._statistics_y
+
+    @property
+    def at_x(self) -> bool:
+        """Whether the buffers hold x's statistics (and y's are kept here)."""
+        return self._statistics_y is not None
+
+    def to_x(
+        self, batches: Iterable[Any] | None, num_batches: int = DEFAULT_RECALIBRATION_BATCHES, **kwargs: Any
+    ) -> int:
+        """Recompute the statistics at x from at most ``num_batches`` of ``batches`` (`recalibrate_norm_statistics`,
+        which takes ``kwargs``: ``forward``, ``all_reduce``, ``seed``) and keep y's; returns the batches used.
+
+        A no-op (0) when already at x, when ``batches`` is None or ``num_batches`` 0, or when the model has no norm
+        layer with running statistics. When the recomputation raises, the buffers hold y's again.
+        """
+        num_batches = check_recalibration_batches(num_batches, "num_batches")
+        if self.at_x or batches is None or num_batches == 0 or not norm_layers(self.model):
+            return 0
+        saved = norm_statistics(self.model)
+        try:
+            used = recalibrate_norm_statistics(self.model, batches, num_batches, **kwargs)
+        except BaseException:
+            load_norm_statistics(self.model, saved)
+            raise
+        self._statistics_y = saved
+        return used
+
+    def to_y(self) -> None:
+        """Put y's statistics back (a no-op when the buffers hold y's)."""
+        if self._statistics_y is not None:
+            load_norm_statistics(self.model, self._statistics_y)
+            self._statistics_y = None
+
+    def hold(self, statistics_y: Mapping[str, torch.Tensor] | None) -> None:
+        """The buffers hold x's statistics from elsewhere (a checkpoint's model file): keep ``statistics_y`` (y's,
+        saved with it) to put back at `to_y`; None: nothing to put back, the buffers' statistics stay."""
+        self._statistics_y = None if statistics_y is None else dict(statistics_y)
+
+
 @contextlib.contextmanager
 def recalibrated_norm_statistics(
     model: nn.Module,
@@ -279,12 +337,8 @@ def recalibrated_norm_statistics(
 
     A no-op (yields 0) when ``batches`` is None, ``num_batches`` is 0 or the model has no such layer.
     """
-    num_batches = check_recalibration_batches(num_batches, "num_batches")
-    if batches is None or num_batches == 0 or not norm_layers(model):
-        yield 0
-        return
-    saved = norm_statistics(model)
+    statistics = NormStatisticsAtX(model)
     try:
-        yield recalibrate_norm_statistics(model, batches, num_batches, **kwargs)
+        yield statistics.to_x(batches, num_batches, **kwargs)
     finally:
-        load_norm_statistics(model, saved)
+        statistics.to_y()

@@ -11,7 +11,7 @@ here unwrap it. For any other optimizer they do nothing, so the same code path s
 
 A model with BatchNorm (or other norm layers with running statistics, see `hf_gpa.batchnorm`) carries statistics
 estimated at y. Given a few training batches (``bn_batches``), the helpers recompute them at x for the block, and
-restore y's statistics exactly on exit.
+restore y's statistics exactly on exit (`hf_gpa.batchnorm.NormStatisticsAtX`, the holder `GPATrainer` uses too).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_batches, recalibrated_norm_statistics
+from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, NormStatisticsAtX, check_recalibration_batches
 from hf_gpa.optim import TrainEvalOptimizer
 
 __all__ = [
@@ -107,13 +107,14 @@ def evaluation_weights(
     switch = inner.train_mode
     if switch:
         inner.eval()
+    statistics = NormStatisticsAtX(model) if model is not None else None
     try:
-        if model is None or bn_batches is None:
-            yield switch
-        else:
-            with recalibrated_norm_statistics(model, bn_batches, bn_num_batches, forward=bn_forward):
-                yield switch
+        if statistics is not None:
+            statistics.to_x(bn_batches, bn_num_batches, forward=bn_forward)
+        yield switch
     finally:
+        if statistics is not None:
+            statistics.to_y()
         if switch:
             inner.train()
 

@@ -1,13 +1,17 @@
-"""What the example scripts share: parsing with defaults that any given flag overrides, logging, resume detection.
+"""What the example scripts share: parsing with defaults that any given flag overrides, logging, the checkpoint to
+resume from.
 
 ``run_clm_gpa.py`` and ``run_vit_gpa.py`` apply the paper's GPA recipe by default, and their sizing of the embedded
 default data only when no dataset is named. Both parse the command line or one JSON file with ``HfArgumentParser``,
-as transformers' examples do, and fill in a default only for the flags that were not given.
+as transformers' examples do, and fill in a default only for the flags that were not given: a flag the user gives
+always wins, also over a default it only implies something against (``--save_steps 2`` saves although the embedded
+data's default is ``--save_strategy no``).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -19,21 +23,38 @@ from typing import Any
 import datasets
 import transformers
 from transformers import HfArgumentParser, TrainingArguments
+from transformers.hf_argparser import string_to_bool
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_gpa.optimizers import unused_flags
+from hf_gpa.training_args import GPATrainingArguments
 
 __all__ = [
     "given_flag_names",
+    "given_switches",
     "given_value",
     "defaults_for",
     "show_script_defaults",
     "device_defaults",
     "parse_with_defaults",
     "setup_logging",
-    "detect_last_checkpoint",
+    "checkpoint_to_resume",
     "size_in_parameters",
 ]
+
+#: The steps a script runs; ``--do_train --do_eval`` unless one of them is turned on.
+DO_FLAGS = ("do_train", "do_eval", "do_predict")
+
+#: A flag that acts only under one value of a strategy flag: given without that strategy flag, it sets the value over
+#: a script default (``--save_steps 2`` saves every 2 steps although the embedded data's default is ``--save_strategy
+#: no``). Where the script has no default for the strategy, transformers' own default holds.
+STRATEGY_OF: dict[str, tuple[str, str]] = {
+    "save_steps": ("save_strategy", "steps"),
+    "eval_steps": ("eval_strategy", "steps"),
+}
+
+#: The --help usage line: the full list of flags is the rest of --help.
+USAGE = "%(prog)s [-h] [--FLAG VALUE ...] | %(prog)s ARGS.json"
 
 
 def given_flag_names(argv: Sequence[str]) -> set[str]:
@@ -57,6 +78,22 @@ def device_defaults() -> dict[str, Any]:
     return {} if torch.accelerator.is_available() else {"dataloader_pin_memory": False}
 
 
+def given_switches(argv: Sequence[str] | Mapping[str, Any]) -> dict[str, bool]:
+    """The --do_* flags given, with their values (``--do_eval`` -> True, ``--do_eval false`` -> False), from argv or
+    from the dict of a JSON file; parsed as `HfArgumentParser` parses a bool flag."""
+    if isinstance(argv, Mapping):
+        return {
+            name: string_to_bool(value) if isinstance(value, str) else bool(value)
+            for name, value in argv.items()
+            if name in DO_FLAGS
+        }
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name in DO_FLAGS:
+        parser.add_argument(f"--{name}", f"--{name.replace('_', '-')}", type=string_to_bool, nargs="?", const=True)
+    known, _ = parser.parse_known_args(list(argv))
+    return {name: value for name, value in vars(known).items() if value is not None}
+
+
 def given_value(argv: Sequence[str], name: str) -> str | None:
     """The value of ``--name`` in argv (``--name V`` or ``--name=V``, dashes or underscores), else None."""
     for i, arg in enumerate(argv):
@@ -74,17 +111,26 @@ def defaults_for(
     embedded: Mapping[str, Any] | None,
     coupled: Mapping[str, Sequence[str]],
     optim: str | None = None,
+    switches: Mapping[str, bool] | None = None,
 ) -> dict[str, Any]:
     """The defaults for every flag not given; ``embedded`` (None when a dataset is named) adds the data sizing.
 
     A default is also left out when the user gives a flag it is coupled to (``--num_train_epochs`` drops a default
     ``--max_steps``), and when the chosen ``--optim`` (``optim``: the given one, else the recipe's) does not read it
-    (``--optim adamw_torch`` drops a default ``--gpa_inner_steps``). ``--do_train --do_eval`` is the default when none
-    of the ``--do_*`` flags is given.
+    (``--optim adamw_torch`` drops a default ``--gpa_inner_steps``); a given flag of `STRATEGY_OF` sets its strategy
+    over a default. ``--do_train --do_eval`` is the default unless a ``--do_*`` flag is turned on (``switches``: the
+    given ones with their values); one turned off (``--do_eval false``) turns off only itself.
     """
     defaults = {**recipe, **(embedded or {})}
-    if not given & {"do_train", "do_eval", "do_predict"}:
-        defaults.update(do_train=True, do_eval=True)
+    switches = switches or {}
+    steps = {} if any(switches.values()) else {"do_train": True, "do_eval": True}
+    defaults.update(steps)
+    if not {**steps, **switches}.get("do_eval", False):
+        # No evaluation asked for: a default evaluation strategy would turn --do_eval back on (transformers does).
+        defaults.pop("eval_strategy", None)
+    for flag, (strategy, value) in STRATEGY_OF.items():
+        if flag in given and strategy in defaults:
+            defaults[strategy] = value
     chosen = optim if optim is not None else defaults.get("optim")
     unused = set(unused_flags(chosen)) if chosen is not None else set()
     return {
@@ -108,14 +154,19 @@ def parse_with_defaults(
     The embedded data sizing applies only when none of ``data_source_flags`` (fields of ``data_args_type``) is set;
     the `device_defaults` apply always, unless the flag is given.
     """
-    parser = HfArgumentParser(dataclass_types)
+    parser = HfArgumentParser(dataclass_types, usage=USAGE)
     recipe = {**device_defaults(), **recipe}
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 1 and argv[0].endswith(".json"):
         given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
         uses_embedded = not any(given_dict.get(flag) for flag in data_source_flags)
         defaults = defaults_for(
-            set(given_dict), recipe, embedded if uses_embedded else None, coupled, given_dict.get("optim")
+            set(given_dict),
+            recipe,
+            embedded if uses_embedded else None,
+            coupled,
+            given_dict.get("optim"),
+            given_switches(given_dict),
         )
         return parser.parse_dict({**defaults, **given_dict})
     if "-h" in argv or "--help" in argv:
@@ -127,7 +178,12 @@ def parse_with_defaults(
     )
     uses_embedded = not any(getattr(data_args, flag) for flag in data_source_flags)
     defaults = defaults_for(
-        given_flag_names(argv), recipe, embedded if uses_embedded else None, coupled, given_value(argv, "optim")
+        given_flag_names(argv),
+        recipe,
+        embedded if uses_embedded else None,
+        coupled,
+        given_value(argv, "optim"),
+        given_switches(argv),
     )
     prefix: list[str] = []
     for name, value in defaults.items():
@@ -141,12 +197,14 @@ def show_script_defaults(
     embedded: Mapping[str, Any],
     data_source_flags: Sequence[str],
 ) -> None:
-    """Make ``parser``'s --help show the defaults the script applies rather than the dataclasses' own.
+    """Make ``parser``'s --help show the defaults the script applies rather than the dataclasses' own, and the GPA
+    flags first.
 
     A recipe default replaces the shown default; an embedded-data default is shown beside the one that holds when a
     dataset is named. A default that the chosen ``--optim`` ignores is still shown: it applies with the script's
     default ``--optim``.
     """
+    _gpa_flags_first(parser)
     data_flags = "/".join(f"--{flag}" for flag in data_source_flags)
     do_flags = {"do_train", "do_eval"}
     for action in parser._actions:  # argparse has no public iterator over its actions
@@ -156,14 +214,32 @@ def show_script_defaults(
         elif dest in embedded:
             # "%(default)s" in the help text keeps argparse from appending its own "(default: ...)".
             action.help = (
-                f"{action.help or ''} (default: {embedded[dest]} without {data_flags}; "
-                "%(default)s with one of them)"
+                f"{action.help or ''} (default: {embedded[dest]} without {data_flags}; %(default)s with one of them)"
             ).strip()
         elif dest in do_flags and action.option_strings and action.option_strings[0].startswith("--do"):
             action.help = (
-                f"{action.help or ''} (default: true when none of --do_train/--do_eval/--do_predict is given, "
-                "else %(default)s)"
+                f"{action.help or ''} (default: true unless a --do_* flag is turned on, else %(default)s; "
+                "--do_eval false alone trains without evaluating)"
             ).strip()
+
+
+def _gpa_flags_first(parser: argparse.ArgumentParser) -> None:
+    """Move --optim and the flags `GPATrainingArguments` adds into an argument group of their own, shown before the
+    hundreds of stock flags (`HfArgumentParser` puts every field of a dataclass in one group).
+
+    argparse has no public way to move an action between groups: its group lists are rearranged here, for --help
+    only (parsing does not look at groups).
+    """
+    gpa_flags = set(inspect.get_annotations(GPATrainingArguments))
+    group = parser.add_argument_group(
+        "GPA (hf_gpa)", "The optimizer and the flags of hf_gpa's optimizers; the stock flags follow under options."
+    )
+    for action in list(parser._optionals._group_actions):
+        if action.dest in gpa_flags:
+            parser._optionals._group_actions.remove(action)
+            group._group_actions.append(action)
+    parser._action_groups.remove(group)
+    parser._action_groups.insert(0, group)
 
 
 def setup_logging(training_args: TrainingArguments, logger: logging.Logger) -> None:
@@ -203,14 +279,46 @@ def size_in_parameters(model: Any) -> str:
     return f"{count:,} parameters ({count / 1e6:.2f}M)"
 
 
-def detect_last_checkpoint(training_args: TrainingArguments, logger: logging.Logger) -> str | None:
-    """The newest ``checkpoint-*`` folder in ``--output_dir`` when training, to resume from (as run_clm.py does)."""
-    if not (os.path.isdir(training_args.output_dir) and training_args.do_train):
+def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logger) -> str | None:
+    """The checkpoint training continues from: ``--resume_from_checkpoint``, else the newest ``checkpoint-*`` folder
+    in ``--output_dir`` (as run_clm.py does); None for a new run.
+
+    Checked before any data is read: a folder without a run's training state (a run's final output folder, a
+    ``--save_only_model`` checkpoint) cannot continue the run; the Trainer would load its weights, start a fresh
+    optimizer and lr schedule, and save over it. It is refused, saying what is missing and what to pass instead.
+    """
+    if not training_args.do_train:
         return None
-    last_checkpoint = get_last_checkpoint(training_args.output_dir)
-    if last_checkpoint is not None and training_args.resume_from_checkpoint is None:
+    given = training_args.resume_from_checkpoint
+    last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+    checkpoint = given or last
+    if checkpoint is None:
+        return None
+    flag = f"--resume_from_checkpoint {given}" if given else f"The newest checkpoint in --output_dir, {checkpoint},"
+    if not os.path.isdir(checkpoint):
+        raise ValueError(f"{flag} is not a folder: pass a checkpoint-N folder that a run wrote with --save_steps N")
+    missing = _missing_training_state(checkpoint)
+    if missing:
+        raise ValueError(
+            f"{flag} cannot continue a run: it has no {' and no '.join(missing)} (a run's final output folder, or a "
+            "--save_only_model checkpoint, holds the model alone; resuming would start a fresh optimizer and lr "
+            "schedule). To continue a run, pass a checkpoint-N folder that it wrote (runs keep them with "
+            f"--save_steps N or --save_strategy epoch); to start a new run from these weights, pass "
+            f"--model_name_or_path {checkpoint} instead."
+        )
+    if not given:
         logger.info(
-            f"Checkpoint detected, resuming training at {last_checkpoint}. To avoid this behavior, change "
+            f"Checkpoint detected, resuming training at {checkpoint}. To avoid this behavior, change "
             "the `--output_dir` or remove its checkpoint-* folders."
         )
-    return last_checkpoint
+    return checkpoint
+
+
+def _missing_training_state(folder: str) -> list[str]:
+    """What of a run's training state ``folder`` lacks: the trainer state, the optimizer state (``optimizer.pt``,
+    or as FSDP and DeepSpeed write it: ``optimizer*``, ``global_step*``)."""
+    names = os.listdir(folder)
+    missing = [] if "trainer_state.json" in names else ["trainer_state.json"]
+    if not any(name.startswith(("optimizer", "global_step")) for name in names):
+        missing.append("optimizer state (optimizer.pt)")
+    return missing

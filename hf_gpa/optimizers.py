@@ -3,42 +3,45 @@ flags it reads, the enum `GPAOptimizerNames` made from it, and `optimizer_cls_an
 of an ``--optim`` value (ours from the table, a stock one by the stock Trainer).
 
 Why a module of its own: `GPATrainingArguments` parses and checks the flags, `GPATrainer` builds what they name; both
-read this table, and neither needs the other's code to do so.
+read this table, and neither needs the other's code to do so. A builder takes a `BuildContext`, the few values it
+reads, as transformers' own optimizer handlers take a small context rather than the whole arguments.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import TrainingArguments
 from transformers.trainer_optimizer import is_optimizer_factory
+from transformers.trainer_pt_utils import get_parameter_names
 from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
 
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, MuonWithAuxAdam, muon_param_groups
 
-if TYPE_CHECKING:
-    from hf_gpa.training_args import GPATrainingArguments
-
 __all__ = [
     "GPA_OPTIM_NAMES",
     "HF_GPA_OPTIMIZERS",
     "STOCK_OPTIM_NAMES",
+    "BuildContext",
     "GPAOptimizerNames",
     "OptimizerSpec",
     "FLAG_READERS",
     "check_base_optim",
+    "decay_parameter_names",
     "optim_help",
     "optim_that_saved",
     "muon_split",
     "optim_value",
     "optimizer_cls_and_kwargs",
+    "reads_adam_flags",
     "unused_flags",
 ]
 
@@ -53,9 +56,42 @@ _UNWRAPPABLE_BASES: frozenset[str] = frozenset(
 )
 
 
-# ---- the --optim names hf_gpa adds: one table ----
+# ---- what a builder reads ----
 
-Builder = Callable[["GPATrainingArguments", "nn.Module | None"], tuple[type, dict[str, Any]]]
+
+@dataclass(frozen=True)
+class BuildContext:
+    """The values an hf_gpa optimizer builder reads: the flags of the same names, as `GPATrainingArguments` checked
+    them (`from_args`). A flag that a new builder reads is one more field here."""
+
+    optim: str
+    learning_rate: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    gpa_base_optim: str | None
+    gpa_mu_x: float | None  # None with Schedule-Free averaging, which has no averaging constant
+    gpa_mu_y: float
+    gpa_averaging: str
+    diloco_inner_steps: int
+    diloco_outer_lr: float
+    diloco_outer_momentum: float
+    #: What the stock Trainer builds a stock ``--gpa_base_optim`` from (its handlers read ``--optim_args`` and more).
+    stock_args: TrainingArguments | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_args(cls, args: TrainingArguments) -> BuildContext:
+        """The context of ``args`` (`GPATrainingArguments` or a subclass): each field from the flag of its name."""
+        flags = [f.name for f in dataclasses.fields(cls) if f.name not in ("optim", "stock_args")]
+        return cls(optim=optim_value(args.optim), stock_args=args, **{flag: getattr(args, flag) for flag in flags})
+
+
+#: ``build(context, model) -> (optimizer class, keyword arguments)``, as transformers' optimizer handlers.
+Builder = Callable[[BuildContext, "nn.Module | None"], tuple[type, dict[str, Any]]]
+
+
+# ---- the --optim names hf_gpa adds: one table ----
 
 
 @dataclass(frozen=True)
@@ -68,7 +104,7 @@ class OptimizerSpec:
 
     #: The --help text of the name (in parentheses after it).
     description: str
-    #: ``build(args, model) -> (optimizer class, keyword arguments)``, as transformers' optimizer handlers.
+    #: ``build(context, model) -> (optimizer class, keyword arguments)``.
     build: Builder
     #: The GPATrainingArguments fields it reads (the stock flags such as --learning_rate are not listed).
     flags: tuple[str, ...]
@@ -78,75 +114,99 @@ class OptimizerSpec:
     gpa_base: bool = False
     #: Whether it keeps evaluation weights x apart from the training weights (False: a plain optimizer, muon).
     evaluation_weights: bool = True
+    #: Whether its AdamW reads --adam_beta1, --adam_beta2 and --adam_epsilon (``--optim gpa``: as its base does).
+    reads_adam_flags: bool = True
 
 
-def _adam_kwargs(args: TrainingArguments) -> dict[str, Any]:
+#: Parameters the stock Trainer exempts from weight decay by name (biases, norm layers' weights), searched in the
+#: lower-cased qualified name; it also exempts every parameter of an ``nn.LayerNorm``.
+_NO_DECAY_NAME = r"bias|layernorm|rmsnorm|(?:^|\.|_)norm(?:$|\.)"
+
+
+def decay_parameter_names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s parameters that take weight decay by the stock Trainer's rule (the decay group of
+    `Trainer.create_optimizer`: not biases, not norm layers), for groups built outside the Trainer's own."""
+    return get_parameter_names(model, [nn.LayerNorm], [_NO_DECAY_NAME])
+
+
+def _adam_kwargs(ctx: BuildContext) -> dict[str, Any]:
     # The same keys, from the same flags, as the stock `--optim adamw_torch` handler.
-    return {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+    return {"lr": ctx.learning_rate, "betas": (ctx.adam_beta1, ctx.adam_beta2), "eps": ctx.adam_epsilon}
 
 
-def _gpa_kwargs(args: GPATrainingArguments) -> dict[str, Any]:
-    kwargs = {"mu_y": args.gpa_mu_y, "averaging": args.gpa_averaging}
-    if args.gpa_mu_x is not None:  # None with schedule_free averaging, which has no averaging constant
-        kwargs["mu_x"] = args.gpa_mu_x
+def _gpa_kwargs(ctx: BuildContext) -> dict[str, Any]:
+    kwargs = {"mu_y": ctx.gpa_mu_y, "averaging": ctx.gpa_averaging}
+    if ctx.gpa_mu_x is not None:  # None with schedule_free averaging, which has no averaging constant
+        kwargs["mu_x"] = ctx.gpa_mu_x
     return kwargs
 
 
-def _build_gpa_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    return GPAAdamW, {**_adam_kwargs(args), **_gpa_kwargs(args)}
+def _build_gpa_adamw(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    return GPAAdamW, {**_adam_kwargs(ctx), **_gpa_kwargs(ctx)}
 
 
-def _build_gpa(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+def _build_base(ctx: BuildContext, model: nn.Module | None) -> tuple[Any, dict[str, Any]]:
+    """What ``--optim <--gpa_base_optim>`` builds with the same flags: ours from the table, a stock one by the stock
+    Trainer."""
+    base = ctx.gpa_base_optim
+    if base in HF_GPA_OPTIMIZERS:
+        return HF_GPA_OPTIMIZERS[base].build(dataclasses.replace(ctx, optim=base), model)
+    from transformers import Trainer
+
+    if ctx.stock_args is None:
+        raise ValueError(f"--gpa_base_optim {base} is a stock name: its context needs the stock_args to build it")
+    stock_args = copy.copy(ctx.stock_args)
+    stock_args.optim = OptimizerNames(base)
+    return Trainer.get_optimizer_cls_and_kwargs(stock_args, model)
+
+
+def _build_gpa(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
     # Whatever `--optim <base>` builds, with the same flags, becomes GPA's base optimizer.
-    base_args = copy.copy(args)
-    base_args.optim = _as_optim_member(args.gpa_base_optim)
-    base_cls, base_kwargs = optimizer_cls_and_kwargs(base_args, model)
+    base_cls, base_kwargs = _build_base(ctx, model)
     if is_optimizer_factory(base_cls) or "model" in base_kwargs or "optimizer_dict" in base_kwargs:
         raise ValueError(
-            f"--gpa_base_optim {args.gpa_base_optim} does not build a plain torch.optim.Optimizer in this "
+            f"--gpa_base_optim {ctx.gpa_base_optim} does not build a plain torch.optim.Optimizer in this "
             "transformers version, so GPA cannot wrap it"
         )
     clashes = {"base", "mu_x", "mu_y", "averaging"} & set(base_kwargs)
     if clashes:
-        raise ValueError(f"--gpa_base_optim {args.gpa_base_optim} takes arguments GPA uses itself: {sorted(clashes)}")
-    return GPA, {"base": base_cls, **_gpa_kwargs(args), **base_kwargs}
+        raise ValueError(f"--gpa_base_optim {ctx.gpa_base_optim} takes arguments GPA uses itself: {sorted(clashes)}")
+    return GPA, {"base": base_cls, **_gpa_kwargs(ctx), **base_kwargs}
 
 
-def _build_diloco_adamw(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+def _build_diloco_adamw(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
     return DiLoCo, {
         "base": torch.optim.AdamW,
-        "inner_steps": args.diloco_inner_steps,
-        "outer_lr": args.diloco_outer_lr,
-        "outer_momentum": args.diloco_outer_momentum,
-        **_adam_kwargs(args),
+        "inner_steps": ctx.diloco_inner_steps,
+        "outer_lr": ctx.diloco_outer_lr,
+        "outer_momentum": ctx.diloco_outer_momentum,
+        **_adam_kwargs(ctx),
     }
 
 
-def _build_muon(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+def _build_muon(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
     # The groups come with the kwargs ("params", as the stock GaLore handler does): Muon takes the hidden weight
     # matrices, AdamW the rest, each split by the stock Trainer's weight-decay rule (no decay on biases and norms).
-    from transformers import Trainer
-
     if model is None:
-        raise ValueError(f"--optim {args.optim} needs the model to build its groups (hidden matrices vs the rest)")
-    decay = set(Trainer.get_decay_parameter_names(None, model))  # the stock rule; it does not use the trainer
+        raise ValueError(f"--optim {ctx.optim} needs the model to build its groups (hidden matrices vs the rest)")
+    decay = set(decay_parameter_names(model))
     names = {id(p): n for n, p in model.named_parameters()}
     muon_groups = muon_param_groups(model)
     if not any(group["use_muon"] for group in muon_groups):
         raise ValueError(
-            f"--optim {optim_value(args.optim)}: {type(model).__name__} has no hidden weight matrix for Muon (no "
+            f"--optim {ctx.optim}: {type(model).__name__} has no hidden weight matrix for Muon (no "
             "trainable 2-D or 3-D parameter outside its embeddings and output head), so Muon would train nothing "
             "and this would be AdamW alone: use --optim adamw_torch (or gpa_adamw) for this model"
         )
     groups = []
     for group in muon_groups:
         for weight_decay, params in (
-            (args.weight_decay, [p for p in group["params"] if names[id(p)] in decay]),
+            (ctx.weight_decay, [p for p in group["params"] if names[id(p)] in decay]),
             (0.0, [p for p in group["params"] if names[id(p)] not in decay]),
         ):
             if params:
                 groups.append({**group, "params": params, "weight_decay": weight_decay})
-    return MuonWithAuxAdam, {"params": groups, **_adam_kwargs(args)}
+    return MuonWithAuxAdam, {"params": groups, **_adam_kwargs(ctx)}
 
 
 def muon_split(model: nn.Module) -> str:
@@ -160,9 +220,9 @@ def muon_split(model: nn.Module) -> str:
     )
 
 
-def _build_diloco_muon(args: GPATrainingArguments, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
-    base_cls, base_kwargs = _build_muon(args, model)
-    _, diloco_kwargs = _build_diloco_adamw(args, model)
+def _build_diloco_muon(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    base_cls, base_kwargs = _build_muon(ctx, model)
+    _, diloco_kwargs = _build_diloco_adamw(ctx, model)
     return DiLoCo, {**diloco_kwargs, **base_kwargs, "base": base_cls}
 
 
@@ -184,6 +244,7 @@ HF_GPA_OPTIMIZERS: dict[str, OptimizerSpec] = {
         _build_gpa,
         ("gpa_base_optim", *_GPA_AVERAGING_FLAGS, *_EVALUATION_FLAGS),
         "GPA",
+        reads_adam_flags=False,  # its base decides (reads_adam_flags)
     ),
     "diloco_adamw": OptimizerSpec(
         "single-worker DiLoCo around AdamW",
@@ -242,19 +303,30 @@ def optim_value(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-def _as_optim_member(name: str) -> Enum:
-    """The enum member of an --optim name: ours from GPAOptimizerNames, a stock one from OptimizerNames."""
-    return GPAOptimizerNames(name) if name in HF_GPA_OPTIMIZERS else OptimizerNames(name)
-
-
 def optimizer_cls_and_kwargs(args: TrainingArguments, model: nn.Module | None = None) -> tuple[Any, dict[str, Any]]:
     """The optimizer class and keyword arguments for ``args.optim``: hf_gpa's table, else the stock Trainer's."""
     spec = HF_GPA_OPTIMIZERS.get(optim_value(getattr(args, "optim", None)))
     if spec is not None:
-        return spec.build(args, model)
+        return spec.build(BuildContext.from_args(args), model)
     from transformers import Trainer
 
     return Trainer.get_optimizer_cls_and_kwargs(args, model)
+
+
+def reads_adam_flags(optim: str, gpa_base_optim: str | None = None) -> bool:
+    """Whether ``--optim optim`` builds an optimizer that reads --adam_beta1, --adam_beta2 and --adam_epsilon.
+
+    hf_gpa's names around AdamW (and Muon, for its AdamW groups) do; ``--optim gpa`` does when its base does; a stock
+    name does when its transformers handler passes them on: the AdamW family (``adamw_torch``, fused, 4- and 8-bit,
+    paged, APOLLO, StableAdamW, Schedule-Free AdamW, ...), but not GaLore's AdamW or GrokAdamW, which take theirs
+    from ``--optim_args`` or not at all. Adafactor, SGD and the rest ignore them.
+    """
+    if optim == "gpa":
+        return gpa_base_optim is not None and reads_adam_flags(gpa_base_optim)
+    spec = HF_GPA_OPTIMIZERS.get(optim)
+    if spec is not None:
+        return spec.reads_adam_flags
+    return "adamw" in optim and not optim.startswith(("galore_", "grokadamw"))
 
 
 def optim_that_saved(saved: str) -> str:

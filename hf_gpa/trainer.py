@@ -18,20 +18,23 @@ happened to run just before the save. This subclass fixes the places that read o
   Trainer's own loader, as a resume does), so the two agree.
 * When training ends, the model holds x (the weights to use) before any `on_train_end` callback runs, so that
   logging integrations that save or upload the model there (W&B with `WANDB_LOG_MODEL=end`, DVCLive with
-  `log_model=True`) get x: `GPATrainer` puts its own callback first in the callback list. The next training step
-  switches back to y.
+  `log_model=True`) get x: with a GPA optimizer, `GPATrainer` puts its own callback right after the stock
+  `DefaultFlowCallback` (which does nothing at the end of training), ahead of every other one. The next training
+  step switches back to y.
 * A model with BatchNorm (or another norm layer with running statistics) gets them recomputed at x from
   `--gpa_bn_recalibration_batches` training batches wherever it is at x (`hf_gpa.batchnorm`), so evaluations and
-  every saved model use x's statistics; y's are put back with y, bitwise, and a checkpoint keeps them beside the
-  optimizer state (`norm_statistics_y.safetensors`) for an exact resume.
+  every saved model use x's statistics (`hf_gpa.batchnorm.NormStatisticsAtX` holds y's); y's are put back with y,
+  bitwise, and a checkpoint keeps them beside the optimizer state (`norm_statistics_y.safetensors`) for an exact
+  resume.
+* The model card names the optimizer and its constants (`hf_gpa.model_card`).
 
-Only overrides; transformers and accelerate are not patched. With a stock `--optim` it behaves as `Trainer`.
+Only overrides; transformers and accelerate are not patched. With a stock `--optim` it behaves as `Trainer`, with
+the same callbacks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import weakref
@@ -41,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerCallback
+from transformers import DefaultFlowCallback, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import HubStrategy
 from transformers.training_args import TrainingArguments
@@ -55,29 +58,18 @@ from transformers.utils import (
     is_datasets_available,
 )
 
-from hf_gpa.batchnorm import (
-    DEFAULT_RECALIBRATION_BATCHES,
-    count_over_processes,
-    load_norm_statistics,
-    norm_layers,
-    norm_statistics,
-    recalibrate_norm_statistics,
-)
+from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, NormStatisticsAtX, count_over_processes, norm_layers
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
+from hf_gpa.model_card import complete_model_card, gpa_model_card_section, with_gpa_tags
 from hf_gpa.optim import StepInBackward, TrainEvalOptimizer, saved_optimizer_name, step_in_backward
-from hf_gpa.optimizers import (
-    GPAOptimizerNames,
-    muon_split,
-    optim_that_saved,
-    optimizer_cls_and_kwargs,
-)
+from hf_gpa.optimizers import GPAOptimizerNames, optim_that_saved, optimizer_cls_and_kwargs
 from hf_gpa.training_args import DEEPSPEED_REFUSAL
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.trainer_utils import PredictionOutput, TrainOutput
 
-__all__ = ["GPATrainer", "NORM_STATISTICS_Y_NAME", "gpa_model_card_section"]
+__all__ = ["EvaluationWeightsAtTrainEnd", "GPATrainer", "NORM_STATISTICS_Y_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,67 +86,6 @@ _MODEL_WEIGHTS_NAMES = (
     WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_INDEX_NAME,
 )
-
-
-#: How the model card names Muon (``--optim muon``, and as the base of GPA and DiLoCo).
-_MUON_CARD_NAME = (
-    "Muon (hf_gpa.MuonWithAuxAdam: Muon on the hidden weight matrices, AdamW on embeddings, output head, norms and "
-    "biases)"
-)
-
-
-def gpa_model_card_section(args: TrainingArguments, model: nn.Module | None = None) -> str:
-    """The model-card paragraph naming the optimizer and its constants (empty for a stock ``--optim``); with the
-    ``model``, where Muon is involved, also what went to Muon and what to AdamW."""
-    if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
-        return ""
-    name = args.optim.value
-    uses_muon = "muon" in (name, args.gpa_base_optim, name.removeprefix("diloco_"))
-    split = f" {muon_split(model)}." if uses_muon and model is not None else ""
-    if args.optim == GPAOptimizerNames.MUON:
-        return f"## Optimizer: Muon (hf_gpa)\n\nTrained with `--optim {name}`: {_MUON_CARD_NAME}.{split}\n"
-    if args.optim in (GPAOptimizerNames.DILOCO_ADAMW, GPAOptimizerNames.DILOCO_MUON):
-        inner = "AdamW" if args.optim == GPAOptimizerNames.DILOCO_ADAMW else _MUON_CARD_NAME
-        return (
-            "## Optimizer: single-worker DiLoCo (hf_gpa)\n\n"
-            f"Trained with `--optim {name}`: {inner} inner steps with H = {args.diloco_inner_steps} inner steps, "
-            f"outer learning rate {args.diloco_outer_lr} and outer Nesterov momentum {args.diloco_outer_momentum}. "
-            f"The weights in this repository are the outer (slow) weights.{split}\n"
-        )
-    base = "AdamW" if args.optim == GPAOptimizerNames.GPA_ADAMW else f"`{args.gpa_base_optim}`"
-    if args.gpa_base_optim == GPAOptimizerNames.MUON.value:
-        base = _MUON_CARD_NAME
-    if args.gpa_averaging == "schedule_free":
-        # Schedule-Free's average has no mu_x, hence no H either.
-        constants = f"mu_y = {args.gpa_mu_y:.6g}, averaging = schedule_free (x is the lr**2-weighted average of z)"
-    else:
-        steps = args.gpa_effective_inner_steps
-        h = "" if steps is None else f", H = {steps:.4g} (mu_x = 0.9 ** (1 / H), the equivalent DiLoCo inner steps)"
-        constants = f"mu_x = {args.gpa_mu_x:.6g}, mu_y = {args.gpa_mu_y:.6g}{h}, averaging = {args.gpa_averaging}"
-    return (
-        "## Optimizer: GPA (hf_gpa)\n\n"
-        f"Trained with `--optim {name}`: Generalized Primal Averaging around {base} with {constants}. "
-        f"The weights in this repository are GPA's evaluation sequence x.{split}\n"
-    )
-
-
-def _with_gpa_tags(
-    create_model_card: Any, args: tuple[Any, ...], kwargs: dict[str, Any], gpa_tags: tuple[str, ...]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args``/``kwargs`` for ``create_model_card`` with ``gpa_tags`` added to its ``tags`` argument, wherever the
-    method's signature puts it; unchanged when it takes no ``tags`` or the arguments do not bind (it then raises its
-    own error)."""
-    try:
-        signature = inspect.signature(create_model_card)
-        bound = signature.bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
-        return args, kwargs
-    if "tags" not in signature.parameters:
-        return args, kwargs
-    tags = bound.arguments.get("tags")
-    tags = [tags] if isinstance(tags, str) else list(tags or [])
-    bound.arguments["tags"] = tags + [t for t in gpa_tags if t not in tags]
-    return bound.args, bound.kwargs
 
 
 def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArguments) -> None:
@@ -178,13 +109,9 @@ def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArgumen
         )
 
 
-#: What transformers' model card says of a model whose config names no base model (trained from scratch).
-_EMPTY_BASE_MODEL = "This model is a fine-tuned version of [](https://huggingface.co/) on "
-
-
 class EvaluationWeightsAtTrainEnd(TrainerCallback):
-    """Puts the trainer's model at x (with x's norm statistics) in ``on_train_end``; `GPATrainer` keeps it first among
-    its callbacks."""
+    """Puts the trainer's model at x (with x's norm statistics) in ``on_train_end``; `GPATrainer` adds it, with a GPA
+    optimizer only, right after `DefaultFlowCallback`, ahead of every other callback."""
 
     def __init__(self, trainer: GPATrainer) -> None:
         self._trainer = weakref.ref(trainer)  # no reference cycle: the trainer holds this callback
@@ -217,8 +144,14 @@ class GPATrainer(Trainer):
 
     # ---- the weights x and their norm statistics ----
 
-    #: The norm layers' running statistics of y while the buffers hold those recomputed at x, else None.
-    _norm_statistics_y: dict[str, torch.Tensor] | None = None
+    @property
+    def _norm_statistics(self) -> NormStatisticsAtX:
+        """The holder of y's norm statistics while the model's buffers hold x's (one per model: a `model_init` run
+        gets a new one)."""
+        held = self.__dict__.get("_norm_statistics_of_model")
+        if held is None or held.model is not self.model:
+            held = self._norm_statistics_of_model = NormStatisticsAtX(self.model)
+        return held
 
     @contextlib.contextmanager
     def _at_x(self) -> Iterator[None]:
@@ -238,7 +171,7 @@ class GPATrainer(Trainer):
                 self._norm_statistics_to_x()
                 yield
             finally:
-                self._norm_statistics_to_y()
+                self._norm_statistics.to_y()
 
     def _hold_x(self) -> None:
         """Leave the model at x with x's norm statistics (until the next training step switches back to y)."""
@@ -257,7 +190,7 @@ class GPATrainer(Trainer):
         # depends on the files on this node's disk. Count it over the ranks first, so that the recalibration's
         # all_reduce runs on every rank or on none.
         distributed = self.args.world_size > 1
-        needed = self._norm_statistics_y is None
+        needed = not self._norm_statistics.at_x
         ranks_needing = count_over_processes(needed, self.args.device) if distributed else int(needed)
         if not needed:
             return
@@ -273,26 +206,14 @@ class GPATrainer(Trainer):
                 self.args.world_size,
                 NORM_STATISTICS_Y_NAME,
             )
-        saved = norm_statistics(self.model)
-        try:
-            used = recalibrate_norm_statistics(
-                self.model,
-                self._recalibration_dataloader(),
-                num_batches,
-                forward=self._recalibration_forward,
-                all_reduce=all_reduce,
-                seed=self.args.seed + self.args.process_index,
-            )
-        except BaseException:
-            load_norm_statistics(self.model, saved)
-            raise
-        self._norm_statistics_y = saved
+        used = self._norm_statistics.to_x(
+            self._recalibration_dataloader(),
+            num_batches,
+            forward=self._recalibration_forward,
+            all_reduce=all_reduce,
+            seed=self.args.seed + self.args.process_index,
+        )
         logger.info("Norm-layer running statistics recomputed at x from %d training batches", used)
-
-    def _norm_statistics_to_y(self) -> None:
-        if self._norm_statistics_y is not None:
-            load_norm_statistics(self.model, self._norm_statistics_y)
-            self._norm_statistics_y = None
 
     def _recalibration_dataloader(self) -> DataLoader:
         """A fresh loader over the train dataset with its own seeded shuffling: training's loader and sampler, and
@@ -326,7 +247,7 @@ class GPATrainer(Trainer):
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The next class's `training_step`; y's norm statistics come back first if x's were left in place. With
         ``--gpa_step_in_backward`` the optimizer steps inside its backward (`_hook_step_in_backward`)."""
-        self._norm_statistics_to_y()
+        self._norm_statistics.to_y()
         if getattr(self.args, "gpa_step_in_backward", False):
             self._hook_step_in_backward()
         return super().training_step(*args, **kwargs)
@@ -375,11 +296,24 @@ class GPATrainer(Trainer):
         # way (an accelerate plugin, stock TrainingArguments with a GPA optimizer passed in directly).
         if getattr(self, "is_deepspeed_enabled", False) and self._uses_gpa_optimizer():
             raise ValueError(f"A GPA optimizer cannot run under DeepSpeed: {DEEPSPEED_REFUSAL}")
-        # First in the list, so every other callback's on_train_end (callbacks added later with add_callback are
-        # appended after it) sees x; the callback handler calls them in list order.
+        self._add_evaluation_weights_callback()
+
+    #: The callback that puts x in place at the end of training, once added (with a GPA optimizer only).
+    _evaluation_weights_callback: EvaluationWeightsAtTrainEnd | None = None
+
+    def _add_evaluation_weights_callback(self) -> None:
+        """With a GPA optimizer, add `EvaluationWeightsAtTrainEnd` once, right after the stock `DefaultFlowCallback`
+        (``callbacks[0]``, which has no ``on_train_end``): the callback handler calls the list in order, so every
+        other callback's ``on_train_end`` (integrations, the user's, those added later, which are appended) sees x.
+        With a stock optimizer the list stays the stock Trainer's. Called when the optimizer may have become known:
+        at construction (``--optim``, ``optimizers=``, ``optimizer_cls_and_kwargs=``) and once it is created."""
         handler = getattr(self, "callback_handler", None)
-        if handler is not None:
-            handler.callbacks.insert(0, EvaluationWeightsAtTrainEnd(self))
+        if handler is None or self._evaluation_weights_callback is not None or not self._uses_gpa_optimizer():
+            return
+        callbacks = handler.callbacks
+        position = 1 if callbacks and isinstance(callbacks[0], DefaultFlowCallback) else 0
+        self._evaluation_weights_callback = EvaluationWeightsAtTrainEnd(self)
+        callbacks.insert(position, self._evaluation_weights_callback)
 
     def _uses_gpa_optimizer(self) -> bool:
         given = getattr(self, "optimizer_cls_and_kwargs", None)
@@ -389,10 +323,17 @@ class GPATrainer(Trainer):
             or (given is not None and isinstance(given[0], type) and issubclass(given[0], TrainEvalOptimizer))
         )
 
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        optimizer = super().create_optimizer(*args, **kwargs)
+        self._add_evaluation_weights_callback()
+        return optimizer
+
     def create_scheduler(self, *args: Any, **kwargs: Any) -> Any:
         # The Trainer creates the scheduler once the optimizer is final (after accelerator.prepare and any
-        # wrapping) and before the first step: the place to check what the GPA optimizer actually steps.
+        # wrapping) and before the first step: the place to check what the GPA optimizer actually steps, and to
+        # catch one that a subclass's create_optimizer built without the method above.
         self._refuse_hidden_parameters()
+        self._add_evaluation_weights_callback()
         return super().create_scheduler(*args, **kwargs)
 
     def _refuse_hidden_parameters(self) -> None:
@@ -444,10 +385,11 @@ class GPATrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
         super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)
         # The model file holds x's norm statistics; y's belong to the training state, beside the optimizer's.
-        if self._norm_statistics_y is not None and self.args.should_save:
+        statistics_y = self._norm_statistics.statistics_y
+        if statistics_y is not None and self.args.should_save:
             from safetensors.torch import save_file
 
-            save_file(self._norm_statistics_y, os.path.join(output_dir, NORM_STATISTICS_Y_NAME))
+            save_file(statistics_y, os.path.join(output_dir, NORM_STATISTICS_Y_NAME))
 
     def _load_norm_statistics_y(self, checkpoint: str) -> dict[str, torch.Tensor] | None:
         path = os.path.join(checkpoint, NORM_STATISTICS_Y_NAME)
@@ -468,10 +410,8 @@ class GPATrainer(Trainer):
             return
         # The model holds the checkpoint's weights and norm statistics (x's, when recomputed): any statistics held
         # from before are stale, and y's, when the checkpoint has them, are the ones training continues with.
-        self._norm_statistics_y = None
-        stats_y = self._load_norm_statistics_y(checkpoint)
-        if stats_y is not None:
-            load_norm_statistics(self.model, stats_y)
+        self._norm_statistics.hold(self._load_norm_statistics_y(checkpoint))
+        self._norm_statistics.to_y()
         if inner.train_mode:
             # No optimizer state there (save_only_model), or one saved in train mode by another trainer: the
             # weights file is then the only starting point there is, and training resumes from it as y.
@@ -524,7 +464,7 @@ class GPATrainer(Trainer):
             )
             return
         # The model holds the best checkpoint's x and its norm statistics; y's (if kept) come back with y.
-        self._norm_statistics_y = self._load_norm_statistics_y(self.state.best_model_checkpoint)
+        self._norm_statistics.hold(self._load_norm_statistics_y(self.state.best_model_checkpoint))
         # The best checkpoint's eval-mode state (and its scheduler) matches the x just loaded: optimizer.train()
         # would give its y. Loaded as a resume loads it, so FSDP's sharded states and devices are handled alike.
         if not self._load_eval_mode_state(self.state.best_model_checkpoint):
@@ -550,25 +490,19 @@ class GPATrainer(Trainer):
     # ---- the Hub: the model card names the optimizer ----
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        """The next class's `create_model_card` plus a section naming the GPA optimizer, mu_x, mu_y and H.
+        """The next class's `create_model_card` plus a section naming the GPA optimizer, mu_x, mu_y and H
+        (`hf_gpa.model_card`).
 
         The next class decides the signature (`Trainer` takes ``language, license, tags, ...``, TRL's trainers
         ``model_name, dataset_name, tags``); the hf_gpa tags are added to ``tags`` wherever it takes them.
         """
         section = gpa_model_card_section(self.args, getattr(self, "model", None))
         if section:
-            args, kwargs = _with_gpa_tags(super().create_model_card, args, kwargs, ("hf_gpa", self.args.optim.value))
+            args, kwargs = with_gpa_tags(super().create_model_card, args, kwargs, ("hf_gpa", self.args.optim.value))
         super().create_model_card(*args, **kwargs)
         path = os.path.join(self.args.output_dir, "README.md")
-        if not (self.is_world_process_zero() and os.path.isfile(path)):
-            return
-        with open(path, encoding="utf-8") as f:
-            card = f.read()
-        # transformers names the base model from config._name_or_path, which is "" for a model built from a config:
-        # its card would say "a fine-tuned version of [](https://huggingface.co/)".
-        card = card.replace(_EMPTY_BASE_MODEL, "This model was trained from scratch on ")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(card + ("\n" + section if section else ""))
+        if self.is_world_process_zero() and os.path.isfile(path):
+            complete_model_card(path, section)
 
     def _push_from_checkpoint(self, checkpoint_folder: str, *args: Any, **kwargs: Any) -> None:
         # The stock checkpoint push uploads output_dir without a model card: write one, so that a repo pushed only

@@ -43,6 +43,8 @@ from hf_gpa.optim import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     check_averaging,
+    check_betas,
+    check_eps,
     check_inner_steps,
     check_lr,
     check_mu_x,
@@ -62,6 +64,7 @@ from hf_gpa.optimizers import (
     check_base_optim,
     optim_help,
     optim_value,
+    reads_adam_flags,
     unused_flags,
 )
 
@@ -337,6 +340,8 @@ class GPATrainingArguments(TrainingArguments):
                     "--optim gpa needs --gpa_base_optim NAME (a stock --optim name such as adamw_torch or sgd)"
                 )
             self.gpa_base_optim = check_base_optim(optim_value(self.gpa_base_optim))
+        if reads_adam_flags(optim, self.gpa_base_optim):
+            self._check_adam_flags()
 
         self.gpa_averaging = check_averaging(self.gpa_averaging, "--gpa_averaging")
         if self.gpa_averaging == "schedule_free":
@@ -374,6 +379,15 @@ class GPATrainingArguments(TrainingArguments):
         self.diloco_outer_lr = check_outer_lr(self.diloco_outer_lr, "--diloco_outer_lr")
         self.diloco_outer_momentum = check_outer_momentum(self.diloco_outer_momentum, "--diloco_outer_momentum")
         self._refuse_unused_flags(optim, given)
+
+    def _check_adam_flags(self) -> None:
+        """AdamW's flags, checked as the optimizer checks them, where the chosen --optim reads them (an optimizer
+        that ignores them, as the stock Trainer's Adafactor or SGD, leaves them unchecked)."""
+        try:
+            check_betas((self.adam_beta1, self.adam_beta2), "--adam_beta1/--adam_beta2")
+        except ValueError as error:
+            raise ValueError(f"--adam_beta1 {self.adam_beta1} / --adam_beta2 {self.adam_beta2}: {error}") from None
+        check_eps(self.adam_epsilon, "--adam_epsilon")
 
     def _refuse_unused_flags(self, optim: str, given: dict[str, Any]) -> None:
         """A flag set away from its default that ``--optim optim`` does not read is an error, not silently ignored."""

@@ -23,7 +23,16 @@ def test_matching_rule() -> None:
     assert mu_x_from_inner_steps(20, mu=0.75) ** 20 == pytest.approx(0.75, rel=1e-12)
 
 
-@pytest.mark.parametrize(("args", "match"), [((0,), "inner_steps"), ((4, 1.0), "mu"), ((4, 0.0), "mu")])
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((0,), "inner_steps"),
+        ((float("inf"),), r"Invalid inner_steps: inf \(must be finite"),
+        ((float("nan"),), "inner_steps"),
+        ((4, 1.0), "mu"),
+        ((4, 0.0), "mu"),
+    ],
+)
 def test_bad_inner_steps(args: tuple, match: str) -> None:
     """Bad H or mu raise ValueError naming them."""
     with pytest.raises(ValueError, match=match):

@@ -25,6 +25,7 @@ from transformers import ResNetForImageClassification, TrainerCallback
 
 from hf_gpa.batchnorm import (
     DEFAULT_RECALIBRATION_BATCHES,
+    NormStatisticsAtX,
     norm_statistics,
     recalibrate_norm_statistics,
 )
@@ -169,6 +170,58 @@ def test_helpers_recompute_statistics_at_x_and_restore_y_bitwise(tmp_path):
     with pytest.raises(ValueError, match="bn_batches needs the model"):
         with evaluation_weights(optimizer, bn_batches=batches):
             pass
+
+
+def test_the_holder_keeps_y_while_x_is_in_place():
+    """NormStatisticsAtX: to_x recomputes at x and keeps y's, a second to_x is a no-op, to_y puts y's back bitwise;
+    a recomputation that raises leaves y's in place; hold() keeps y's that came from elsewhere."""
+    model = stale(conv_net(torch.float64))
+    y = norm_statistics(model)
+    batches = image_batches(3)
+    statistics = NormStatisticsAtX(model)
+    assert statistics.to_x(batches, 2) == 2 and statistics.at_x
+    assert_equal_dicts(statistics.statistics_y, y)
+    assert_stats_close(norm_statistics(model), oracle_statistics(model, batches[:2]), F64)
+    x = norm_statistics(model)
+    assert statistics.to_x(batches[2:], 1) == 0  # already at x: nothing recomputed
+    assert_equal_dicts(norm_statistics(model), x)
+    statistics.to_y()
+    assert not statistics.at_x and statistics.statistics_y is None
+    assert_equal_dicts(norm_statistics(model), y)
+
+    def failing(model: nn.Module, batch: Any) -> None:
+        model(batch)
+        raise RuntimeError("a batch that fails half-way")
+
+    with pytest.raises(RuntimeError, match="half-way"):
+        statistics.to_x(batches, 2, forward=failing)
+    assert not statistics.at_x
+    assert_equal_dicts(norm_statistics(model), y)
+    statistics.hold(x)  # the buffers hold y here, but say a checkpoint of x's just came in with these
+    statistics.to_y()
+    assert_equal_dicts(norm_statistics(model), x)
+
+
+def test_trainer_and_the_plain_helpers_share_one_holder(tmp_path):
+    """GPATrainer (evaluating at x) and evaluation_weights(bn_batches=...) both put x's statistics in place through
+    NormStatisticsAtX: one mechanism, not two."""
+    calls = []
+    to_x = NormStatisticsAtX.to_x
+
+    def recording(self: NormStatisticsAtX, *args: Any, **kwargs: Any) -> int:
+        calls.append(self.model)
+        return to_x(self, *args, **kwargs)
+
+    model = conv_net(torch.float32)
+    optimizer = GPAAdamW(model.parameters(), lr=1e-2)
+    trainer = make_trainer(tmp_path, max_steps=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(NormStatisticsAtX, "to_x", recording)
+        with evaluation_weights(optimizer, model, bn_batches=image_batches(2, torch.float32)):
+            pass
+        trainer.train()  # ends at x: its statistics recomputed
+        trainer.evaluate()
+    assert calls[0] is model and trainer.model in calls[1:]
 
 
 def norm_statistics_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

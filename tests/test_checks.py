@@ -88,7 +88,7 @@ def test_default_mu_x_is_derived_from_h_32() -> None:
 def test_inner_steps_32_and_the_default_mu_x_do_not_conflict() -> None:
     """--gpa_inner_steps 32 --gpa_mu_x <default> is one setting, not a conflict, and the model card says H = 32."""
     pytest.importorskip("transformers")
-    from hf_gpa.trainer import gpa_model_card_section
+    from hf_gpa.model_card import gpa_model_card_section
     from hf_gpa.training_args import GPATrainingArguments
 
     args = GPATrainingArguments(

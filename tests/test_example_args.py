@@ -145,3 +145,22 @@ def test_logged_size_counts_parameters_as_the_trainer_does() -> None:
     model = LlamaForCausalLM(LlamaConfig(**_load_script("run_clm_gpa").DEFAULT_LLAMA_CONFIG, vocab_size=4096))
     assert get_model_param_count(model, trainable_only=True) == 2_557_632
     assert size_in_parameters(model) == "2,557,632 parameters (2.56M)"
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_help_shows_the_gpa_flags_first(script: str, capsys) -> None:
+    """--help starts with a short usage line and the GPA flags in their own group, ahead of the hundreds of stock
+    flags: --optim and every flag GPATrainingArguments adds, in the first screenfuls."""
+    import inspect
+
+    module = _load_script(script)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines[0]) < 120 and lines[0].startswith("usage:")
+    group = next(i for i, line in enumerate(lines) if line.startswith("GPA"))
+    options = next(i for i, line in enumerate(lines) if line == "options:")
+    assert group < 5 < options
+    for name in inspect.get_annotations(GPATrainingArguments):
+        flag = next(i for i, line in enumerate(lines) if line.startswith(f"  --{name} "))
+        assert group < flag < options, name

@@ -186,6 +186,99 @@ def test_clm_defaults_yield_to_user_flags(run_clm: ModuleType) -> None:
     assert args.max_steps == -1 and data_args.block_size is None  # the embedded sizing applies to stdlib only
 
 
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_a_given_flag_wins_over_a_data_default(script: str) -> None:
+    """A flag the user gives acts even where the embedded data's sizing sets a default against it: --save_steps
+    alone saves (the embedded default is --save_strategy no), --eval_steps alone evaluates every N steps."""
+    module = _load_script(script)
+    _, _, args = module.parse_args(["--output_dir", "unused"])
+    assert args.save_strategy == "no"
+    _, _, args = module.parse_args(["--output_dir", "unused", "--save_steps", "2"])
+    assert (args.save_strategy, args.save_steps) == ("steps", 2)
+    _, _, args = module.parse_args(["--output_dir", "unused", "--save_steps", "2", "--save_strategy", "epoch"])
+    assert args.save_strategy == "epoch"  # both given: the user's strategy
+    _, _, args = module.parse_args(["--output_dir", "unused", "--eval_steps", "5"])
+    if script == "run_vit_gpa":  # the embedded default evaluates every epoch
+        assert (args.eval_strategy, args.eval_steps) == ("steps", 5)
+    else:  # no default to override: as transformers, --eval_steps alone needs --eval_strategy steps
+        assert args.eval_strategy == "no"
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+@pytest.mark.parametrize(
+    ("argv", "do_train", "do_eval"),
+    [
+        ([], True, True),
+        (["--do_eval", "false"], True, False),
+        (["--do_eval=False"], True, False),
+        (["--do_train", "false"], False, True),
+        (["--do_eval"], False, True),  # asking for one step alone: as in transformers' scripts
+        (["--do_train", "true"], True, False),
+        (["--do_predict", "false"], True, True),
+    ],
+)
+def test_do_flags_turn_off_only_themselves(script: str, argv: list[str], do_train: bool, do_eval: bool) -> None:
+    """--do_train --do_eval is the default; a --do_* flag given false turns off only itself (--do_eval false still
+    trains), one given true asks for that step alone."""
+    _, _, args = _load_script(script).parse_args(["--output_dir", "unused", *argv])
+    assert (args.do_train, args.do_eval) == (do_train, do_eval)
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_do_flags_in_a_json_file(script: str, tmp_path: Path) -> None:
+    """The same rule for arguments given as one JSON file."""
+    config = tmp_path / "args.json"
+    config.write_text(json.dumps({"output_dir": str(tmp_path), "do_eval": False}))
+    _, _, args = _load_script(script).parse_args([str(config)])
+    assert (args.do_train, args.do_eval) == (True, False)
+
+
+def _final_output_folder(path: Path) -> Path:
+    """What a finished run leaves in --output_dir: the model, its config and the trainer state, no optimizer."""
+    path.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json", "trainer_state.json", "all_results.json"):
+        (path / name).write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_resuming_from_a_final_output_folder_is_refused_before_any_data(script: str, tmp_path: Path) -> None:
+    """--resume_from_checkpoint naming a run's final folder (no optimizer state: it would start a fresh optimizer and
+    schedule, then overwrite the folder) fails before any data is read, saying what is missing and what to pass."""
+    module = _load_script(script)
+    folder = _final_output_folder(tmp_path / "finished")
+    loader = "load_raw_datasets" if script == "run_clm_gpa" else "load_raw_dataset"
+    argv = ["--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", str(folder)]
+    with (
+        patch.object(module, loader, side_effect=AssertionError("data was read")),
+        pytest.raises(ValueError, match="no optimizer state") as error,
+    ):
+        module.main(argv)
+    assert f"--model_name_or_path {folder}" in str(error.value) and "--save_steps" in str(error.value)
+    with pytest.raises(ValueError, match="not a folder"):
+        module.main(["--output_dir", str(tmp_path / "out"), "--resume_from_checkpoint", str(tmp_path / "missing")])
+
+
+def test_clm_save_steps_writes_checkpoints_that_resume(tmp_path: Path, run_clm: ModuleType) -> None:
+    """--save_steps 2 alone writes checkpoint-2 and checkpoint-4 (the docs' recipe); after a stop at step 2 the same
+    command again continues from checkpoint-2 and ends where the uninterrupted run ended, bitwise."""
+    import shutil
+
+    output_dir = tmp_path / "out"
+    argv = ["--output_dir", str(output_dir), "--max_train_samples", "32", "--save_steps", "2", *_as_argv(TINY_CLM)]
+    with patch.object(run_clm, "load_stdlib_texts", _first_stdlib_texts):
+        uninterrupted = _run_main(run_clm, argv)
+        assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+        assert (output_dir / "checkpoint-2" / "optimizer.pt").is_file()
+        shutil.rmtree(output_dir / "checkpoint-4")  # as if the run had stopped after step 2
+        written = (output_dir / "checkpoint-2" / "optimizer.pt").stat().st_mtime_ns
+        resumed = _run_main(run_clm, argv)
+    # Continued, not started anew: checkpoint-2 was not written again, checkpoint-4 was.
+    assert (output_dir / "checkpoint-2" / "optimizer.pt").stat().st_mtime_ns == written
+    assert json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+    assert resumed["eval_loss"] == uninterrupted["eval_loss"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -334,6 +427,16 @@ def test_random_resized_crop_stays_inside_and_repeats(run_vit: ModuleType) -> No
     for _ in range(200):
         width, height = run_vit.random_resized_crop(image, 0.5, rng).size
         assert 0 < width <= 8 and 0 < height <= 8 and width * height >= 0.5 * 64 * 0.7
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_main_takes_the_command_line_only(script: str) -> None:
+    """main(argv) is what the command line runs; a caller that wants the trainer (to add a callback) builds it with
+    build_trainer where the script offers it."""
+    import inspect
+
+    module = _load_script(script)
+    assert list(inspect.signature(module.main).parameters) == ["argv"]
 
 
 @pytest.mark.parametrize(

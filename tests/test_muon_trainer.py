@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from hf_gpa import GPA, DiLoCo, GPATrainer, MuonWithAuxAdam
 from hf_gpa.checkpoint import unwrap_gpa_optimizer
-from hf_gpa.trainer import gpa_model_card_section
+from hf_gpa.model_card import gpa_model_card_section
 
 FLAGS = {
     "muon": dict(optim="muon"),
@@ -38,6 +38,20 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def test_decay_rule_is_the_stock_trainers(tmp_path) -> None:
+    """decay_parameter_names(model) (which the muon groups use) names exactly the parameters a stock Trainer
+    instance puts in its weight-decay group, on a Llama (RMSNorm) and on a model with LayerNorm and biases."""
+    from helpers import TinyRegressor
+    from transformers import Trainer, TrainingArguments
+
+    from hf_gpa.optimizers import decay_parameter_names
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    for model in (tiny_llama(), TinyRegressor()):
+        stock = Trainer(model=model, args=args).get_decay_parameter_names(model)
+        assert decay_parameter_names(model) == stock and 0 < len(stock) < len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("name", list(FLAGS))

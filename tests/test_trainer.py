@@ -32,12 +32,19 @@ from helpers import (  # noqa: E402
 from huggingface_hub import HfApi
 from safetensors.torch import load_file
 from torch import nn
-from transformers import LlamaForCausalLM, Trainer, TrainerCallback, get_scheduler
+from transformers import (
+    DefaultFlowCallback,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    get_scheduler,
+)
 from transformers.training_args import OptimizerNames
 
 from hf_gpa.checkpoint import unwrap_gpa_optimizer
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
-from hf_gpa.trainer import GPATrainer
+from hf_gpa.trainer import EvaluationWeightsAtTrainEnd, GPATrainer
 from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
 
 
@@ -217,6 +224,7 @@ def test_trainer_matches_three_sequence_oracle(optim, base, averaging, tmp_path)
 
 
 # ---- the Llama runs shared by the checkpoint, evaluation and resume tests ----
+
 
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory):
@@ -660,6 +668,88 @@ def test_on_train_end_callbacks_see_x(tmp_path):
     assert_equal_dicts(added.saved, x)
     unwrap_gpa_optimizer(trainer.optimizer).train()
     assert max_abs_diff(params_of(trainer.model), x) > 1e-3  # y is far from x: the test tells them apart
+
+
+# ---- the callback list: the stock Trainer's, with one callback more only when a GPA optimizer is in use ----
+
+
+def _callback_types(trainer: Trainer) -> list[type]:
+    return [type(callback) for callback in trainer.callback_handler.callbacks]
+
+
+@pytest.mark.parametrize("disable_tqdm", [True, False])
+@pytest.mark.parametrize("args_type", ["TrainingArguments", "GPATrainingArguments"])
+def test_stock_optim_keeps_the_stock_callback_list(args_type, disable_tqdm, tmp_path):
+    """With a stock --optim, GPATrainer's callbacks are the stock Trainer's, in the same order, before and after the
+    optimizer is created (none given, one class given at construction, one instance added later)."""
+    common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, disable_tqdm=disable_tqdm)
+    args = TrainingArguments(**common) if args_type == "TrainingArguments" else GPATrainingArguments(**common)
+    for given in (None, [SaveAtTrainEnd]):
+        stock = Trainer(model=TinyRegressor(), args=args, callbacks=given)
+        ours = GPATrainer(model=TinyRegressor(), args=args, callbacks=given)
+        assert _callback_types(ours) == _callback_types(stock)
+        for trainer in (stock, ours):
+            trainer.add_callback(SaveAtTrainEnd())
+            trainer.create_optimizer_and_scheduler(num_training_steps=4)
+        assert _callback_types(ours) == _callback_types(stock)
+        assert type(ours.callback_handler.callbacks[0]) is DefaultFlowCallback
+
+
+def _gpa_trainer(route: str, tmp_path, **kwargs) -> GPATrainer:
+    """A GPATrainer whose GPA optimizer comes from --optim, optimizers= or optimizer_cls_and_kwargs=."""
+    model = TinyRegressor().double()
+    if route == "optim":
+        return GPATrainer(model=model, args=make_args(tmp_path), **kwargs)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, disable_tqdm=True)
+    if route == "optimizers":
+        optimizer = GPAAdamW(model.parameters(), lr=1e-2, mu_x=MU_X, mu_y=MU_Y)
+        return GPATrainer(model=model, args=args, optimizers=(optimizer, None), **kwargs)
+    cls_and_kwargs = (GPAAdamW, {"lr": 1e-2, "mu_x": MU_X, "mu_y": MU_Y})
+    return GPATrainer(model=model, args=args, optimizer_cls_and_kwargs=cls_and_kwargs, **kwargs)
+
+
+@pytest.mark.parametrize("route", ["optim", "optimizers", "optimizer_cls_and_kwargs"])
+def test_gpa_callback_comes_right_after_the_default_flow(route, tmp_path):
+    """With a GPA optimizer, callbacks[0] is still DefaultFlowCallback (code that indexes the list keeps working) and
+    the callback that puts x in place comes next, before the printer and every callback given or added."""
+    trainer = _gpa_trainer(route, tmp_path, callbacks=[SaveAtTrainEnd])
+    trainer.add_callback(SaveAtTrainEnd())
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    types_ = _callback_types(trainer)
+    assert types_[:2] == [DefaultFlowCallback, EvaluationWeightsAtTrainEnd]
+    assert types_.count(EvaluationWeightsAtTrainEnd) == 1
+    stock = Trainer(model=TinyRegressor(), args=trainer.args, callbacks=[SaveAtTrainEnd])
+    stock.add_callback(SaveAtTrainEnd())
+    assert types_[:1] + types_[2:] == _callback_types(stock)
+
+
+class GPAOptimizerOfItsOwn(GPATrainer):
+    """A subclass that builds its GPA optimizer itself, in create_optimizer, from stock TrainingArguments."""
+
+    def create_optimizer(self, *args, **kwargs):
+        if self.optimizer is None:
+            self.optimizer = GPAAdamW(self.model.parameters(), lr=1e-2, mu_x=MU_X, mu_y=MU_Y)
+        return self.optimizer
+
+
+def test_a_gpa_optimizer_created_after_init_still_gives_x_at_train_end(tmp_path):
+    """A GPA optimizer that exists only once train() creates it still puts x in place before every on_train_end
+    callback (given at construction or added later), right after DefaultFlowCallback."""
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, disable_tqdm=True, max_steps=4,
+        per_device_train_batch_size=8, save_strategy="steps", save_steps=4,
+    )  # fmt: skip
+    given, added = SaveAtTrainEnd(), SaveAtTrainEnd()
+    trainer = GPAOptimizerOfItsOwn(
+        model=TinyRegressor().double(), args=args, train_dataset=RegressionDataset(32, seed=1), callbacks=[given]
+    )
+    trainer.add_callback(added)
+    assert EvaluationWeightsAtTrainEnd not in _callback_types(trainer)  # no GPA optimizer yet: the stock list
+    trainer.train()
+    assert _callback_types(trainer)[:2] == [DefaultFlowCallback, EvaluationWeightsAtTrainEnd]
+    x = {name: t.double() for name, t in load_file(tmp_path / "checkpoint-4" / "model.safetensors").items()}
+    assert_equal_dicts(given.saved, x)
+    assert_equal_dicts(added.saved, x)
 
 
 # ---- evaluation and saving leave training's random state alone ----

@@ -143,6 +143,38 @@ def test_bad_learning_rate_and_weight_decay_fail_at_parsing(optim, argv, message
         parse(["--optim", optim, *argv], tmp_path)
 
 
+@pytest.mark.parametrize(
+    "optim",
+    ["gpa_adamw", "diloco_adamw", "muon", "diloco_muon", "adamw_torch", "adamw_torch_fused", "gpa:adamw_torch"],
+)
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--adam_beta1", "1.5"], r"--adam_beta1 1.5 / --adam_beta2 0.999: .*beta1 must lie in \[0, 1\)"),
+        (["--adam_beta2", "nan"], r"--adam_beta1 0.9 / --adam_beta2 nan: .*beta2 must lie in \[0, 1\)"),
+        (["--adam_beta2", "-0.5"], r"--adam_beta1 0.9 / --adam_beta2 -0.5: .*beta2 must lie in \[0, 1\)"),
+        (["--adam_epsilon", "-1"], r"Invalid --adam_epsilon: -1.0 \(must be finite and >= 0\)"),
+        (["--adam_epsilon", "inf"], r"Invalid --adam_epsilon: inf"),
+    ],
+)
+def test_bad_adam_flags_fail_at_parsing(optim, argv, message, tmp_path):
+    """--adam_beta1, --adam_beta2 and --adam_epsilon out of range fail when the arguments are parsed, naming the flag,
+    with every --optim that reads them (ours around AdamW, Muon's AdamW groups, the stock AdamW family)."""
+    optim, _, base = optim.partition(":")
+    with pytest.raises(ValueError, match=message):
+        parse(["--optim", optim, *(["--gpa_base_optim", base] if base else []), *argv], tmp_path)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adafactor", "gpa:sgd"])
+def test_adam_flags_an_optimizer_ignores_are_not_checked(optim, tmp_path):
+    """An --optim that does not read --adam_* (SGD, Adafactor, GPA around SGD) takes them as the stock Trainer does:
+    ignored, not refused."""
+    optim, _, base = optim.partition(":")
+    base_flags = ["--gpa_base_optim", base] if base else []
+    args = parse(["--optim", optim, *base_flags, "--adam_beta1", "1.5", "--adam_epsilon", "-1"], tmp_path)
+    assert (args.adam_beta1, args.adam_epsilon) == (1.5, -1.0)
+
+
 def test_mu_x_zero_allowed(tmp_path):
     """mu_x = 0 (GPA reduces to its base optimizer) is inside the valid range."""
     assert make(tmp_path, optim="gpa_adamw", gpa_mu_x=0.0).gpa_mu_x == 0.0
@@ -373,7 +405,8 @@ def test_schedule_free_takes_no_averaging_constant(flag, tmp_path):
 
 def test_schedule_free_arguments_carry_no_mu_x(tmp_path):
     """schedule_free: mu_x and H stay None, re-parse from to_dict, build the optimizer, and the card omits them."""
-    from hf_gpa.trainer import GPATrainer, gpa_model_card_section
+    from hf_gpa.model_card import gpa_model_card_section
+    from hf_gpa.trainer import GPATrainer
 
     args = make(tmp_path, optim="gpa_adamw", gpa_averaging="schedule_free", gpa_mu_y=0.9)
     assert args.gpa_mu_x is None and args.gpa_inner_steps is None and args.gpa_effective_inner_steps is None
@@ -451,6 +484,28 @@ def test_optimizer_table_covers_every_name_and_flag():
     hf_fields = {f.name for f in dataclasses.fields(GPATrainingArguments) if f.name.startswith(("gpa_", "diloco_"))}
     read = {flag for spec in HF_GPA_OPTIMIZERS.values() for flag in spec.flags}
     assert read == hf_fields
+
+
+@pytest.mark.parametrize("name", [n.value for n in GPAOptimizerNames])
+def test_builders_take_the_values_they_read(name, tmp_path):
+    """Each builder takes a BuildContext (the flags it reads, nothing of GPATrainingArguments): the one from the
+    arguments builds what optimizer_cls_and_kwargs builds, and one written by hand builds without any arguments."""
+    from hf_gpa.optimizers import HF_GPA_OPTIMIZERS, BuildContext, optimizer_cls_and_kwargs
+    from hf_gpa.trainer import GPATrainer
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
+    extra = {"gpa_base_optim": "sgd"} if name == "gpa" else {}
+    args = make(tmp_path, optim=name, weight_decay=0.1, **extra)
+    context = BuildContext.from_args(args)
+    assert dataclasses.is_dataclass(context) and context.optim == name and context.weight_decay == 0.1
+    built = HF_GPA_OPTIMIZERS[name].build(context, model)
+    assert repr(built) == repr(optimizer_cls_and_kwargs(args, model))
+    assert repr(built) == repr(GPATrainer.get_optimizer_cls_and_kwargs(args, model))
+    by_hand = {f.name: getattr(args, f.name) for f in dataclasses.fields(BuildContext) if f.name != "stock_args"}
+    if name != "gpa":  # a stock base is built by the stock Trainer, from the stock arguments
+        assert repr(HF_GPA_OPTIMIZERS[name].build(BuildContext(**{**by_hand, "optim": name}), model)) == repr(built)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        context.learning_rate = 1.0
 
 
 def test_optim_names_print_as_their_value():

@@ -16,6 +16,8 @@ with warnings.catch_warnings():
 
 from ._checks import (
     check_averaging,
+    check_betas,
+    check_eps,
     check_inner_steps,
     check_lr,
     check_mu_x,
@@ -62,6 +64,8 @@ __all__ = [
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_MOMENTUM",
     "check_averaging",
+    "check_betas",
+    "check_eps",
     "check_inner_steps",
     "check_lr",
     "check_mu_x",

@@ -25,8 +25,9 @@ def mu_x_from_inner_steps(inner_steps: float, mu: float = DEFAULT_OUTER_MOMENTUM
 
     ``mu_x = mu ** (1 / H)`` (paper, Table 4): H=32, mu=0.9 gives 0.99671.
     """
-    if isinstance(inner_steps, bool) or not inner_steps >= 1:
-        raise ValueError(f"Invalid inner_steps: {inner_steps} (must be >= 1)")
+    if isinstance(inner_steps, bool) or not 1 <= inner_steps < math.inf:
+        # H = inf would give mu_x = mu ** 0 = 1.0: an x that never moves, which no GPA optimizer accepts.
+        raise ValueError(f"Invalid inner_steps: {inner_steps} (must be finite and >= 1)")
     _check_mu(mu)
     return mu ** (1.0 / inner_steps)
 

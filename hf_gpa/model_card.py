@@ -1,0 +1,93 @@
+"""The model card of a GPA run: a section naming the optimizer and its constants, the hf_gpa tags, and a truthful
+line for a model trained from scratch.
+
+Why a module of its own: what a card says about GPA (mu_x, mu_y, H, what went to Muon) is read from the arguments
+and the model alone; `GPATrainer.create_model_card` only hands it the card transformers wrote.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+from transformers import TrainingArguments
+
+from hf_gpa.optimizers import GPAOptimizerNames, muon_split
+
+__all__ = ["complete_model_card", "gpa_model_card_section", "with_gpa_tags"]
+
+#: How the model card names Muon (``--optim muon``, and as the base of GPA and DiLoCo).
+_MUON_CARD_NAME = (
+    "Muon (hf_gpa.MuonWithAuxAdam: Muon on the hidden weight matrices, AdamW on embeddings, output head, norms and "
+    "biases)"
+)
+
+#: What transformers' model card says of a model whose config names no base model (trained from scratch).
+_EMPTY_BASE_MODEL = "This model is a fine-tuned version of [](https://huggingface.co/) on "
+
+
+def gpa_model_card_section(args: TrainingArguments, model: nn.Module | None = None) -> str:
+    """The model-card paragraph naming the optimizer and its constants (empty for a stock ``--optim``); with the
+    ``model``, where Muon is involved, also what went to Muon and what to AdamW."""
+    if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
+        return ""
+    name = args.optim.value
+    uses_muon = "muon" in (name, args.gpa_base_optim, name.removeprefix("diloco_"))
+    split = f" {muon_split(model)}." if uses_muon and model is not None else ""
+    if args.optim == GPAOptimizerNames.MUON:
+        return f"## Optimizer: Muon (hf_gpa)\n\nTrained with `--optim {name}`: {_MUON_CARD_NAME}.{split}\n"
+    if args.optim in (GPAOptimizerNames.DILOCO_ADAMW, GPAOptimizerNames.DILOCO_MUON):
+        inner = "AdamW" if args.optim == GPAOptimizerNames.DILOCO_ADAMW else _MUON_CARD_NAME
+        return (
+            "## Optimizer: single-worker DiLoCo (hf_gpa)\n\n"
+            f"Trained with `--optim {name}`: {inner} inner steps with H = {args.diloco_inner_steps} inner steps, "
+            f"outer learning rate {args.diloco_outer_lr} and outer Nesterov momentum {args.diloco_outer_momentum}. "
+            f"The weights in this repository are the outer (slow) weights.{split}\n"
+        )
+    base = "AdamW" if args.optim == GPAOptimizerNames.GPA_ADAMW else f"`{args.gpa_base_optim}`"
+    if args.gpa_base_optim == GPAOptimizerNames.MUON.value:
+        base = _MUON_CARD_NAME
+    if args.gpa_averaging == "schedule_free":
+        # Schedule-Free's average has no mu_x, hence no H either.
+        constants = f"mu_y = {args.gpa_mu_y:.6g}, averaging = schedule_free (x is the lr**2-weighted average of z)"
+    else:
+        steps = args.gpa_effective_inner_steps
+        h = "" if steps is None else f", H = {steps:.4g} (mu_x = 0.9 ** (1 / H), the equivalent DiLoCo inner steps)"
+        constants = f"mu_x = {args.gpa_mu_x:.6g}, mu_y = {args.gpa_mu_y:.6g}{h}, averaging = {args.gpa_averaging}"
+    return (
+        "## Optimizer: GPA (hf_gpa)\n\n"
+        f"Trained with `--optim {name}`: Generalized Primal Averaging around {base} with {constants}. "
+        f"The weights in this repository are GPA's evaluation sequence x.{split}\n"
+    )
+
+
+def with_gpa_tags(
+    create_model_card: Any, args: tuple[Any, ...], kwargs: dict[str, Any], gpa_tags: tuple[str, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` for ``create_model_card`` with ``gpa_tags`` added to its ``tags`` argument, wherever the
+    method's signature puts it; unchanged when it takes no ``tags`` or the arguments do not bind (it then raises its
+    own error)."""
+    try:
+        signature = inspect.signature(create_model_card)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    if "tags" not in signature.parameters:
+        return args, kwargs
+    tags = bound.arguments.get("tags")
+    tags = [tags] if isinstance(tags, str) else list(tags or [])
+    bound.arguments["tags"] = tags + [t for t in gpa_tags if t not in tags]
+    return bound.args, bound.kwargs
+
+
+def complete_model_card(path: str, section: str) -> None:
+    """Rewrite the card transformers wrote at ``path``: a model built from a config is said to be trained from
+    scratch, and ``section`` (`gpa_model_card_section`, possibly empty) is appended."""
+    with open(path, encoding="utf-8") as f:
+        card = f.read()
+    # transformers names the base model from config._name_or_path, which is "" for a model built from a config:
+    # its card would say "a fine-tuned version of [](https://huggingface.co/)".
+    card = card.replace(_EMPTY_BASE_MODEL, "This model was trained from scratch on ")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(card + ("\n" + section if section else ""))
