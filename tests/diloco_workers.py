@@ -77,13 +77,22 @@ def error_of(build: Any) -> str:
 
 
 def two_ranks(out: Path, rank: int) -> None:
-    """Two workers: plain DiLoCo and streaming (P = 2), a resume on the same layout, loads on another layout."""
+    """Two workers: plain DiLoCo and streaming (P = 2); one worker of two processes; a resume on the same layout,
+    loads on another layout, M that does not divide W; other initial weights, a gradient on one rank only."""
     facts: dict[str, Any] = {}
     model = build_mlp(torch.float32)
     optimizer = diloco(model)
     facts["layout"] = optimizer.layout.saved()
     facts["plain"] = []
     train(model, model, optimizer, range(STEPS), facts["plain"])
+
+    # One worker of both processes (M = 1): DDP over the whole group around single-worker DiLoCo.
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model, num_workers=1)
+    facts["one_worker_groups"] = [optimizer.layout.island_group is dist.group.WORLD, optimizer.layout.outer_group]
+    facts["one_worker"] = []
+    ddp = DistributedDataParallel(model, process_group=optimizer.layout.island_group)
+    train(ddp, model, optimizer, range(STEPS), facts["one_worker"])
 
     h, p, steps = STREAMING["inner_steps"], STREAMING["num_fragments"], STREAMING["steps"]
     model = build_mlp(torch.float32)

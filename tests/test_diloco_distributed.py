@@ -7,8 +7,8 @@ tests through module-scoped fixtures, and each is killed on its timeout.
 
 What is exact, and why:
 
-* 2 workers, and 2 islands of 2: bitwise. The all-reduce adds 2 terms (the same in either order) and halving is
-  exact; DDP's gradient average over an island of 2 is halves added, again exact.
+* 2 workers, 1 worker of 2 processes, and 2 islands of 2: bitwise. The all-reduce adds 2 terms (the same in either
+  order) and halving is exact; DDP's gradient average over 2 processes is halves added, again exact.
 * 4 workers: the backend adds the 4 pseudo-gradients in an order of its own, so the average may differ from the
   fixed-order one by the rounding of those additions, at most 2 (M - 1) u sum_m |p_m| / M per element (u = 2**-24;
   two sums of M terms, each within (M - 1) u sum |p_m| of the exact one); checked on the first outer step, where the
@@ -93,6 +93,15 @@ def test_two_workers_equal_the_simulation_bitwise(two_ranks: list) -> None:
         assert facts["layout"] == {"world_size": 2, "num_workers": 2, "num_fragments": 1, "worker": rank}
         assert_matches(facts["plain"], expected, worker=rank)
     assert not torch.equal(expected[1].inner[0][0], expected[1].inner[1][0])  # the workers really differ
+
+
+def test_one_worker_of_two_processes_is_ddp_around_single_worker_diloco_bitwise(two_ranks: list) -> None:
+    """M = 1: the island is the whole group (DDP over it), nothing is averaged at the outer step; both ranks hold
+    the simulation's one worker of 2 processes, bitwise."""
+    expected = simulate(num_workers=1, island_size=2, inner_steps=dw.INNER_STEPS, num_fragments=1, steps=dw.STEPS)
+    for facts in two_ranks:
+        assert facts["one_worker_groups"] == [True, None]
+        assert_matches(facts["one_worker"], expected, worker=0)
 
 
 def test_streaming_two_fragments_equal_the_simulation_bitwise(two_ranks: list) -> None:

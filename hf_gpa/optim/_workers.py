@@ -17,7 +17,9 @@ The pseudo-gradients are summed by one all-reduce per (device, dtype) bucket (a 
 process receives the same bits from the collective, so the outer step leaves the same bits everywhere. Against an
 average taken in a fixed order: with M = 2 the sum of 2 terms is the same in any order, and halving is exact, so
 the average is bitwise the fixed-order one; with M > 2 the backend's order of the M additions may round differently
-(at most (M - 1) u sum_i |p_i| per element, u the unit roundoff of the dtype).
+(the two sums differ by at most 2 (M - 1) u sum_i |p_i| per element, u the unit roundoff of the dtype). An all-gather
+and a fixed-order sum would be bitwise for every M, but each process would receive M - 1 fragments instead of the
+ring all-reduce's 2 (M - 1) / M: traffic is what DiLoCo exists to save.
 
 Streaming (P fragments): the parameters, in the order of the param groups, are split into P contiguous runs of about
 equal size (each at least one tensor), and fragment k has its outer step at the inner steps t with
