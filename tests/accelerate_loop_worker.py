@@ -77,6 +77,13 @@ def _llama(accelerator: Accelerator, out: Path) -> dict[str, torch.Tensor]:
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     accelerator = Accelerator()
+    try:
+        run(accelerator, out)
+    finally:
+        accelerator.end_training()  # destroys the process group, also when the run raises
+
+
+def run(accelerator: Accelerator, out: Path) -> None:
     facts: dict[str, object] = {"num_processes": accelerator.num_processes}
     plain = build_mlp(DTYPE)
     model, optimizer = accelerator.prepare(plain, GPAAdamW(plain.parameters(), **ADAMW_KW))
@@ -109,7 +116,6 @@ def main(out: Path) -> None:
     if accelerator.is_main_process:
         torch.save(facts, out / "full.pt")
     accelerator.wait_for_everyone()
-    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -61,6 +61,20 @@ def run_logged_together(
     output in its log; past ``timeout`` (for all of them together) every one is killed with its children and the
     test fails, as it does when any exits with an error."""
     what = what or " ".join(map(str, cmds[0][:6])) + " ..."
+    codes = run_together(cmds, logs, env, timeout, cwd)
+    logs_text = "\n".join(f"--- {log}\n{tail(log)}" for log in logs)
+    if codes is None:
+        pytest.fail(f"{what} hung for {timeout} s:\n{logs_text}")
+    if any(codes):
+        pytest.fail(f"{what} exited with {codes}:\n{logs_text}")
+
+
+def run_together(
+    cmds: list[list[str]], logs: list[Path], env: dict[str, str], timeout: float, cwd: Path | None = None
+) -> list[int] | None:
+    """Run the ``cmds`` at once, each in its own session with its output in its log, and return their exit codes;
+    None if they were not all done within ``timeout`` (together), in which case every one was killed with its
+    children. For a test that expects some of them to fail; `run_logged_together` fails the test instead."""
     handles = [open(log, "w") for log in logs]
     procs: list[subprocess.Popen] = []
     try:
@@ -69,9 +83,9 @@ def run_logged_together(
                 subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             )
         deadline = time.monotonic() + timeout
-        codes = [proc.wait(timeout=max(deadline - time.monotonic(), 0)) for proc in procs]
+        return [proc.wait(timeout=max(deadline - time.monotonic(), 0)) for proc in procs]
     except subprocess.TimeoutExpired:
-        codes = None
+        return None
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -79,8 +93,3 @@ def run_logged_together(
                 proc.wait()
         for fh in handles:
             fh.close()
-    logs_text = "\n".join(f"--- {log}\n{tail(log)}" for log in logs)
-    if codes is None:
-        pytest.fail(f"{what} hung for {timeout} s:\n{logs_text}")
-    if any(codes):
-        pytest.fail(f"{what} exited with {codes}:\n{logs_text}")

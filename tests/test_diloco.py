@@ -1,13 +1,23 @@
-"""Single-worker DiLoCo against an explicit transcription of the paper's Algorithm 2, and its argument checks."""
+"""DiLoCo in one process: single-worker DiLoCo against an explicit transcription of the paper's Algorithm 2 and the
+plain loop of ``diloco_simulation`` (also streaming), its argument checks, the fragments, the layout a state records.
+Across processes: tests/test_diloco_distributed.py."""
 
 from __future__ import annotations
 
 import copy
+import pickle
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from diloco_simulation import ADAMW_KW, FRAGMENTS, OUTER_LR, OUTER_MOMENTUM, rank_rows, simulate
+from distributed_workers import build_mlp, mse
 
 from hf_gpa import DiLoCo
+from hf_gpa.optim._workers import fragment_due, fragment_of_each
 
 
 def _grad(y: torch.Tensor, t: int) -> torch.Tensor:
@@ -35,8 +45,16 @@ def test_matches_algorithm_2() -> None:
                 x.copy_(x_tilde)  # re-initialize the inner weights
 
     w = torch.nn.Parameter(init.clone())
-    opt = DiLoCo([w], base=torch.optim.AdamW, inner_steps=h, outer_lr=outer_lr, outer_momentum=mu, lr=1e-2,
-                 weight_decay=0.1, foreach=False)
+    opt = DiLoCo(
+        [w],
+        base=torch.optim.AdamW,
+        inner_steps=h,
+        outer_lr=outer_lr,
+        outer_momentum=mu,
+        lr=1e-2,
+        weight_decay=0.1,
+        foreach=False,
+    )
     for t in range(1, steps + 1):
         w.grad = _grad(w.detach(), t)
         opt.step()
@@ -194,3 +212,214 @@ def test_bf16_parameter_written_in_train_mode_wins_over_its_float32_inner_weight
     opt.param_groups[0]["lr"] = 0.0
     opt.step()
     assert torch.equal(w.detach(), written)
+
+
+# ---------------------------------------------------------------- workers, fragments, the layout (one process)
+
+
+def _run(optimizer: DiLoCo, model: torch.nn.Module, steps: int) -> list[dict[str, list[torch.Tensor]]]:
+    """Full-batch inner steps on the simulation's data; inner weights, outer weights and momentum after each."""
+    history = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        mse(model, *rank_rows(step, 0, 1, torch.float32)).backward()
+        optimizer.step()
+        history.append(
+            {
+                "inner": [p.detach().clone() for p in model.parameters()],
+                "outer": [optimizer.state[p]["outer"].clone() for p in model.parameters()],
+                "momentum": [optimizer.state[p]["outer_momentum_buffer"].clone() for p in model.parameters()],
+            }
+        )
+    return history
+
+
+def _diloco(model: torch.nn.Module, **kwargs: Any) -> DiLoCo:
+    return DiLoCo(model.parameters(), outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, **{**ADAMW_KW, **kwargs})
+
+
+@pytest.mark.parametrize("num_fragments", [1, 2, 3])
+def test_single_worker_equals_the_plain_loop_bitwise(num_fragments: int) -> None:
+    """One worker, P = 1 (today's DiLoCo) and streaming P = 2, 3: every inner weight, outer weight and momentum equals
+    the plain loop's (``diloco_simulation``: torch's AdamW, the outer Nesterov step, each fragment at its offset)."""
+    h, steps = 6, 14
+    expected = simulate(num_workers=1, island_size=1, inner_steps=h, num_fragments=num_fragments, steps=steps)
+    model = build_mlp(torch.float32)
+    history = _run(_diloco(model, inner_steps=h, num_fragments=num_fragments), model, steps)
+    for step, (held, want) in enumerate(zip(history, expected), start=1):
+        for key, values in (("inner", want.inner[0]), ("outer", want.outer), ("momentum", want.momentum)):
+            assert all(torch.equal(a, b) for a, b in zip(held[key], values)), (step, key)
+
+
+def test_the_fragments_of_the_mlp_are_the_simulation_s() -> None:
+    """The split of the MLP's 6 tensors (90, 15, 135, 9, 9, 1 elements) that the simulation writes out."""
+    numels = [p.numel() for p in build_mlp(torch.float32).parameters()]
+    for num_fragments, expected in FRAGMENTS.items():
+        assert fragment_of_each(numels, num_fragments) == expected
+
+
+def test_fragments_are_contiguous_nonempty_and_balanced() -> None:
+    """For random tensor sizes: P contiguous runs, each at least one tensor; a run exceeds its share 1/P of the total
+    by at most one tensor (the one whose middle lies in the share)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        numels = torch.randint(0, 50, (n,), generator=gen).mul(torch.randint(0, 2, (n,), generator=gen) * 20 + 1)
+        numels = numels.tolist()
+        p = int(torch.randint(1, n + 1, (1,), generator=gen))
+        fragments = fragment_of_each(numels, p)
+        assert fragments[0] == 0 and fragments[-1] == p - 1
+        assert all(b - a in (0, 1) for a, b in zip(fragments, fragments[1:])), (numels, p, fragments)
+        total = sum(numels)
+        for k in range(p):
+            sizes = [s for s, f in zip(numels, fragments) if f == k]
+            assert sizes and sum(sizes) <= total / p + max(numels) + 1e-9, (numels, p, fragments)
+
+
+@pytest.mark.parametrize(("inner_steps", "num_fragments"), [(8, 1), (8, 4), (8, 3), (5, 5)])
+def test_each_fragment_synchronises_once_per_period_at_its_own_step(inner_steps: int, num_fragments: int) -> None:
+    """Over a period each fragment is due at exactly one step and no two at the same step (the peak is one
+    fragment); P = 1 is due every H-th step, as single-worker DiLoCo."""
+    for start in (1, 3 * inner_steps + 1):
+        period = range(start, start + inner_steps)
+        due = {k: [t for t in period if fragment_due(k, t, inner_steps, num_fragments)] for k in range(num_fragments)}
+        assert all(len(steps) == 1 for steps in due.values()), due
+        assert len({steps[0] for steps in due.values()}) == num_fragments
+    assert [t for t in range(1, 20) if fragment_due(0, t, inner_steps, 1)] == list(range(inner_steps, 20, inner_steps))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_fragments": 0}, "Invalid num_fragments: 0 .must be an integer >= 1"),
+        ({"num_fragments": 2.5}, "Invalid num_fragments"),
+        ({"num_fragments": True}, "Invalid num_fragments"),
+        ({"num_fragments": 7}, r"Invalid num_fragments: 7 \(must lie in \[1, 6\]: the parameters are 6 tensors"),
+        ({"num_fragments": 4, "inner_steps": 3}, r"num_fragments: 4 \(must lie in \[1, inner_steps = 3\]"),
+        ({"inner_steps": 0}, "Invalid inner_steps: 0"),
+        ({"num_workers": 2}, "Invalid num_workers: 2 .more than one worker needs distributed=True"),
+        ({"distributed": True}, "Invalid distributed: True .torch.distributed is not initialised"),
+        ({"distributed": "yes"}, "Invalid distributed"),
+    ],
+)
+def test_rejects_bad_worker_arguments(kwargs: dict, match: str) -> None:
+    """H < 1, P < 1, P above the number of tensors or above H, M without distributed, distributed without a process
+    group: a ValueError naming the argument and its allowed range, before anything is created."""
+    with pytest.raises(ValueError, match=match):
+        _diloco(build_mlp(torch.float32), **kwargs)
+
+
+def test_an_added_group_with_fewer_inner_steps_than_fragments_is_refused() -> None:
+    """add_param_group with inner_steps < P raises naming both, and the group is not added."""
+    model = build_mlp(torch.float32)
+    opt = _diloco(model, inner_steps=4, num_fragments=3)
+    with pytest.raises(ValueError, match=r"num_fragments: 3 \(must lie in \[1, inner_steps = 2\]"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "inner_steps": 2})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.fixture
+def group_of_one(tmp_path: Path) -> Iterator[Any]:
+    """torch.distributed initialised in this process as a gloo group of one (destroyed after the test)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_group_of_one_is_the_single_worker_bitwise(group_of_one: Any) -> None:
+    """process_group=<a group of one process> runs one worker: bitwise the single-worker DiLoCo (P = 2), whose
+    layout it records; a copy shares the group, pickling refuses."""
+    steps = 9
+    model = build_mlp(torch.float32)
+    opt = _diloco(model, inner_steps=4, num_fragments=2, process_group=group_of_one)
+    assert (opt.layout.world_size, opt.layout.num_workers, opt.layout.island_size) == (1, 1, 1)
+    assert opt.layout.outer_group is None  # one worker: nothing to average
+    grouped = _run(opt, model, steps)
+    plain_model = build_mlp(torch.float32)
+    plain = _run(_diloco(plain_model, inner_steps=4, num_fragments=2), plain_model, steps)
+    for a, b in zip(grouped, plain):
+        assert all(torch.equal(x, y) for key in a for x, y in zip(a[key], b[key]))
+    assert opt.state_dict()["param_groups"][0]["diloco_layout"] == {
+        "world_size": 1, "num_workers": 1, "num_fragments": 2, "worker": 0,
+    }  # fmt: skip
+    assert copy.deepcopy(opt).layout.island_group is opt.layout.island_group
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(opt)
+
+
+def test_distributed_on_a_single_process_is_refused(group_of_one: Any) -> None:
+    """distributed=True where the default group has one process, and num_workers that does not divide it: a
+    ValueError naming the argument."""
+    with pytest.raises(ValueError, match=r"Invalid distributed: True on a single process \(world size 1\)"):
+        _diloco(build_mlp(torch.float32), distributed=True)
+    with pytest.raises(ValueError, match=r"Invalid num_workers: 2 \(must divide the world size 1"):
+        _diloco(build_mlp(torch.float32), process_group=group_of_one, num_workers=2)
+
+
+def test_dtensor_parameters_are_refused_across_processes(group_of_one: Any) -> None:
+    """FSDP2 shards (DTensor parameters) with a DiLoCo across processes: a ValueError naming them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_mlp(torch.float32)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(ValueError, match="DTensor parameters"):
+        _diloco(model, process_group=group_of_one)
+
+
+def _trained_state(**kwargs: Any) -> dict[str, Any]:
+    model = build_mlp(torch.float32)
+    opt = _diloco(model, inner_steps=4, **kwargs)
+    _run(opt, model, 5)
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("saved", "match"),
+    [
+        (
+            {"world_size": 4, "num_workers": 4},
+            r"saved with the world size \(processes\) = 4, this optimizer runs with 1",
+        ),
+        ({"num_workers": 2}, r"saved with num_workers \(M\) = 2"),
+        ({"num_fragments": 2}, r"saved with num_fragments \(P\) = 2, this optimizer runs with 1"),
+        ({"worker": 1}, "holds worker 1's inner weights"),
+    ],
+)
+def test_a_state_saved_on_another_layout_is_refused_before_anything_changes(saved: dict, match: str) -> None:
+    """A state dict whose recorded layout differs (world size, M, P, worker): a ValueError naming it, and the
+    optimizer's state and groups are left as they were."""
+    state = _trained_state()
+    for group in state["param_groups"]:
+        group["diloco_layout"] = {**group["diloco_layout"], **saved}
+    model = build_mlp(torch.float32)
+    opt = _diloco(model, inner_steps=4)
+    _run(opt, model, 2)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(state)
+    after = opt.state_dict()
+    assert before["param_groups"] == after["param_groups"]
+    assert all(torch.equal(before["state"][i][k], after["state"][i][k]) for i in before["state"] for k in ("outer",))
+
+
+def test_the_layout_travels_only_in_the_state_dict() -> None:
+    """state_dict() records the layout in every param group; the live groups never hold it, also after a load; a
+    DiLoCo state without it loads as a single worker's (P = 1)."""
+    state = _trained_state()
+    assert all(g["diloco_layout"]["num_fragments"] == 1 for g in state["param_groups"])
+    model = build_mlp(torch.float32)
+    opt = _diloco(model, inner_steps=4)
+    opt.load_state_dict(copy.deepcopy(state))
+    assert all("diloco_layout" not in g for g in opt.param_groups)
+    for group in state["param_groups"]:
+        del group["diloco_layout"]
+    opt.load_state_dict(copy.deepcopy(state))
+    with pytest.raises(ValueError, match=r"num_fragments \(P\) = 1, this optimizer runs with 2"):
+        _diloco(build_mlp(torch.float32), inner_steps=4, num_fragments=2).load_state_dict(state)

@@ -3,7 +3,8 @@
 Besides the optimizers, the public names here are what the transformers side (`hf_gpa.training_args`,
 `hf_gpa.trainer`, `hf_gpa.checkpoint`) takes from this package: the defaults and range checks of the
 hyper-parameters (one source of truth, called there with the flag's name), the base class of every optimizer with
-train/eval modes, and the name a state dict records of the optimizer that saved it.
+train/eval modes, the name a state dict records of the optimizer that saved it, and what a distributed DiLoCo needs
+around it (its worker layout, the layout a state dict records, the DDP hook that keeps gradients in an island).
 """
 
 import warnings
@@ -22,6 +23,8 @@ from ._checks import (
     check_lr,
     check_mu_x,
     check_mu_y,
+    check_num_fragments,
+    check_num_workers,
     check_outer_lr,
     check_outer_momentum,
     check_weight_decay,
@@ -34,9 +37,11 @@ from ._types import (
     DEFAULT_INNER_STEPS,
     DEFAULT_MU_X,
     DEFAULT_MU_Y,
+    DEFAULT_NUM_FRAGMENTS,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
 )
+from ._workers import WorkerLayout, island_allreduce_hook, saved_diloco_layout
 from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
 from .diloco import DiLoCo
 from .gpa import GPA
@@ -49,6 +54,9 @@ __all__ = [
     "GPA",
     "GPAAdamW",
     "DiLoCo",
+    "WorkerLayout",
+    "island_allreduce_hook",
+    "saved_diloco_layout",
     "ReferenceGPA",
     "MuonWithAuxAdam",
     "muon_param_groups",
@@ -61,6 +69,7 @@ __all__ = [
     "DEFAULT_INNER_STEPS",
     "DEFAULT_MU_X",
     "DEFAULT_MU_Y",
+    "DEFAULT_NUM_FRAGMENTS",
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_MOMENTUM",
     "check_averaging",
@@ -70,6 +79,8 @@ __all__ = [
     "check_lr",
     "check_mu_x",
     "check_mu_y",
+    "check_num_fragments",
+    "check_num_workers",
     "check_outer_lr",
     "check_outer_momentum",
     "check_weight_decay",

@@ -80,14 +80,52 @@ def check_averaging(averaging: Any, name: str = "averaging") -> str:
     return Averaging(averaging).value
 
 
+def _positive_integer(value: Any, name: str, allowed: str = "") -> int:
+    """An integer >= 1 (an integral float such as 32.0, as a JSON file may hold, is taken as that integer)."""
+    integral = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or value < 1:
+        raise ValueError(f"Invalid {name}: {value!r} (must be an integer >= 1{allowed})")
+    return int(value)
+
+
 def check_inner_steps(inner_steps: Any, name: str = "inner_steps") -> int:
-    """An integer H >= 1 (an integral float such as 32.0, as a JSON file may hold, is taken as that integer)."""
-    integral = isinstance(inner_steps, numbers.Integral) or (
-        isinstance(inner_steps, float) and inner_steps.is_integer()
-    )
-    if isinstance(inner_steps, bool) or not integral or inner_steps < 1:
-        raise ValueError(f"Invalid {name}: {inner_steps!r} (must be an integer >= 1)")
-    return int(inner_steps)
+    """An integer H >= 1."""
+    return _positive_integer(inner_steps, name)
+
+
+def check_num_workers(num_workers: Any, world_size: int, name: str = "num_workers") -> int:
+    """M >= 1 dividing the world size W: each of the M workers is an island of W / M processes."""
+    allowed = f" that divides the world size {world_size}: one of {_divisors(world_size)}"
+    value = _positive_integer(num_workers, name, allowed)
+    if world_size % value:
+        raise ValueError(
+            f"Invalid {name}: {num_workers!r} (must divide the world size {world_size}, each worker being an island "
+            f"of world_size / {name} processes: one of {_divisors(world_size)})"
+        )
+    return value
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_num_fragments(
+    num_fragments: Any, num_tensors: int | None = None, inner_steps: int | None = None, name: str = "num_fragments"
+) -> int:
+    """P >= 1 fragments, at most one per parameter tensor (``num_tensors``) and one per inner step of the period
+    (``inner_steps``), so that each fragment holds a tensor and synchronises at a step of its own."""
+    value = _positive_integer(num_fragments, name)
+    if num_tensors is not None and value > num_tensors:
+        raise ValueError(
+            f"Invalid {name}: {num_fragments!r} (must lie in [1, {num_tensors}]: the parameters are {num_tensors} "
+            "tensors, and each fragment holds at least one)"
+        )
+    if inner_steps is not None and value > inner_steps:
+        raise ValueError(
+            f"Invalid {name}: {num_fragments!r} (must lie in [1, inner_steps = {inner_steps}]: each fragment "
+            "synchronises at its own inner step of the period)"
+        )
+    return value
 
 
 def check_outer_lr(outer_lr: Any, name: str = "outer_lr") -> float:

@@ -22,6 +22,7 @@ __all__ = [
     "DEFAULT_LR",
     "DEFAULT_MU_X",
     "DEFAULT_MU_Y",
+    "DEFAULT_NUM_FRAGMENTS",
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_MOMENTUM",
     "DEFAULT_WEIGHT_DECAY",
@@ -48,6 +49,8 @@ AVERAGING_MODES: tuple[str, ...] = tuple(mode.value for mode in Averaging)
 #: Single-worker DiLoCo: inner steps H and outer (Nesterov) learning rate (paper, Algorithm 2).
 DEFAULT_INNER_STEPS = 32
 DEFAULT_OUTER_LR = 0.7
+#: Streaming DiLoCo: the number of fragments P whose outer steps are spread over the period (1: plain DiLoCo).
+DEFAULT_NUM_FRAGMENTS = 1
 #: DiLoCo's outer momentum, also the mu of the paper's conversion mu_x = mu ** (1 / H) (Table 4).
 DEFAULT_OUTER_MOMENTUM = 0.9
 #: GPA's averaging constant: the paper's mu_x for H = 32 inner steps with outer momentum 0.9 (Section 3.1), derived
@@ -106,6 +109,8 @@ INNER_STEPS = "inner_steps"
 OUTER_LR = "outer_lr"
 OUTER_MOMENTUM = "outer_momentum"
 INNER_STEP = "inner_step"  # DiLoCo's count of inner steps taken
+#: DiLoCo, in the param groups of a state dict only: the worker layout that saved it (``_workers.WorkerLayout``).
+DILOCO_LAYOUT = "diloco_layout"
 
 # ---- dtypes ----
 

@@ -1,4 +1,5 @@
-"""Single-worker DiLoCo (Step-K Nesterov outer optimizer): the baseline GPA is measured against (paper, Algorithm 2).
+"""DiLoCo (Step-K Nesterov outer optimizer): single-worker, the baseline GPA is measured against (paper, Algorithm 2),
+and across processes (Douillard et al. 2023), in islands, streaming (Douillard et al. 2025).
 
 The base optimizer takes H inner steps on the parameters (the inner weights); every H-th step the pseudo-gradient
 p = outer - inner drives a Nesterov step of the outer weights, and the inner weights are reset to them:
@@ -10,6 +11,10 @@ which the look-ahead uses the updated buffer; Algorithm 2 in the appendix writes
 we read as a typo since its own momentum update precedes it. The evaluation weights are the outer weights. State
 per parameter: the outer weights and the outer momentum buffer (2 copies, float32 for bf16/fp16 parameters, as GPA
 keeps z) plus the base's state.
+
+Across processes, each of M workers takes its inner steps on its own data and p is the average of the M workers'
+pseudo-gradients, so that the outer weights stay the same bits on every process; the processes, islands, collectives
+and fragments are ``_workers``' affair.
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from typing import Any
 
 import torch
 
-from ._checks import check_diloco
+from ._checks import check_diloco, check_num_fragments
+from ._loading import saved_optimizer_name
 from ._residual import bits_differ
-from ._tensors import authoritative_y, local_tensor
+from ._tensors import authoritative_y, is_dtensor, local_tensor
 from ._types import (
     DEFAULT_INNER_STEPS,
+    DEFAULT_NUM_FRAGMENTS,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
+    DILOCO_LAYOUT,
     INNER_FP32,
     INNER_STEP,
     INNER_STEPS,
@@ -35,36 +43,69 @@ from ._types import (
     OUTER_MOMENTUM_BUFFER,
     state_dtype_for,
 )
+from ._workers import (
+    WorkerLayout,
+    averaged_pseudo_gradients,
+    broadcast_,
+    fragment_due,
+    fragment_of_each,
+    saved_diloco_layout,
+    worker_layout,
+)
 from ._wrapper import BaseOptimizerWrapper
 
 __all__ = ["DiLoCo"]
 
 
 class DiLoCo(BaseOptimizerWrapper):
-    r"""Single-worker DiLoCo / Step-K Nesterov around a base optimizer (paper, Algorithm 2).
+    r"""DiLoCo / Step-K Nesterov around a base optimizer: single-worker (paper, Algorithm 2) or across processes.
 
     .. math::
         \begin{aligned}
             & x_{t+1} = \mathrm{base}(x_t, \nabla f(x_t)) \quad \text{(inner step, with the base's weight decay)} \\
-            & \text{if } t \bmod H = 0: \quad p = \tilde x - x_{t+1}, \quad b \leftarrow \mu b + p, \quad
+            & \text{if } t \bmod H = 0: \quad p = \tfrac{1}{M} \textstyle\sum_{m=1}^{M} (\tilde x - x^{(m)}_{t+1}),
+              \quad b \leftarrow \mu b + p, \quad
               \tilde x \leftarrow \tilde x - \tilde\gamma (\mu b + p), \quad x_{t+1} \leftarrow \tilde x
         \end{aligned}
 
-    ``eval()`` puts the outer weights :math:`\tilde x` into the parameters and ``train()`` restores the inner weights
-    bitwise. For fp32/fp64 parameters the two are exchanged (``state["outer"]`` holds the inner weights while in eval
-    mode, no extra memory). bf16/fp16 parameters keep their state in float32, as GPA does: the outer weights, the outer
-    momentum and the inner weights (``state["inner_fp32"]``, which the base steps, its own state then float32 too;
-    the parameter holds it rounded and stays authoritative: a parameter written by something else wins). Stepping
-    bf16 inner weights would lose the updates smaller than their rounding, and every outer step would take the
-    rounding for a move (least squares in bf16, cosine, 600 steps, H = 8: loss 0.177 at the outer weights against
-    0.0025 in fp32; with float32 state it is the fp32 run's). In eval mode the parameters hold the outer weights
-    rounded; where they were written there, the written value becomes the outer weights.
+    with one worker (M = 1) by default. ``eval()`` puts the outer weights :math:`\tilde x` into the parameters and
+    ``train()`` restores the inner weights bitwise. For fp32/fp64 parameters the two are exchanged (``state["outer"]``
+    holds the inner weights while in eval mode, no extra memory). bf16/fp16 parameters keep their state in float32, as
+    GPA does: the outer weights, the outer momentum and the inner weights (``state["inner_fp32"]``, which the base
+    steps, its own state then float32 too; the parameter holds it rounded and stays authoritative: a parameter
+    written by something else wins). Stepping bf16 inner weights would lose the updates smaller than their rounding,
+    and every outer step would take the rounding for a move (least squares in bf16, cosine, 600 steps, H = 8: loss
+    0.177 at the outer weights against 0.0025 in fp32; with float32 state it is the fp32 run's). In eval mode the
+    parameters hold the outer weights rounded; where they were written there, the written value becomes the outer
+    weights.
+
+    **Across processes** (``distributed=True``, or a ``process_group``): the W processes run M workers, each an
+    island of W / M processes with contiguous ranks (``layout``). A worker's inner weights and inner optimizer state
+    stay on its processes; the processes of an island average their gradients every step (DDP with
+    ``process_group=optimizer.layout.island_group``, or `island_allreduce_hook` on a DDP over all processes; with
+    M = W no DDP is needed); at each outer step the pseudo-gradients are averaged over the M workers by one all-reduce
+    and every process takes the same Nesterov step, so the outer weights are the same bits everywhere. At
+    construction the parameters are broadcast from the group's first process (every worker starts from the same
+    outer weights) and the outer state is created for every parameter that requires a gradient, so that every
+    process takes part in every outer all-reduce. Every process must call ``step()`` equally often. DTensor
+    (FSDP2, tensor-parallel) parameters are refused in this mode.
+
+    **Streaming** (``num_fragments`` = P > 1, Douillard et al. 2025): the parameters (in the order of the groups) are
+    split into P contiguous fragments of about equal size, and fragment k takes its outer step at the inner steps t
+    with (t - k H // P) % H == 0, so one outer all-reduce carries about 1/P of the model. The outer weights that
+    ``eval()`` shows are then each fragment's as of its last outer step (fragments up to H - 1 steps apart).
+
+    A state dict records the layout (world size, M, P, and this process's worker) in its param groups; loading it on
+    another layout raises a ``ValueError`` naming what differs, before anything changes. Each process saves and loads
+    its own state: in eval mode the parameters hold the outer weights (the same on every process: save the model
+    once) and ``state["outer"]`` this worker's inner weights, beside the outer momentum and the base's state.
 
     As a wrapper of its base it behaves like `GPA` (see ``_wrapper``): ``add_param_group`` at any time,
-    ``copy.deepcopy``/``pickle`` round trips, step hooks that fire once per ``DiLoCo.step()``, a step whose base
-    raises before changing its state leaves parameters and state as they were (no copy needed: DiLoCo changes nothing
-    before its base steps), and a state dict saved by the base class itself is adopted (the run continues as DiLoCo's
-    inner optimizer, with the current weights as the first outer weights). Complex parameters follow the base.
+    ``copy.deepcopy``/``pickle`` round trips (a copy across processes shares the process groups; pickling one
+    raises), step hooks that fire once per ``DiLoCo.step()``, a step whose base raises before changing its state
+    leaves parameters and state as they were (no copy needed: DiLoCo changes nothing before its base steps), and a
+    state dict saved by the base class itself is adopted (the run continues as DiLoCo's inner optimizer, with the
+    current weights as the first outer weights). Complex parameters follow the base.
 
     Args:
         params: iterable of parameters or dicts defining parameter groups.
@@ -72,7 +113,18 @@ class DiLoCo(BaseOptimizerWrapper):
         inner_steps: H, the number of inner steps between outer steps (default: 32).
         outer_lr: the outer learning rate :math:`\tilde\gamma` (default: 0.7).
         outer_momentum: the outer Nesterov momentum :math:`\mu` in [0, 1) (default: 0.9).
+        distributed: run across the processes of torch.distributed's default group, which must be more than one
+            (default: False, a single worker that communicates nothing).
+        process_group: run across the processes of this group instead (implies ``distributed``; a group of one
+            process is a single worker) (default: None).
+        num_workers: M, which divides the world size W; each worker is an island of W / M processes (default: None,
+            every process a worker; 1: plain data parallelism around single-worker DiLoCo).
+        num_fragments: P, the fragments of streaming DiLoCo, at most the number of parameter tensors and at most H
+            (default: 1, plain DiLoCo).
         **base_kwargs: the base optimizer's own arguments (lr, betas, weight_decay, ...).
+
+    Papers: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023);
+    Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed Free Lunch" (2025).
     """
 
     def __init__(
@@ -82,13 +134,60 @@ class DiLoCo(BaseOptimizerWrapper):
         inner_steps: int = DEFAULT_INNER_STEPS,
         outer_lr: float = DEFAULT_OUTER_LR,
         outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
+        *,
+        distributed: bool = False,
+        process_group: Any = None,
+        num_workers: int | None = None,
+        num_fragments: int = DEFAULT_NUM_FRAGMENTS,
         **base_kwargs: Any,
     ) -> None:
+        # Every argument is checked before anything is created or communicated: the layout's, the wrapper's and the
+        # base's values (super().__init__), P against the tensors; only then are the process groups created and the
+        # weights broadcast.
+        self.layout: WorkerLayout = worker_layout(distributed, process_group, num_workers, num_fragments)
+        self._fragments: list[int] = []
         defaults = dict(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0)
         super().__init__(params, base, base_kwargs, defaults)
+        check_num_fragments(num_fragments, num_tensors=len(self._all_params()))
+        self.layout = self.layout.connect()
+        self._distribute(self._all_params())
 
     def _check_own(self, values: dict[str, Any]) -> None:
         check_diloco(values[INNER_STEPS], values[OUTER_LR], values[OUTER_MOMENTUM])
+        check_num_fragments(self.layout.num_fragments, inner_steps=values[INNER_STEPS])
+        if self.layout.distributed and any(is_dtensor(p) for p in values.get("params", ())):
+            raise ValueError(
+                "Invalid params: DTensor parameters (FSDP2, tensor parallelism) with a DiLoCo across processes, which "
+                "averages whole tensors over the workers; use distributed=False under FSDP2, or DDP"
+            )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (checked like the constructor's); across processes, its parameters are broadcast from the
+        group's first process and get their outer state now, as the constructor's do."""
+        super().add_param_group(param_group)
+        if self.layout.island_group is not None:  # connected: a group added after the constructor
+            self._distribute(self.param_groups[-1]["params"])
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def _distribute(self, params: list[torch.Tensor]) -> None:
+        """Across processes: every worker starts from the first process's weights, and every parameter that takes a
+        gradient has its outer state now, so that each outer all-reduce has the same tensors on every process."""
+        if not self.layout.distributed:
+            return
+        broadcast_([local_tensor(p) for p in params], self.layout.process_group)
+        for p in params:
+            if p.requires_grad:
+                self._init_outer(p)
+
+    def _fragment_of_each(self) -> list[int]:
+        """The fragment of each parameter, in the order of the groups (computed again once a group was added)."""
+        if len(self._fragments) != len(self._all_params()):
+            numels = [p.numel() for p in self._all_params()]
+            self._fragments = fragment_of_each(numels, self.layout.num_fragments)
+        return self._fragments
 
     def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
         # The base moves the inner weights, once they have a gradient: the parameters themselves, or for bf16/fp16
@@ -141,23 +240,73 @@ class DiLoCo(BaseOptimizerWrapper):
             local_tensor(p).copy_(local_tensor(inner))
         for group in self.param_groups:
             group[INNER_STEP] += 1
-            if group[INNER_STEP] % group[INNER_STEPS] == 0:
-                self._outer_step(group)
+        self._outer_step(self._due())
         return loss
 
-    def _outer_step(self, group: dict[str, Any]) -> None:
-        mu, outer_lr = group[OUTER_MOMENTUM], group[OUTER_LR]
-        for p in group["params"]:
-            state = self.state.get(p)
-            if not state or OUTER not in state:
-                continue
-            inner, outer, buf = (local_tensor(t) for t in (self._inner(p), state[OUTER], state[OUTER_MOMENTUM_BUFFER]))
-            pseudo_grad = outer - inner  # in the outer weights' dtype (float32 for bf16/fp16 parameters)
+    def _due(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        """(group, parameter) of the parameters with outer weights whose fragment takes its outer step now (P = 1:
+        all of them every H-th step), in the order of the groups: the same list on every process."""
+        fragments, due, position = self._fragment_of_each(), [], 0
+        num_fragments = self.layout.num_fragments
+        for group in self.param_groups:
+            step, period = group[INNER_STEP], group[INNER_STEPS]
+            for p in group["params"]:
+                if fragment_due(fragments[position], step, period, num_fragments) and OUTER in self.state.get(p, ()):
+                    due.append((group, p))
+                position += 1
+        return due
+
+    def _outer_step(self, due: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
+        if not due:
+            return
+        inners = [local_tensor(self._inner(p)) for _, p in due]
+        outers = [local_tensor(self.state[p][OUTER]) for _, p in due]
+        for (group, p), inner, outer, pseudo_grad in zip(due, inners, outers, self._pseudo_gradients(outers, inners)):
+            # pseudo_grad: in the outer weights' dtype (float32 for bf16/fp16 parameters)
+            mu, outer_lr, buf = (
+                group[OUTER_MOMENTUM],
+                group[OUTER_LR],
+                local_tensor(self.state[p][OUTER_MOMENTUM_BUFFER]),
+            )
             buf.mul_(mu).add_(pseudo_grad)
             outer.sub_(pseudo_grad.add_(buf, alpha=mu), alpha=outer_lr)
             inner.copy_(outer)
             if inner is not local_tensor(p):
                 local_tensor(p).copy_(outer)
+
+    def _pseudo_gradients(self, outers: list[torch.Tensor], inners: list[torch.Tensor]) -> Iterable[torch.Tensor]:
+        """outer - inner of each tensor, averaged over the workers: one at a time for a single worker (nothing to
+        communicate), else all at once in the flat buffers of the all-reduce."""
+        if self.layout.outer_group is None:
+            return (outer - inner for outer, inner in zip(outers, inners))
+        return averaged_pseudo_gradients(outers, inners, self.layout)
+
+    # ---- the layout in the state dict ----
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``)."""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            group[DILOCO_LAYOUT] = self.layout.saved()
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved on this layout (world size, M, P, worker); another layout raises a ``ValueError`` naming
+        what differs, before anything changes. A DiLoCo state that records no layout is a single worker's, P = 1."""
+        saved = saved_diloco_layout(state_dict)
+        if saved is None and saved_optimizer_name(state_dict) == self.optimizer_name:
+            saved = WorkerLayout().saved()
+        if saved is not None:
+            self.layout.check_saved(saved, self.optimizer_name)
+        groups = [{k: v for k, v in group.items() if k != DILOCO_LAYOUT} for group in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "layout": self.layout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._fragments = []
 
     # Where the outer weights have the parameter's dtype, the switch exchanges the contents of the parameter and of
     # state["outer"], keeping the key names (checkpoint loaders fill only keys their template has): in eval mode

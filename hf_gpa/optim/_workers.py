@@ -1,0 +1,312 @@
+"""DiLoCo's workers across processes: the layout, its process groups, the outer step's collectives, the fragments.
+
+W processes (a torch.distributed process group) run M workers (M divides W); each worker is an *island* of
+S = W / M processes with contiguous group ranks (worker i: ranks [i S, (i + 1) S); with torchrun's rank order a node's
+processes are contiguous, so an island can be a node). Each process belongs to two groups:
+
+* its island (S processes), in which gradients are averaged every step, as DDP does: build DDP with
+  ``process_group=layout.island_group``, or register `island_allreduce_hook` on a DDP built over all processes (as
+  accelerate builds it);
+* its *outer group* (M processes: the one at its own position in every island), in which the pseudo-gradients are
+  averaged at each outer step. The processes of an island hold the same inner weights, so the S outer groups add the
+  same M values in the same positions, each returns the same bits to its members, and no broadcast inside an island
+  is needed. An all-reduce over all W processes divided by W would add each island's pseudo-gradient S times in some
+  order and round differently from the average of the M workers.
+
+The pseudo-gradients are summed by one all-reduce per (device, dtype) bucket (a flat buffer) and divided by M. Every
+process receives the same bits from the collective, so the outer step leaves the same bits everywhere. Against an
+average taken in a fixed order: with M = 2 the sum of 2 terms is the same in any order, and halving is exact, so
+the average is bitwise the fixed-order one; with M > 2 the backend's order of the M additions may round differently
+(the two sums differ by at most 2 (M - 1) u sum_i |p_i| per element, u the unit roundoff of the dtype). An all-gather
+and a fixed-order sum would be bitwise for every M, but each process would receive M - 1 fragments instead of the
+ring all-reduce's 2 (M - 1) / M: traffic is what DiLoCo exists to save.
+
+Streaming (P fragments): the parameters, in the order of the param groups, are split into P contiguous runs of about
+equal size (each at least one tensor), and fragment k has its outer step at the inner steps t with
+(t - k H // P) % H == 0, so that one outer all-reduce carries about 1/P of the model. P = 1 is plain DiLoCo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._checks import check_num_fragments, check_num_workers
+from ._types import DILOCO_LAYOUT
+
+__all__ = [
+    "WorkerLayout",
+    "worker_layout",
+    "island_allreduce_hook",
+    "saved_diloco_layout",
+    "fragment_of_each",
+    "fragment_due",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerLayout:
+    """Where a DiLoCo optimizer runs: ``world_size`` processes as ``num_workers`` islands, ``num_fragments``
+    fragments, this process in island ``worker``; with its process groups once connected (`connected`).
+
+    A single-worker DiLoCo has the layout (1, 1, P, 0) and no process groups. ``saved()`` is what a state dict
+    records; ``check_saved`` refuses a state saved on another layout.
+    """
+
+    world_size: int = 1
+    num_workers: int = 1
+    num_fragments: int = 1
+    worker: int = 0
+    #: The processes of the whole DiLoCo run (None: a single worker, no communication).
+    process_group: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: This process's island (all W processes when M = 1); None until connected.
+    island_group: Any = dataclasses.field(default=None, compare=False, repr=False)
+    #: One process of each island, this one included, for the pseudo-gradient all-reduce (None when M = 1).
+    outer_group: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.process_group is not None
+
+    @property
+    def island_size(self) -> int:
+        """S = W / M, the processes of one worker."""
+        return self.world_size // self.num_workers
+
+    def saved(self) -> dict[str, int]:
+        """What a state dict records of the layout (``state_dict()["param_groups"][i]["diloco_layout"]``)."""
+        return {
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "num_fragments": self.num_fragments,
+            "worker": self.worker,
+        }
+
+    def check_saved(self, saved: dict[str, Any], owner: str) -> None:
+        """Refuse, by name, a state saved on another layout (another world size, M, P, or another worker's state)."""
+        mine = self.saved()
+        what = {
+            "world_size": "the world size (processes)",
+            "num_workers": "num_workers (M)",
+            "num_fragments": "num_fragments (P)",
+        }
+        for key, name in what.items():
+            if saved.get(key) != mine[key]:
+                raise ValueError(
+                    f"{owner}.load_state_dict(): the state dict was saved with {name} = {saved.get(key)!r}, this "
+                    f"optimizer runs with {mine[key]} ({_describe(saved)} against {_describe(mine)}). A DiLoCo state "
+                    "resumes only on the layout that saved it; start a new run from the checkpoint's outer weights "
+                    "(the model weights saved in eval mode) to change it"
+                )
+        if saved.get("worker") != mine["worker"]:
+            raise ValueError(
+                f"{owner}.load_state_dict(): the state dict holds worker {saved.get('worker')!r}'s inner weights and "
+                f"inner optimizer state, this process is in worker {mine['worker']}: each process loads the state "
+                "that a process of its own worker (island) saved"
+            )
+
+    def connect(self) -> WorkerLayout:
+        """This layout with its island and outer process groups (created by the member processes only)."""
+        if not self.distributed or self.island_group is not None:
+            return self
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self.process_group)  # global ranks, in group rank order
+        size, me = self.island_size, dist.get_rank(self.process_group)
+        island = self.process_group if self.num_workers == 1 else self._subgroup(ranks[me - me % size :][:size])
+        if self.num_workers == 1:
+            outer = None
+        elif size == 1:
+            outer = self.process_group
+        else:
+            outer = self._subgroup(ranks[me % size :: size])
+        return dataclasses.replace(self, island_group=island, outer_group=outer)
+
+    def _subgroup(self, ranks: list[int]) -> Any:
+        import torch.distributed as dist
+
+        # Only the members create it (use_local_synchronization), with the parent's collective timeout and backend:
+        # a process that fails or leaves makes the others fail within the timeout the run was started with.
+        return dist.new_group(
+            ranks,
+            timeout=_timeout(self.process_group),
+            backend=dist.get_backend(self.process_group),
+            use_local_synchronization=True,
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> WorkerLayout:
+        return self  # immutable, and its process groups belong to the run: a copy of the optimizer shares them
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.distributed:
+            raise TypeError(
+                "A DiLoCo across processes cannot be pickled: its process groups belong to this run. Save "
+                "optimizer.state_dict() (and the model) instead"
+            )
+        return dict(self.__dict__)
+
+
+def _describe(layout: dict[str, Any]) -> str:
+    return (
+        f"{layout.get('num_workers')!r} workers over {layout.get('world_size')!r} processes, "
+        f"{layout.get('num_fragments')!r} fragments"
+    )
+
+
+def _timeout(group: Any) -> datetime.timedelta | None:
+    """The collective timeout ``group`` was created with (None where the backend does not say)."""
+    for device_type in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(torch.device(device_type)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def worker_layout(distributed: bool, process_group: Any, num_workers: Any, num_fragments: Any) -> WorkerLayout:
+    """The layout DiLoCo's arguments ask for, checked (nothing is created or communicated here).
+
+    ``distributed=False`` and no ``process_group``: one worker. ``distributed=True``: the processes of the default
+    group, which must be more than one; ``process_group``: that group's processes (a group of one is one worker).
+    """
+    if not isinstance(distributed, bool):
+        raise ValueError(f"Invalid distributed: {distributed!r} (must be True or False)")
+    fragments = check_num_fragments(num_fragments)
+    if not distributed and process_group is None:
+        if num_workers not in (None, 1):
+            raise ValueError(
+                f"Invalid num_workers: {num_workers!r} (more than one worker needs distributed=True, or a "
+                "process_group, under accelerate launch or torchrun)"
+            )
+        return WorkerLayout(num_fragments=fragments)
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "Invalid distributed: True (torch.distributed is not initialised: launch with accelerate launch or "
+            "torchrun and build the Accelerator, or call torch.distributed.init_process_group(), before the "
+            "optimizer)"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("Invalid process_group: this process is not a member of it")
+    if process_group is None and world_size == 1:
+        raise ValueError(
+            "Invalid distributed: True on a single process (world size 1): there is no other worker to average "
+            "with. Launch several processes (accelerate launch --num_processes N, torchrun --nproc_per_node N), or "
+            "leave distributed=False for single-worker DiLoCo"
+        )
+    workers = world_size if num_workers is None else check_num_workers(num_workers, world_size)
+    return WorkerLayout(world_size, workers, fragments, rank // (world_size // workers), process_group=group)
+
+
+def saved_diloco_layout(state_dict: dict[str, Any]) -> dict[str, int] | None:
+    """The worker layout a DiLoCo state dict was saved on ({"world_size", "num_workers", "num_fragments",
+    "worker"}), or None for a state saved by anything else."""
+    groups = state_dict.get("param_groups") or [{}]
+    layout = groups[0].get(DILOCO_LAYOUT)
+    return None if layout is None else dict(layout)
+
+
+# ---- the collectives ----
+
+
+def _flat_buckets(like: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[int], list[torch.Tensor]]]:
+    """One flat buffer per (device, dtype) of ``like``, in first-seen order (the same on every process for the same
+    model), with the indices it serves and views of it shaped as those tensors."""
+    indices: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(like):
+        indices.setdefault((t.device, t.dtype), []).append(i)
+    buckets = []
+    for (device, dtype), idx in indices.items():
+        flat = torch.empty(sum(like[i].numel() for i in idx), device=device, dtype=dtype)
+        views, offset = [], 0
+        for i in idx:
+            views.append(flat[offset : offset + like[i].numel()].view(like[i].shape))
+            offset += like[i].numel()
+        buckets.append((flat, idx, views))
+    return buckets
+
+
+def broadcast_(tensors: Sequence[torch.Tensor], group: Any) -> None:
+    """Every process's ``tensors`` become those of the group's first process (one broadcast per bucket)."""
+    import torch.distributed as dist
+
+    for flat, idx, views in _flat_buckets(tensors):
+        for i, view in zip(idx, views):
+            view.copy_(tensors[i])
+        dist.broadcast(flat, group_src=0, group=group)
+        for i, view in zip(idx, views):
+            tensors[i].copy_(view)
+
+
+def averaged_pseudo_gradients(
+    outers: Sequence[torch.Tensor], inners: Sequence[torch.Tensor], layout: WorkerLayout
+) -> list[torch.Tensor]:
+    """outer - inner of each tensor, averaged over the M workers: summed by one all-reduce per bucket in the outer
+    group, then divided by M (the same bits on every process; see the module docstring for the rounding)."""
+    import torch.distributed as dist
+
+    averaged: list[torch.Tensor] = [outers[0]] * len(outers)
+    for flat, idx, views in _flat_buckets(outers):
+        for i, view in zip(idx, views):
+            torch.sub(outers[i], inners[i], out=view)
+            averaged[i] = view
+        dist.all_reduce(flat, group=layout.outer_group)
+        flat.div_(layout.num_workers)
+    return averaged
+
+
+def island_allreduce_hook(island_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook that averages each gradient bucket over the processes of one island only.
+
+    For a DDP model built over all processes (as accelerate builds it) under a distributed `DiLoCo`:
+    ``ddp_model.register_comm_hook(optimizer.layout.island_group, island_allreduce_hook)`` before the first backward.
+    No gradient then crosses islands; an island of one process sends nothing.
+    """
+    import torch.distributed as dist
+
+    grads = bucket.buffer()
+    size = island_group.size()
+    if size == 1:
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(grads)
+        return done
+    grads.div_(size)  # before the sum, as DDP does: exact for islands of 2, 4, 8, ... processes
+    work = dist.all_reduce(grads, group=island_group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
+if torch.distributed.is_available():
+    # DDP's register_comm_hook compares a hook's annotations with these classes; this module's are strings.
+    island_allreduce_hook.__annotations__.update(
+        {"bucket": torch.distributed.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    )
+
+
+# ---- streaming: the fragments and their schedule ----
+
+
+def fragment_of_each(numels: Sequence[int], num_fragments: int) -> list[int]:
+    """The fragment (0 .. P - 1) of each tensor: P contiguous runs in the given order, each at least one tensor, a
+    tensor going to the fragment in whose share (k/P to (k+1)/P of the total size) its middle lies."""
+    total, n = sum(numels), len(numels)
+    fragments, before, previous = [], 0, -1
+    for i, size in enumerate(numels):
+        # middle of the tensor, in fragments (integers: every process computes the same split)
+        share = (2 * before + size) * num_fragments // (2 * total) if total else i * num_fragments // max(n, 1)
+        fragment = min(max(share, previous, num_fragments - (n - i)), previous + 1, num_fragments - 1)
+        fragments.append(fragment)
+        before, previous = before + size, fragment
+    return fragments
+
+
+def fragment_due(fragment: int, inner_step: int, inner_steps: int, num_fragments: int) -> bool:
+    """Whether fragment ``fragment`` takes its outer step after inner step ``inner_step`` (1, 2, ...): at the steps t
+    with (t - offset) % H == 0, the offsets k H // P spread evenly over the period (fragment 0: t % H == 0)."""
+    return (inner_step - fragment * inner_steps // num_fragments) % inner_steps == 0

@@ -1,0 +1,103 @@
+"""DiLoCo's workers simulated in one process: the plain loop a DiLoCo run across processes must reproduce.
+
+M workers, each an island of S ranks, train copies of one model: every inner step each rank of an island takes the
+gradient of its own rows of the global batch, the island averages them (as DDP does), and the worker's own
+``torch.optim.AdamW`` steps its copy. At the inner steps where a fragment is due (fragment k at the steps t with
+(t - k H // P) % H == 0), the pseudo-gradients outer - inner of the fragment's tensors are averaged over the workers in
+a fixed order, the Nesterov step moves the outer weights (b <- mu b + p, outer <- outer - outer_lr (p + mu b)), and
+every worker's inner weights are reset to them. Written from the papers' algorithms (DiLoCo, Streaming DiLoCo), with
+nothing of hf_gpa; the split into fragments is written out for the MLP (``FRAGMENTS``) rather than computed.
+
+The model and the global batches are those of ``distributed_workers``; rank r of W owns rows
+[r G / W, (r + 1) G / W) of each global batch of G rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from distributed_workers import GLOBAL_BATCH, build_mlp, global_batch, mse
+
+ADAMW_KW: dict[str, Any] = dict(lr=0.05, betas=(0.9, 0.99), weight_decay=0.1)
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+#: The fragment of each tensor of ``build_mlp`` (weights and biases of 6x15, 15x9, 9x1 layers: 90, 15, 135, 9, 9, 1
+#: elements) for P = 1, 2, 3: P contiguous runs of about equal size, a tensor in the run where its middle lies.
+FRAGMENTS = {1: [0, 0, 0, 0, 0, 0], 2: [0, 0, 1, 1, 1, 1], 3: [0, 1, 1, 2, 2, 2]}
+
+
+def rank_rows(step: int, rank: int, world_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s rows of the global batch of ``step`` (0-based), with ``world_size`` ranks in all."""
+    inputs, targets = global_batch(step, dtype)
+    rows = GLOBAL_BATCH // world_size
+    own = slice(rank * rows, (rank + 1) * rows)
+    return inputs[own], targets[own]
+
+
+@dataclass
+class Snapshot:
+    """After one inner step (and the outer step it ends, if any): each worker's inner weights, the outer weights and
+    the outer momentum (lists in the model's parameter order)."""
+
+    inner: list[list[torch.Tensor]]
+    outer: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    #: The pseudo-gradients of each worker averaged by this step's outer step (None where no tensor was due).
+    pseudo_gradients: list[list[torch.Tensor | None]] | None = None
+
+
+def simulate(
+    num_workers: int,
+    island_size: int,
+    inner_steps: int,
+    num_fragments: int,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+) -> list[Snapshot]:
+    """The plain loop of M = ``num_workers`` workers of ``island_size`` ranks each: a snapshot after every step."""
+    world_size = num_workers * island_size
+    models = [build_mlp(dtype) for _ in range(num_workers)]  # seeded: the same initial weights
+    inner_optimizers = [torch.optim.AdamW(model.parameters(), **ADAMW_KW) for model in models]
+    weights = [list(model.parameters()) for model in models]
+    outer = [p.detach().clone() for p in weights[0]]
+    momentum = [torch.zeros_like(p) for p in outer]
+    history = []
+    for t in range(1, steps + 1):
+        for worker, (model, optimizer) in enumerate(zip(models, inner_optimizers)):
+            grads = []
+            for rank in range(worker * island_size, (worker + 1) * island_size):
+                model.zero_grad()
+                mse(model, *rank_rows(t - 1, rank, world_size, dtype)).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for i, p in enumerate(model.parameters()):
+                island = [g[i] for g in grads]
+                p.grad = island[0] if island_size == 1 else sum(island[1:], island[0]) / island_size
+            optimizer.step()
+        averaged: list[list[torch.Tensor | None]] = [[None] * len(outer) for _ in range(num_workers)]
+        due = False
+        with torch.no_grad():
+            for i, fragment in enumerate(FRAGMENTS[num_fragments]):
+                if (t - fragment * inner_steps // num_fragments) % inner_steps:
+                    continue
+                due = True
+                pseudo = [outer[i] - w[i] for w in weights]
+                for worker in range(num_workers):
+                    averaged[worker][i] = pseudo[worker]
+                p = pseudo[0]
+                for q in pseudo[1:]:
+                    p = p + q  # the fixed order: worker 0, 1, 2, ...
+                p = p / num_workers
+                momentum[i].mul_(OUTER_MOMENTUM).add_(p)
+                outer[i].sub_(p.add(momentum[i], alpha=OUTER_MOMENTUM), alpha=OUTER_LR)
+                for w in weights:
+                    w[i].copy_(outer[i])
+        history.append(
+            Snapshot(
+                inner=[[p.detach().clone() for p in w] for w in weights],
+                outer=[p.clone() for p in outer],
+                momentum=[b.clone() for b in momentum],
+                pseudo_gradients=averaged if due else None,
+            )
+        )
+    return history

@@ -1,0 +1,223 @@
+"""Worker code for tests/test_diloco_distributed.py: DiLoCo across 2 or 4 CPU processes (gloo), one process a rank.
+
+Each process is started on its own (no launcher that would stop the others when one fails) and meets the others
+through a file in the output directory:
+
+    python tests/diloco_workers.py SCENARIO OUT_DIR RANK WORLD_SIZE
+
+Workers only observe: each writes what it held after every step (``{scenario}_rank{r}.pt``) and the errors it saw;
+the tests compare those with the single-process simulation (``diloco_simulation``). Every process ends its process
+group in a ``finally``, also when its scenario raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from diloco_simulation import ADAMW_KW, OUTER_LR, OUTER_MOMENTUM, rank_rows
+from distributed_workers import build_mlp, mse
+from torch.nn.parallel import DistributedDataParallel
+
+from hf_gpa.optim import DiLoCo, island_allreduce_hook
+from hf_gpa.optim._workers import _timeout
+
+#: The collective timeout of every launch: a process left alone in a collective fails after this, not after gloo's
+#: default 30 minutes.
+TIMEOUT_S = 20
+STEPS = 7  # H = 3: outer steps at 3 and 6, and an inner step after the last
+INNER_STEPS = 3
+STREAMING = dict(inner_steps=4, num_fragments=2, steps=10)  # fragment 1 at steps 2, 6, 10; fragment 0 at 4, 8
+RESUME_AT = 4  # between two outer steps of fragment 0, after one of fragment 1 (H = 4, P = 2)
+
+
+def diloco(model: torch.nn.Module, **kwargs: Any) -> DiLoCo:
+    return DiLoCo(
+        model.parameters(), base=torch.optim.AdamW, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+        distributed=True, **{"inner_steps": INNER_STEPS, **ADAMW_KW, **kwargs},
+    )  # fmt: skip
+
+
+def snapshot(model: torch.nn.Module, optimizer: DiLoCo) -> dict[str, list[torch.Tensor]]:
+    params = list(model.parameters())
+    return {
+        "inner": [p.detach().clone() for p in params],
+        "outer": [optimizer.state[p]["outer"].clone() for p in params],
+        "momentum": [optimizer.state[p]["outer_momentum_buffer"].clone() for p in params],
+    }
+
+
+def train(
+    forward: torch.nn.Module, plain: torch.nn.Module, optimizer: DiLoCo, steps: range, history: list | None = None
+) -> None:
+    """Inner steps on this rank's rows (``forward``: the model, or its DDP wrapper), a snapshot after each."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        optimizer.zero_grad()
+        mse(forward, *rank_rows(step, rank, world_size, torch.float32)).backward()
+        optimizer.step()
+        if history is not None:
+            history.append(snapshot(plain, optimizer))
+
+
+def error_of(build: Any) -> str:
+    """The message of the ValueError ``build()`` raises ("" if it raises none)."""
+    try:
+        build()
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def two_ranks(out: Path, rank: int) -> None:
+    """Two workers: plain DiLoCo and streaming (P = 2); one worker of two processes; a resume on the same layout,
+    loads on another layout, M that does not divide W; other initial weights, a gradient on one rank only."""
+    facts: dict[str, Any] = {}
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model)
+    facts["layout"] = optimizer.layout.saved()
+    facts["plain"] = []
+    train(model, model, optimizer, range(STEPS), facts["plain"])
+
+    # One worker of both processes (M = 1): DDP over the whole group around single-worker DiLoCo.
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model, num_workers=1)
+    facts["one_worker_groups"] = [optimizer.layout.island_group is dist.group.WORLD, optimizer.layout.outer_group]
+    facts["one_worker"] = []
+    ddp = DistributedDataParallel(model, process_group=optimizer.layout.island_group)
+    train(ddp, model, optimizer, range(STEPS), facts["one_worker"])
+
+    h, p, steps = STREAMING["inner_steps"], STREAMING["num_fragments"], STREAMING["steps"]
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model, inner_steps=h, num_fragments=p)
+    facts["streaming"] = []
+    train(model, model, optimizer, range(steps), facts["streaming"])
+
+    # Resume in the middle of the period, from a state saved in eval mode: the model holds the outer weights (the same
+    # on every rank), the optimizer state this worker's inner weights.
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model, inner_steps=h, num_fragments=p)
+    train(model, model, optimizer, range(RESUME_AT))
+    optimizer.eval()
+    saved_model, saved_optimizer = model.state_dict(), optimizer.state_dict()
+    torch.save({"model": saved_model, "optimizer": saved_optimizer}, out / f"checkpoint_rank{rank}.pt")
+    optimizer.train()
+    facts["uninterrupted"] = []
+    train(model, model, optimizer, range(RESUME_AT, steps), facts["uninterrupted"])
+
+    checkpoint = torch.load(out / f"checkpoint_rank{rank}.pt", weights_only=True)
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model, inner_steps=h, num_fragments=p)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    optimizer.train()
+    facts["resumed"] = []
+    train(model, model, optimizer, range(RESUME_AT, steps), facts["resumed"])
+
+    # Loads on another layout are refused before anything changes.
+    other_rank = torch.load(out / f"checkpoint_rank{1 - rank}.pt", weights_only=True)["optimizer"]
+    for name, kwargs, state in [
+        ("num_workers", dict(num_workers=1), checkpoint["optimizer"]),
+        ("num_fragments", dict(num_fragments=1), checkpoint["optimizer"]),
+        ("worker", {}, other_rank),
+    ]:
+        model = build_mlp(torch.float32)
+        optimizer = diloco(model, **{"inner_steps": h, "num_fragments": p, **kwargs})
+        before = snapshot(model, optimizer), [dict(g, params=None) for g in optimizer.param_groups]
+        facts[f"load_other_{name}"] = error_of(lambda: optimizer.load_state_dict(state))  # noqa: B023
+        after = snapshot(model, optimizer), [dict(g, params=None) for g in optimizer.param_groups]
+        facts[f"load_other_{name}_unchanged"] = _same(before[0], after[0]) and before[1] == after[1]
+
+    facts["bad_num_workers"] = error_of(lambda: diloco(build_mlp(torch.float32), num_workers=3))
+
+    # Rank 1 starts from other weights, and each rank trains one head of its own (the other's takes no gradient
+    # there): the construction gives every rank rank 0's weights, and every parameter takes part in every outer step.
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleList([torch.nn.Linear(6, 1) for _ in range(2)])
+    if rank == 1:
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.add_(1.0)
+    optimizer = diloco(heads)
+    facts["heads_at_start"] = [p.detach().clone() for p in heads.parameters()]
+    for step in range(INNER_STEPS):
+        optimizer.zero_grad()
+        inputs, targets = rank_rows(step, rank, 2, torch.float32)
+        torch.nn.functional.mse_loss(heads[rank](inputs), targets).backward()
+        optimizer.step()
+    facts["heads_outer"] = [optimizer.state[p]["outer"].clone() for p in heads.parameters()]
+    torch.save(facts, out / f"two_ranks_rank{rank}.pt")
+
+
+def four_ranks(out: Path, rank: int) -> None:
+    """Four workers; two islands of two, with DDP in each island and with the hook on a DDP over all four."""
+    facts: dict[str, Any] = {}
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model)
+    facts["four_workers"] = []
+    train(model, model, optimizer, range(STEPS), facts["four_workers"])
+
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model, num_workers=2)
+    facts["layout"] = optimizer.layout.saved()
+    facts["island_size"] = optimizer.layout.island_size
+    groups = (optimizer.layout.island_group, optimizer.layout.outer_group)
+    facts["group_timeouts_s"] = [_timeout(group).total_seconds() for group in groups]
+    ddp = DistributedDataParallel(model, process_group=optimizer.layout.island_group)
+    facts["islands_ddp"] = []
+    train(ddp, model, optimizer, range(STEPS), facts["islands_ddp"])
+
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model, num_workers=2)
+    ddp = DistributedDataParallel(model)  # over all four processes, as accelerate builds it
+    ddp.register_comm_hook(optimizer.layout.island_group, island_allreduce_hook)
+    facts["islands_hook"] = []
+    train(ddp, model, optimizer, range(STEPS), facts["islands_hook"])
+
+    facts["bad_num_workers"] = error_of(lambda: diloco(build_mlp(torch.float32), num_workers=3))
+    torch.save(facts, out / f"four_ranks_rank{rank}.pt")
+
+
+def one_rank_leaves(out: Path, rank: int) -> None:
+    """Rank 1 raises before the first outer step; rank 0 goes on into the outer all-reduce and must fail."""
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model)
+    train(model, model, optimizer, range(INNER_STEPS - 1))
+    if rank == 1:
+        raise RuntimeError("rank 1 fails before the outer step")
+    train(model, model, optimizer, range(INNER_STEPS - 1, INNER_STEPS))
+    (out / "rank0_passed_the_outer_step").write_text("")  # must not happen
+
+
+def _same(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> bool:
+    return all(torch.equal(x, y) for key in a for x, y in zip(a[key], b[key]))
+
+
+SCENARIOS = {"two_ranks": two_ranks, "four_ranks": four_ranks, "one_rank_leaves": one_rank_leaves}
+
+
+def main(scenario: str, out: str, rank: str, world_size: str) -> None:
+    out_dir = Path(out).resolve()
+    torch.set_num_threads(1)  # the ranks share 2 cores in CI
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir}/rendezvous",
+        rank=int(rank),
+        world_size=int(world_size),
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
+    try:
+        SCENARIOS[scenario](out_dir, int(rank))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

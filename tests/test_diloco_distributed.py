@@ -1,0 +1,244 @@
+"""DiLoCo across processes: 2 and 4 CPU ranks (gloo) against the single-process simulation of the same workers.
+
+Each launch starts one process per rank (``tests/diloco_workers.py``), meeting through a file; the workers write what
+they held after every step, and the tests compare it with ``diloco_simulation.simulate`` (each worker's batches and
+inner AdamW, the pseudo-gradients averaged in a fixed order, the Nesterov step). The launches are shared between
+tests through module-scoped fixtures, and each is killed on its timeout.
+
+What is exact, and why:
+
+* 2 workers, 1 worker of 2 processes, and 2 islands of 2: bitwise. The all-reduce adds 2 terms (the same in either
+  order) and halving is exact; DDP's gradient average over 2 processes is halves added, again exact.
+* 4 workers: the backend adds the 4 pseudo-gradients in an order of its own, so the average may differ from the
+  fixed-order one by the rounding of those additions, at most 2 (M - 1) u sum_m |p_m| / M per element (u = 2**-24;
+  two sums of M terms, each within (M - 1) u sum |p_m| of the exact one); checked on the first outer step, where the
+  outer momentum buffer holds the average itself. Later steps carry that rounding on through AdamW: measured at most
+  1.2e-7 over the run, checked against 1e-6.
+* On every rank the outer weights are the same bits after every step (the collective returns the same bits to all).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import diloco_workers as dw
+import pytest
+import torch
+from diloco_simulation import Snapshot, simulate
+from launching import LAUNCH_TIMEOUT_S, launch_env, run_logged, run_logged_together, run_together, tail
+
+WORKERS = Path(__file__).with_name("diloco_workers.py")
+REPO = Path(__file__).resolve().parents[1]
+UNIT_ROUNDOFF = 2.0**-24  # float32
+FOUR_WORKERS_TOL = dict(rtol=0.0, atol=1e-6)  # measured: at most 1.2e-7 after 7 steps (2 outer steps)
+
+
+def launch(scenario: str, world_size: int, out: Path) -> list[dict[str, Any]]:
+    """Run ``scenario`` on ``world_size`` processes; each rank's record. A failure or a hang fails the test."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmds = [[sys.executable, str(WORKERS), scenario, str(out), str(r), str(world_size)] for r in range(world_size)]
+    logs = [out / f"rank{r}.log" for r in range(world_size)]
+    run_logged_together(cmds, logs, launch_env(REPO, WORKERS.parent), what=f"{scenario} on {world_size} processes")
+    return [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch("two_ranks", 2, tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch("four_ranks", 4, tmp_path_factory.mktemp("four_ranks"))
+
+
+def assert_matches(
+    history: list[dict[str, list[torch.Tensor]]], expected: list[Snapshot], worker: int, **tol: float
+) -> None:
+    """One rank's inner weights (its worker's), outer weights and outer momentum after every step, bitwise or
+    within ``tol``."""
+    assert len(history) == len(expected)
+    for step, (held, snapshot) in enumerate(zip(history, expected), start=1):
+        for key, want in (
+            ("inner", snapshot.inner[worker]),
+            ("outer", snapshot.outer),
+            ("momentum", snapshot.momentum),
+        ):
+            for i, (a, b) in enumerate(zip(held[key], want)):
+                if tol:
+                    torch.testing.assert_close(a, b, **tol, msg=lambda m: f"step {step}, {key}[{i}]: {m}")  # noqa: B023
+                else:
+                    assert torch.equal(a, b), f"step {step}, {key}[{i}]: max |diff| {(a - b).abs().max().item():.3g}"
+
+
+def assert_same_outer_everywhere(histories: list[list[dict[str, list[torch.Tensor]]]]) -> None:
+    for step, held in enumerate(zip(*histories), start=1):
+        for rank, other in enumerate(held[1:], start=1):
+            for key in ("outer", "momentum"):
+                assert all(torch.equal(a, b) for a, b in zip(held[0][key], other[key])), (step, rank, key)
+
+
+# ---------------------------------------------------------------- 2 processes
+
+
+def test_two_workers_equal_the_simulation_bitwise(two_ranks: list) -> None:
+    """2 workers (H = 3, 7 steps): each rank's inner weights are its worker's, the outer weights and momentum the
+    simulation's, bitwise, after every step."""
+    expected = simulate(num_workers=2, island_size=1, inner_steps=dw.INNER_STEPS, num_fragments=1, steps=dw.STEPS)
+    for rank, facts in enumerate(two_ranks):
+        assert facts["layout"] == {"world_size": 2, "num_workers": 2, "num_fragments": 1, "worker": rank}
+        assert_matches(facts["plain"], expected, worker=rank)
+    assert not torch.equal(expected[1].inner[0][0], expected[1].inner[1][0])  # the workers really differ
+
+
+def test_one_worker_of_two_processes_is_ddp_around_single_worker_diloco_bitwise(two_ranks: list) -> None:
+    """M = 1: the island is the whole group (DDP over it), nothing is averaged at the outer step; both ranks hold
+    the simulation's one worker of 2 processes, bitwise."""
+    expected = simulate(num_workers=1, island_size=2, inner_steps=dw.INNER_STEPS, num_fragments=1, steps=dw.STEPS)
+    for facts in two_ranks:
+        assert facts["one_worker_groups"] == [True, None]
+        assert_matches(facts["one_worker"], expected, worker=0)
+
+
+def test_streaming_two_fragments_equal_the_simulation_bitwise(two_ranks: list) -> None:
+    """Streaming, P = 2, H = 4: fragment 1 synchronised at steps 2, 6, 10 and fragment 0 at 4, 8, bitwise."""
+    s = dw.STREAMING
+    expected = simulate(2, 1, s["inner_steps"], s["num_fragments"], s["steps"])
+    for rank, facts in enumerate(two_ranks):
+        assert_matches(facts["streaming"], expected, worker=rank)
+    # Each fragment moved at its own steps: at step 2 only fragment 1 (tensors 2..5) has outer weights that moved.
+    initial = simulate(2, 1, s["inner_steps"], s["num_fragments"], 1)[0].outer
+    moved = [not torch.equal(a, b) for a, b in zip(expected[1].outer, initial)]
+    assert moved == [False, False, True, True, True, True]
+
+
+def test_outer_weights_are_the_same_bits_on_every_rank(two_ranks: list, four_ranks: list) -> None:
+    """After every step the outer weights and momentum are bitwise equal on all ranks (2 and 4 workers, islands)."""
+    for key in ("plain", "streaming"):
+        assert_same_outer_everywhere([facts[key] for facts in two_ranks])
+    for key in ("four_workers", "islands_ddp", "islands_hook"):
+        assert_same_outer_everywhere([facts[key] for facts in four_ranks])
+
+
+def test_resume_on_the_same_layout_is_bitwise(two_ranks: list) -> None:
+    """A state saved in eval mode mid-period (model: the outer weights; optimizer: this worker's inner weights and
+    state) resumes every rank bitwise: inner, outer and momentum equal the uninterrupted run's after every step."""
+    for facts in two_ranks:
+        assert len(facts["resumed"]) == dw.STREAMING["steps"] - dw.RESUME_AT
+        for held, want in zip(facts["resumed"], facts["uninterrupted"]):
+            for key in want:
+                assert all(torch.equal(a, b) for a, b in zip(held[key], want[key])), key
+
+
+@pytest.mark.parametrize(
+    ("what", "named"),
+    [("num_workers", "num_workers (M) = 2"), ("num_fragments", "num_fragments (P) = 2"), ("worker", "worker")],
+)
+def test_a_load_on_another_layout_is_refused_before_anything_changes(two_ranks: list, what: str, named: str) -> None:
+    """Loading a state saved with 2 workers into 1 worker, with P = 2 into P = 1, or another worker's state: a
+    ValueError naming what differs, parameters, state and groups unchanged."""
+    for facts in two_ranks:
+        assert named in facts[f"load_other_{what}"]
+        assert facts[f"load_other_{what}_unchanged"]
+
+
+def test_num_workers_that_does_not_divide_the_world_size_is_refused(two_ranks: list, four_ranks: list) -> None:
+    """num_workers = 3 on 2 and 4 processes: a ValueError naming it and the divisors, on every rank (the launch
+    goes on: no collective was entered)."""
+    for facts in two_ranks:
+        assert "Invalid num_workers: 3" in facts["bad_num_workers"] and "one of 1, 2)" in facts["bad_num_workers"]
+    for facts in four_ranks:
+        assert "one of 1, 2, 4)" in facts["bad_num_workers"]
+
+
+def test_every_worker_starts_from_rank_0_s_weights_and_every_tensor_takes_each_outer_step(two_ranks: list) -> None:
+    """Rank 1 built its model with other weights: the constructor gives it rank 0's. Each rank trains a different
+    head, so each head has a gradient on one rank only: after the outer step both ranks hold the same outer weights,
+    and both heads moved (each by the average of its pseudo-gradient and the other worker's zero)."""
+    first, second = two_ranks
+    assert all(torch.equal(a, b) for a, b in zip(first["heads_at_start"], second["heads_at_start"]))
+    assert all(torch.equal(a, b) for a, b in zip(first["heads_outer"], second["heads_outer"]))
+    assert all(not torch.equal(a, b) for a, b in zip(first["heads_outer"], first["heads_at_start"]))
+
+
+# ---------------------------------------------------------------- 4 processes
+
+
+def test_four_workers_equal_the_simulation_within_the_all_reduce_rounding(four_ranks: list) -> None:
+    """4 workers: the first outer step's average is the fixed-order average within the rounding of a 4-term float32
+    sum; the whole run stays within 1e-6 of the simulation (see the module docstring)."""
+    m, h = 4, dw.INNER_STEPS
+    expected = simulate(m, 1, h, 1, dw.STEPS)
+    first = expected[h - 1]  # the snapshot after step H: the momentum buffer is the averaged pseudo-gradient
+    for rank, facts in enumerate(four_ranks):
+        for i, averaged in enumerate(facts["four_workers"][h - 1]["momentum"]):
+            pseudo = [first.pseudo_gradients[w][i] for w in range(m)]
+            bound = 2 * (m - 1) * UNIT_ROUNDOFF * sum(p.abs() for p in pseudo) / m
+            assert bool(((averaged - first.momentum[i]).abs() <= bound).all()), (rank, i)
+        assert_matches(facts["four_workers"], expected, worker=rank, **FOUR_WORKERS_TOL)
+
+
+@pytest.mark.parametrize("sync", ["islands_ddp", "islands_hook"])
+def test_two_islands_of_two_equal_the_simulation_bitwise(four_ranks: list, sync: str) -> None:
+    """2 workers of 2 processes each: gradients averaged in the island (DDP over the island group, or the hook on a
+    DDP over all 4), pseudo-gradients across the islands; bitwise the simulation's, and the two ranks of an island
+    hold the same inner weights after every step."""
+    expected = simulate(num_workers=2, island_size=2, inner_steps=dw.INNER_STEPS, num_fragments=1, steps=dw.STEPS)
+    for rank, facts in enumerate(four_ranks):
+        assert facts["island_size"] == 2 and facts["layout"]["worker"] == rank // 2
+        assert_matches(facts[sync], expected, worker=rank // 2)
+    for first, second in ((0, 1), (2, 3)):
+        for a, b in zip(four_ranks[first][sync], four_ranks[second][sync]):
+            assert all(torch.equal(x, y) for x, y in zip(a["inner"], b["inner"]))
+    assert not torch.equal(four_ranks[0][sync][0]["inner"][0], four_ranks[2][sync][0]["inner"][0])
+
+
+def test_island_and_outer_groups_take_the_run_s_collective_timeout(four_ranks: list) -> None:
+    """The island and outer process groups fail after the timeout the run was started with (20 s here), not
+    after gloo's default 30 minutes."""
+    for facts in four_ranks:
+        assert facts["group_timeouts_s"] == [dw.TIMEOUT_S, dw.TIMEOUT_S]
+
+
+# ---------------------------------------------------------------- a rank that fails
+
+
+def test_a_rank_that_fails_before_the_outer_step_makes_the_others_fail(tmp_path: Path) -> None:
+    """Rank 1 raises one step before the outer step: rank 0 fails in the outer all-reduce, well within the run's
+    collective timeout, instead of waiting; neither process hangs."""
+    cmds = [[sys.executable, str(WORKERS), "one_rank_leaves", str(tmp_path), str(r), "2"] for r in range(2)]
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    start = time.monotonic()
+    codes = run_together(cmds, logs, launch_env(REPO, WORKERS.parent), timeout=dw.TIMEOUT_S + 60)
+    elapsed = time.monotonic() - start
+    text = "\n".join(f"--- {log}\n{tail(log)}" for log in logs)
+    assert codes is not None, f"hung for {elapsed:.0f} s:\n{text}"
+    assert codes[0] != 0 and codes[1] != 0, text
+    assert "rank 1 fails before the outer step" in tail(logs[1])
+    assert "all_reduce" in tail(logs[0]), text  # rank 0 failed inside the outer step's collective
+    assert not (tmp_path / "rank0_passed_the_outer_step").exists()
+
+
+# ---------------------------------------------------------------- the documented loop
+
+DOC = REPO / "docs" / "distributed.md"
+
+
+def test_the_documented_loop_runs_on_four_processes(tmp_path: Path) -> None:
+    """docs/distributed.md's DiLoCo loop, as written, under ``torchrun --nproc_per_node 4`` (2 islands of 2)."""
+    blocks = re.findall(
+        r"<!-- skip-test:[^>]*test_diloco_distributed[^>]*-->\n```python\n(.*?)\n```", DOC.read_text(), re.S
+    )
+    assert len(blocks) == 1
+    script = tmp_path / "diloco_loop.py"
+    script.write_text(blocks[0] + "\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)]
+    run_logged(
+        cmd, tmp_path / "launch.log", launch_env(REPO), LAUNCH_TIMEOUT_S, what="the documented loop", cwd=tmp_path
+    )
+    assert (tmp_path / "model.pt").exists()
+    assert sorted(p.name for p in tmp_path.glob("optimizer_rank*.pt")) == [f"optimizer_rank{r}.pt" for r in range(4)]
