@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from distributed_workers import trainer_args
 from helpers import TokenDataset, tiny_llama
 from transformers import TrainerCallback
 
@@ -37,29 +38,19 @@ STREAMING = dict(diloco_inner_steps=4, diloco_fragments=2, max_steps=8)  # fragm
 
 
 def diloco_args(output_dir: Path, **overrides: Any) -> GPATrainingArguments:
-    kwargs: dict[str, Any] = dict(
-        output_dir=str(output_dir),
-        report_to="none",
-        disable_tqdm=True,
-        use_cpu=True,
-        seed=0,
+    """test_distributed's DDP Trainer arguments, with DiLoCo across the processes in place of GPA."""
+    diloco = dict(
+        optim="diloco_adamw",
+        gpa_mu_x=None,  # GPA's, unread by DiLoCo
+        diloco_distributed=True,
+        diloco_inner_steps=INNER_STEPS,
         max_steps=STEPS,
-        save_strategy="steps",
         save_steps=SAVE_STEPS,
         eval_strategy="steps",
         eval_steps=INNER_STEPS,
-        logging_steps=1,
-        learning_rate=1e-2,
         lr_scheduler_type="cosine",
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        optim="diloco_adamw",
-        diloco_distributed=True,
-        diloco_inner_steps=INNER_STEPS,
-        diloco_outer_lr=0.7,
     )
-    kwargs.update(overrides)
-    return GPATrainingArguments(**kwargs)
+    return trainer_args(output_dir, 2, **{**diloco, **overrides})
 
 
 def flight_records() -> list[dict[str, Any]] | None:
