@@ -634,3 +634,14 @@ def test_more_fragments_than_tensors_is_refused_when_the_optimizer_is_built(tmp_
     args = parse([*DISTRIBUTED, "--diloco_fragments", "3"], tmp_path)
     with pytest.raises(ValueError, match=r"Invalid --diloco_fragments: 3 \(must lie in \[1, 2\]"):
         optimizer_cls_and_kwargs(args, torch.nn.Linear(2, 2))
+
+
+def test_the_model_card_names_diloco_across_workers(tmp_path, monkeypatch):
+    """The model card of a run across processes says DiLoCo across workers and their number, not single-worker."""
+    from hf_gpa.model_card import gpa_model_card_section
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    card = gpa_model_card_section(parse([*DISTRIBUTED, "--diloco_workers", "2", "--diloco_fragments", "2"], tmp_path))
+    assert "## Optimizer: DiLoCo across workers" in card and "as 2 workers (--diloco_workers)" in card
+    assert "in 2 fragment(s)" in card and "single-worker" not in card
+    assert "single-worker DiLoCo" in gpa_model_card_section(parse(["--optim", "diloco_adamw"], tmp_path))
