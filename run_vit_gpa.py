@@ -77,7 +77,13 @@ try:  # the examples extra; without it, stop here with the pip command that inst
 
     from hf_gpa import GPATrainer, GPATrainingArguments
     from hf_gpa.data import load_digits_dataset
-    from hf_gpa.example_args import checkpoint_to_resume, parse_with_defaults, setup_logging, size_in_parameters
+    from hf_gpa.example_args import (
+        checkpoint_to_resume,
+        end_process_group,
+        parse_with_defaults,
+        setup_logging,
+        size_in_parameters,
+    )
     from hf_gpa.metrics import ACCURACY
 except ModuleNotFoundError as error:
     raise missing_extra("run_vit_gpa.py", "examples", error) from error
@@ -595,4 +601,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        end_process_group()  # under accelerate launch / torchrun, also when main() raises

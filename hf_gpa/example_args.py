@@ -1,5 +1,5 @@
 """What the example scripts share: parsing with defaults that any given flag overrides, logging, the checkpoint to
-resume from.
+resume from, the end of the process group.
 
 ``run_clm_gpa.py`` and ``run_vit_gpa.py`` apply the paper's GPA recipe by default, and their sizing of the embedded
 default data only when no dataset is named. Both parse the command line or one JSON file with ``HfArgumentParser``,
@@ -26,6 +26,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import string_to_bool
 from transformers.trainer_utils import get_last_checkpoint
 
+from hf_gpa.distributed_diloco import refuse_other_layout, requested_layout
 from hf_gpa.optimizers import unused_flags
 from hf_gpa.training_args import GPATrainingArguments
 
@@ -39,6 +40,7 @@ __all__ = [
     "parse_with_defaults",
     "setup_logging",
     "checkpoint_to_resume",
+    "end_process_group",
     "size_in_parameters",
 ]
 
@@ -306,12 +308,26 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
             f"--save_steps N or --save_strategy epoch); to start a new run from these weights, pass "
             f"--model_name_or_path {checkpoint} instead."
         )
+    # DiLoCo across processes resumes only on the layout that saved it (world size, --diloco_workers, ...).
+    world_size, rank = training_args.world_size, training_args.process_index
+    refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)
     if not given:
         logger.info(
             f"Checkpoint detected, resuming training at {checkpoint}. To avoid this behavior, change "
             "the `--output_dir` or remove its checkpoint-* folders."
         )
     return checkpoint
+
+
+def end_process_group() -> None:
+    """Destroy torch.distributed's default process group, where one was started (as accelerate's ``end_training``
+    does). A multi-process run that leaves it to the interpreter's exit may abort after its work is done (gloo's
+    teardown: "terminate called without an active exception"). `GPATrainer`, like `Trainer`, leaves this to the
+    script that runs it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _missing_training_state(folder: str) -> list[str]:

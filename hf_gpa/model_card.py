@@ -39,11 +39,19 @@ def gpa_model_card_section(args: TrainingArguments, model: nn.Module | None = No
         return f"## Optimizer: Muon (hf_gpa)\n\nTrained with `--optim {name}`: {_MUON_CARD_NAME}.{split}\n"
     if args.optim in (GPAOptimizerNames.DILOCO_ADAMW, GPAOptimizerNames.DILOCO_MUON):
         inner = "AdamW" if args.optim == GPAOptimizerNames.DILOCO_ADAMW else _MUON_CARD_NAME
+        kind, across = "single-worker DiLoCo", ""
+        if getattr(args, "diloco_distributed", False):
+            workers = "one per process" if args.diloco_workers is None else str(args.diloco_workers)
+            kind = "DiLoCo across workers"
+            across = (
+                f" across the processes of the run, as {workers} workers (--diloco_workers), each averaging its "
+                f"pseudo-gradient with the others' at every outer step, in {args.diloco_fragments} fragment(s)"
+            )
         return (
-            "## Optimizer: single-worker DiLoCo (hf_gpa)\n\n"
-            f"Trained with `--optim {name}`: {inner} inner steps with H = {args.diloco_inner_steps} inner steps, "
-            f"outer learning rate {args.diloco_outer_lr} and outer Nesterov momentum {args.diloco_outer_momentum}. "
-            f"The weights in this repository are the outer (slow) weights.{split}\n"
+            f"## Optimizer: {kind} (hf_gpa)\n\n"
+            f"Trained with `--optim {name}`{across}: {inner} inner steps with H = {args.diloco_inner_steps} inner "
+            f"steps, outer learning rate {args.diloco_outer_lr} and outer Nesterov momentum "
+            f"{args.diloco_outer_momentum}. The weights in this repository are the outer (slow) weights.{split}\n"
         )
     base = "AdamW" if args.optim == GPAOptimizerNames.GPA_ADAMW else f"`{args.gpa_base_optim}`"
     if args.gpa_base_optim == GPAOptimizerNames.MUON.value:

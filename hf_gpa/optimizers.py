@@ -24,7 +24,7 @@ from transformers.trainer_pt_utils import get_parameter_names
 from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
 
-from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, MuonWithAuxAdam, muon_param_groups
+from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, MuonWithAuxAdam, check_num_fragments, muon_param_groups
 
 __all__ = [
     "GPA_OPTIM_NAMES",
@@ -77,6 +77,9 @@ class BuildContext:
     diloco_inner_steps: int
     diloco_outer_lr: float
     diloco_outer_momentum: float
+    diloco_distributed: bool
+    diloco_workers: int | None  # None: every process a worker
+    diloco_fragments: int
     #: What the stock Trainer builds a stock ``--gpa_base_optim`` from (its handlers read ``--optim_args`` and more).
     stock_args: TrainingArguments | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -181,7 +184,19 @@ def _build_diloco_adamw(ctx: BuildContext, model: nn.Module | None) -> tuple[typ
         "outer_lr": ctx.diloco_outer_lr,
         "outer_momentum": ctx.diloco_outer_momentum,
         **_adam_kwargs(ctx),
+        **_diloco_workers_kwargs(ctx, model),
     }
+
+
+def _diloco_workers_kwargs(ctx: BuildContext, model: nn.Module | None) -> dict[str, Any]:
+    """DiLoCo across the processes of the run (``--diloco_distributed``): M workers, P fragments. P is checked here
+    against the model's trainable tensors, which the flags alone cannot know."""
+    if not ctx.diloco_distributed:
+        return {}
+    if model is not None:
+        num_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+        check_num_fragments(ctx.diloco_fragments, num_tensors=num_tensors, name="--diloco_fragments")
+    return {"distributed": True, "num_workers": ctx.diloco_workers, "num_fragments": ctx.diloco_fragments}
 
 
 def _build_muon(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
@@ -230,6 +245,15 @@ def _build_diloco_muon(ctx: BuildContext, model: nn.Module | None) -> tuple[type
 _GPA_AVERAGING_FLAGS = ("gpa_mu_x", "gpa_inner_steps", "gpa_mu_y", "gpa_averaging")
 #: Read by the Trainer for any hf_gpa optimizer with evaluation weights x.
 _EVALUATION_FLAGS = ("gpa_bn_recalibration_batches",)
+#: DiLoCo's flags: its constants, and where it runs (across the processes of the run, in M islands, P fragments).
+_DILOCO_FLAGS = (
+    "diloco_inner_steps",
+    "diloco_outer_lr",
+    "diloco_outer_momentum",
+    "diloco_distributed",
+    "diloco_workers",
+    "diloco_fragments",
+)
 
 #: Every --optim name hf_gpa adds. Adding a name is one entry here (the enum below and --help follow).
 HF_GPA_OPTIMIZERS: dict[str, OptimizerSpec] = {
@@ -247,9 +271,9 @@ HF_GPA_OPTIMIZERS: dict[str, OptimizerSpec] = {
         reads_adam_flags=False,  # its base decides (reads_adam_flags)
     ),
     "diloco_adamw": OptimizerSpec(
-        "single-worker DiLoCo around AdamW",
+        "DiLoCo around AdamW: single-worker, or across the processes with --diloco_distributed",
         _build_diloco_adamw,
-        ("diloco_inner_steps", "diloco_outer_lr", "diloco_outer_momentum", *_EVALUATION_FLAGS),
+        (*_DILOCO_FLAGS, *_EVALUATION_FLAGS),
         "DiLoCo",
     ),
     "muon": OptimizerSpec(
@@ -261,9 +285,9 @@ HF_GPA_OPTIMIZERS: dict[str, OptimizerSpec] = {
         evaluation_weights=False,
     ),
     "diloco_muon": OptimizerSpec(
-        "single-worker DiLoCo around muon",
+        "DiLoCo around muon: single-worker, or across the processes with --diloco_distributed",
         _build_diloco_muon,
-        ("diloco_inner_steps", "diloco_outer_lr", "diloco_outer_momentum", *_EVALUATION_FLAGS),
+        (*_DILOCO_FLAGS, *_EVALUATION_FLAGS),
         "DiLoCo(MuonWithAuxAdam)",
     ),
 }

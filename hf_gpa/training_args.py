@@ -40,6 +40,7 @@ from hf_gpa.optim import (
     DEFAULT_INNER_STEPS,
     DEFAULT_MU_X,
     DEFAULT_MU_Y,
+    DEFAULT_NUM_FRAGMENTS,
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     check_averaging,
@@ -49,6 +50,8 @@ from hf_gpa.optim import (
     check_lr,
     check_mu_x,
     check_mu_y,
+    check_num_fragments,
+    check_num_workers,
     check_outer_lr,
     check_outer_momentum,
     check_weight_decay,
@@ -158,6 +161,38 @@ class GPATrainingArguments(TrainingArguments):
         default=DEFAULT_OUTER_MOMENTUM,
         metadata={"help": "With --optim diloco_adamw: the outer Nesterov momentum in [0, 1)."},
     )
+    diloco_distributed: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "With --optim diloco_adamw or diloco_muon under accelerate launch or torchrun: DiLoCo across the "
+                "processes. Each of --diloco_workers workers (an island of processes that average their gradients "
+                "every step) takes H inner steps on its own data; then one all-reduce averages the pseudo-gradients "
+                "across the workers for the outer step. Needs more than one process; not with FSDP, DeepSpeed or "
+                "--fp16."
+            )
+        },
+    )
+    diloco_workers: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "With --diloco_distributed: the number of workers M, which divides the number of processes W; each "
+                "worker is an island of W / M processes with consecutive ranks. Unset: every process is a worker "
+                "(M = W); 1: plain data parallelism around single-worker DiLoCo."
+            )
+        },
+    )
+    diloco_fragments: int = field(
+        default=DEFAULT_NUM_FRAGMENTS,
+        metadata={
+            "help": (
+                "With --diloco_distributed: streaming DiLoCo's P fragments of the parameters, each synchronised at "
+                "its own inner step of the period (at most --diloco_inner_steps and at most the number of parameter "
+                "tensors), so that one outer all-reduce carries about 1/P of the model."
+            )
+        },
+    )
     gpa_bn_recalibration_batches: int = field(
         default=DEFAULT_RECALIBRATION_BATCHES,
         metadata={
@@ -195,7 +230,21 @@ class GPATrainingArguments(TrainingArguments):
         self._refuse_deepspeed(optim)
         with self._stock_name_inside(optim):
             super().__post_init__()
+        if self.diloco_distributed:
+            self._read_batches_on_every_process()
         self._warn_constant_schedule(optim)
+
+    def _read_batches_on_every_process(self) -> None:
+        """With DiLoCo across the processes, every process reads its own batches: accelerate's default for an
+        iterable dataset, one process reading and sending every batch to the others, would cross the workers at
+        every step, which is what DiLoCo exists to avoid."""
+        if self.accelerator_config.dispatch_batches:
+            raise ValueError(
+                "--diloco_distributed true cannot run with --accelerator_config dispatch_batches=true: the first "
+                "process would send every batch to all the others at every step, across the workers; leave "
+                "dispatch_batches unset (each process then reads its own batches)"
+            )
+        self.accelerator_config.dispatch_batches = False
 
     def _warn_constant_schedule(self, optim: str) -> None:
         """GPA's exponential average needs a decaying lr: with a constant one x lags y to the end (warned, not refused:
@@ -379,6 +428,53 @@ class GPATrainingArguments(TrainingArguments):
         self.diloco_outer_lr = check_outer_lr(self.diloco_outer_lr, "--diloco_outer_lr")
         self.diloco_outer_momentum = check_outer_momentum(self.diloco_outer_momentum, "--diloco_outer_momentum")
         self._refuse_unused_flags(optim, given)
+        self._check_diloco_distributed()
+
+    def _check_diloco_distributed(self) -> None:
+        """--diloco_distributed, --diloco_workers, --diloco_fragments: checked against the number of processes the
+        launcher started (``WORLD_SIZE``), and every setting that would let the processes step apart refused."""
+        if not isinstance(self.diloco_distributed, bool):
+            raise ValueError(f"Invalid --diloco_distributed: {self.diloco_distributed!r} (true or false)")
+        if not self.diloco_distributed:
+            given = [
+                f"--{flag} {getattr(self, flag)}"
+                for flag in ("diloco_workers", "diloco_fragments")
+                if getattr(self, flag) != self.__dataclass_fields__[flag].default
+            ]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} only applies with --diloco_distributed true (DiLoCo across the "
+                    "processes); a single worker has no workers to count and no outer all-reduce to spread. Add "
+                    "--diloco_distributed true under accelerate launch or torchrun, or leave them out."
+                )
+            return
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size < 2:
+            raise ValueError(
+                f"--diloco_distributed true on a single process (WORLD_SIZE {world_size}): there is no other worker "
+                "to average with. Launch several processes (accelerate launch --num_processes N, torchrun "
+                "--nproc_per_node N), or leave --diloco_distributed out for single-worker DiLoCo."
+            )
+        if self.diloco_workers is not None:
+            self.diloco_workers = check_num_workers(self.diloco_workers, world_size, "--diloco_workers")
+        self.diloco_fragments = check_num_fragments(
+            self.diloco_fragments, inner_steps=self.diloco_inner_steps, name="--diloco_fragments"
+        )
+        refusals = []
+        if self.fsdp or strtobool(os.environ.get("ACCELERATE_USE_FSDP", "false")):
+            refusals.append(
+                "FSDP: it shards every parameter over all processes, while each DiLoCo worker keeps whole inner "
+                "weights of its own; use DDP (configs/accelerate_ddp.yaml)"
+            )
+        if self.deepspeed or strtobool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
+            refusals.append("DeepSpeed: it owns the optimizer step; use DDP (configs/accelerate_ddp.yaml)")
+        if self.fp16:
+            refusals.append(
+                "--fp16: its loss scaling skips the steps whose gradients overflow, which differ between workers, "
+                "so the workers would reach the outer all-reduce at different steps; use --bf16"
+            )
+        if refusals:
+            raise ValueError("--diloco_distributed cannot run with " + "; ".join(refusals) + ".")
 
     def _check_adam_flags(self) -> None:
         """AdamW's flags, checked as the optimizer checks them, where the chosen --optim reads them (an optimizer

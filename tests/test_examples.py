@@ -453,3 +453,22 @@ def test_help_lists_all_argument_groups(
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--model_name_or_path" in out and all(flag in out for flag in flags)
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_the_script_ends_its_process_group(script: str, tmp_path: Path) -> None:
+    """Run as a program under a launcher (here: a process group of one, as `accelerate launch` leaves it), the script
+    destroys the default process group when it ends, also when main() raises: a group left to the interpreter's exit
+    makes gloo abort some multi-process runs after their work is done."""
+    import runpy
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        with patch.object(sys, "argv", [f"{script}.py", "--gpa_mu_x", "1.5"]), pytest.raises(ValueError, match="mu_x"):
+            runpy.run_path(str(REPO / f"{script}.py"), run_name="__main__")
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

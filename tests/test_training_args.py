@@ -545,3 +545,103 @@ def test_no_schedule_warning_where_none_is_due(argv, tmp_path, recwarn):
     """A decaying schedule, Schedule-Free averaging (made for a constant lr) or an optimizer without x: no warning."""
     parse(argv, tmp_path)
     assert not [w for w in recwarn if "--lr_scheduler_type" in str(w.message)]
+
+
+# ---------------------------------------------------------------- DiLoCo across processes: bad input at parse time
+
+DISTRIBUTED = ["--optim", "diloco_adamw", "--diloco_distributed", "true"]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "argv", "message"),
+    [
+        (None, DISTRIBUTED, r"--diloco_distributed true on a single process \(WORLD_SIZE 1\)"),
+        ("1", DISTRIBUTED, r"--diloco_distributed true on a single process \(WORLD_SIZE 1\)"),
+        ("4", [*DISTRIBUTED, "--diloco_workers", "3"], r"Invalid --diloco_workers: 3 \(must divide .* 1, 2, 4\)"),
+        ("4", [*DISTRIBUTED, "--diloco_workers", "0"], r"Invalid --diloco_workers: 0"),
+        ("4", [*DISTRIBUTED, "--diloco_workers", "8"], r"Invalid --diloco_workers: 8 \(must divide"),
+        ("4", [*DISTRIBUTED, "--diloco_fragments", "0"], r"Invalid --diloco_fragments: 0"),
+        ("4", [*DISTRIBUTED, "--diloco_fragments", "9", "--diloco_inner_steps", "8"], r"--diloco_fragments: 9 .*= 8"),
+        ("4", [*DISTRIBUTED, "--diloco_inner_steps", "0"], r"Invalid --diloco_inner_steps: 0"),
+        ("4", ["--optim", "diloco_adamw", "--diloco_workers", "2"], r"--diloco_workers 2 only applies with --dil"),
+        ("4", ["--optim", "diloco_muon", "--diloco_fragments", "2"], r"--diloco_fragments 2 only applies with --d"),
+        ("4", ["--optim", "gpa_adamw", "--diloco_distributed", "true"], r"--diloco_distributed True only applies to"),
+        ("4", ["--optim", "adamw_torch", "--diloco_workers", "2"], r"--diloco_workers 2 only applies to --optim"),
+        ("4", [*DISTRIBUTED, "--fp16"], r"--diloco_distributed cannot run with --fp16: its loss scaling skips"),
+        ("4", [*DISTRIBUTED, "--fsdp", "full_shard"], r"--diloco_distributed cannot run with FSDP"),
+        ("4", [*DISTRIBUTED, "--deepspeed", "ds.json"], r"--diloco_distributed cannot run with DeepSpeed"),
+        ("4", [*DISTRIBUTED, "--gpa_step_in_backward", "true"], r"--gpa_step_in_backward cannot run with --optim dil"),
+        ("4", [*DISTRIBUTED, "--accelerator_config", '{"dispatch_batches": true}'], r"dispatch_batches=true"),
+    ],
+)
+def test_diloco_distributed_bad_input_is_refused_at_parse_time(world_size, argv, message, tmp_path, monkeypatch):
+    """DiLoCo across processes: M that does not divide WORLD_SIZE, P < 1 or > H, H < 1, a single process, the flags
+    without --diloco_distributed or with another --optim, and FSDP, DeepSpeed, the step in backward, fp16 loss
+    scaling or dispatched batches: a ValueError naming the flag, before anything is built."""
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    with pytest.raises(ValueError, match=message):
+        parse(argv, tmp_path)
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_diloco_distributed_under_an_fsdp_or_deepspeed_launch_is_refused(variable, tmp_path, monkeypatch):
+    """accelerate launch with an FSDP or DeepSpeed config (which sets these variables): refused by name."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(ValueError, match="--diloco_distributed cannot run with (FSDP|DeepSpeed)"):
+        parse(DISTRIBUTED, tmp_path)
+
+
+def test_diloco_distributed_from_python_must_be_a_bool(tmp_path, monkeypatch):
+    """diloco_distributed="yes" from Python is refused, naming the flag."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"Invalid --diloco_distributed: 'yes'"):
+        make(tmp_path, optim="diloco_adamw", diloco_distributed="yes")
+
+
+@pytest.mark.parametrize("optim", ["diloco_adamw", "diloco_muon"])
+def test_diloco_distributed_builds_diloco_across_processes(optim, tmp_path, monkeypatch):
+    """--diloco_distributed true --diloco_workers 2 --diloco_fragments 2 on 4 processes: the optimizer is DiLoCo with
+    distributed=True, num_workers=2, num_fragments=2; each process reads its own batches (no dispatching); without the
+    flag the arguments are single-worker DiLoCo's, as before."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_gpa.optimizers import optimizer_cls_and_kwargs
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse(["--optim", optim, "--diloco_distributed", "true", "--diloco_workers", "2", "--diloco_fragments",
+                  "2"], tmp_path)  # fmt: skip
+    assert (args.diloco_distributed, args.diloco_workers, args.diloco_fragments) == (True, 2, 2)
+    assert args.accelerator_config.dispatch_batches is False
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    cls, kwargs = optimizer_cls_and_kwargs(args, LlamaForCausalLM(config))
+    assert cls is DiLoCo and (kwargs["distributed"], kwargs["num_workers"], kwargs["num_fragments"]) == (True, 2, 2)
+    monkeypatch.delenv("WORLD_SIZE")
+    _, single = optimizer_cls_and_kwargs(parse(["--optim", optim], tmp_path), LlamaForCausalLM(config))
+    assert not {"distributed", "num_workers", "num_fragments"} & set(single)
+
+
+def test_more_fragments_than_tensors_is_refused_when_the_optimizer_is_built(tmp_path, monkeypatch):
+    """P larger than the model's trainable tensors (known only with the model): refused by name as the optimizer is
+    built, before the optimizer (whose construction communicates) exists."""
+    from hf_gpa.optimizers import optimizer_cls_and_kwargs
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse([*DISTRIBUTED, "--diloco_fragments", "3"], tmp_path)
+    with pytest.raises(ValueError, match=r"Invalid --diloco_fragments: 3 \(must lie in \[1, 2\]"):
+        optimizer_cls_and_kwargs(args, torch.nn.Linear(2, 2))
+
+
+def test_the_model_card_names_diloco_across_workers(tmp_path, monkeypatch):
+    """The model card of a run across processes says DiLoCo across workers and their number, not single-worker."""
+    from hf_gpa.model_card import gpa_model_card_section
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    card = gpa_model_card_section(parse([*DISTRIBUTED, "--diloco_workers", "2", "--diloco_fragments", "2"], tmp_path))
+    assert "## Optimizer: DiLoCo across workers" in card and "as 2 workers (--diloco_workers)" in card
+    assert "in 2 fragment(s)" in card and "single-worker" not in card
+    assert "single-worker DiLoCo" in gpa_model_card_section(parse(["--optim", "diloco_adamw"], tmp_path))

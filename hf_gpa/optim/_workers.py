@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -86,25 +86,30 @@ class WorkerLayout:
             "worker": self.worker,
         }
 
-    def check_saved(self, saved: dict[str, Any], owner: str) -> None:
-        """Refuse, by name, a state saved on another layout (another world size, M, P, or another worker's state)."""
+    def check_saved(self, saved: dict[str, Any], owner: str, names: Mapping[str, str] | None = None) -> None:
+        """Refuse, by name, a state saved on another layout (another world size, M, P, or another worker's state).
+
+        ``owner`` begins the message (``"DiLoCo.load_state_dict()"``); ``names`` gives world_size, num_workers or
+        num_fragments the names the user knows them by (the flags that set them).
+        """
         mine = self.saved()
         what = {
             "world_size": "the world size (processes)",
             "num_workers": "num_workers (M)",
             "num_fragments": "num_fragments (P)",
+            **(names or {}),
         }
         for key, name in what.items():
             if saved.get(key) != mine[key]:
                 raise ValueError(
-                    f"{owner}.load_state_dict(): the state dict was saved with {name} = {saved.get(key)!r}, this "
+                    f"{owner}: the state dict was saved with {name} = {saved.get(key)!r}, this "
                     f"optimizer runs with {mine[key]} ({_describe(saved)} against {_describe(mine)}). A DiLoCo state "
                     "resumes only on the layout that saved it; start a new run from the checkpoint's outer weights "
                     "(the model weights saved in eval mode) to change it"
                 )
         if saved.get("worker") != mine["worker"]:
             raise ValueError(
-                f"{owner}.load_state_dict(): the state dict holds worker {saved.get('worker')!r}'s inner weights and "
+                f"{owner}: the state dict holds worker {saved.get('worker')!r}'s inner weights and "
                 f"inner optimizer state, this process is in worker {mine['worker']}: each process loads the state "
                 "that a process of its own worker (island) saved"
             )

@@ -297,7 +297,7 @@ class DiLoCo(BaseOptimizerWrapper):
         if saved is None and saved_optimizer_name(state_dict) == self.optimizer_name:
             saved = WorkerLayout().saved()
         if saved is not None:
-            self.layout.check_saved(saved, self.optimizer_name)
+            self.layout.check_saved(saved, f"{self.optimizer_name}.load_state_dict()")
         groups = [{k: v for k, v in group.items() if k != DILOCO_LAYOUT} for group in state_dict["param_groups"]]
         super().load_state_dict({**state_dict, "param_groups": groups})
 

@@ -1,0 +1,216 @@
+"""Worker code for tests/test_diloco_trainer.py: GPATrainer with DiLoCo across CPU processes (gloo), one per rank.
+
+Launched by ``accelerate launch --config_file configs/accelerate_ddp.yaml`` (the user's command), with torch's flight
+recorder on (``TORCH_FR_BUFFER_SIZE``), which records every collective of every process group on this process:
+
+    accelerate launch --config_file configs/accelerate_ddp.yaml --num_processes 2 tests/diloco_trainer_workers.py \
+        SCENARIO OUT_DIR
+
+Workers only observe: each writes what it held after every step, what it saved, the collectives it took part in and
+the errors it saw (``{scenario}_rank{r}.pt``); the tests compare those. The process group is destroyed in a
+``finally``, also when the scenario raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from distributed_workers import trainer_args
+from helpers import TokenDataset, tiny_llama
+from transformers import TrainerCallback
+
+from hf_gpa import GPATrainer, GPATrainingArguments
+from hf_gpa.checkpoint import unwrap_gpa_optimizer
+from hf_gpa.example_args import checkpoint_to_resume
+
+STEPS = 6
+INNER_STEPS = 3  # outer steps after steps 3 and 6
+SAVE_STEPS = 2  # checkpoints at 2 (mid-period), 4 (after an outer step and one inner step) and 6 (an outer step)
+RESUME_FROM = "checkpoint-4"
+STREAMING = dict(diloco_inner_steps=4, diloco_fragments=2, max_steps=8)  # fragment 1 at steps 2, 6; fragment 0 at 4, 8
+
+
+def diloco_args(output_dir: Path, **overrides: Any) -> GPATrainingArguments:
+    """test_distributed's DDP Trainer arguments, with DiLoCo across the processes in place of GPA."""
+    diloco = dict(
+        optim="diloco_adamw",
+        gpa_mu_x=None,  # GPA's, unread by DiLoCo
+        diloco_distributed=True,
+        diloco_inner_steps=INNER_STEPS,
+        max_steps=STEPS,
+        save_steps=SAVE_STEPS,
+        eval_strategy="steps",
+        eval_steps=INNER_STEPS,
+        lr_scheduler_type="cosine",
+    )
+    return trainer_args(output_dir, 2, **{**diloco, **overrides})
+
+
+def flight_records() -> list[dict[str, Any]] | None:
+    """Every collective this process has issued so far, oldest first: its record id, process group, op and size
+    (None where this torch cannot dump its flight recorder)."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return None
+    trace = pickle.loads(dump(includeStackTraces=False))
+    return [
+        {
+            "id": entry["record_id"],
+            "group": entry["process_group"][0],
+            "op": entry["profiling_name"],
+            "numel": sum(math.prod(size) for size in entry["input_sizes"]),
+        }
+        for entry in trace["entries"]
+    ]
+
+
+def last_record_id() -> int:
+    records = flight_records() or []
+    return records[-1]["id"] if records else -1
+
+
+class Recorder(TrainerCallback):
+    """After every step: the inner weights (the parameters) and the outer weights (the optimizer's), by name, and the
+    flight recorder's position at the start and end of the step; during evaluation: the optimizer's mode."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.train_mode_during_eval: list[bool] = []
+        self._begin = -1
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._begin = last_record_id()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any):
+        inner = unwrap_gpa_optimizer(optimizer)
+        named = list(model.named_parameters())
+        self.steps.append(
+            {
+                "step": state.global_step,
+                "records": (self._begin, last_record_id()),
+                "inner": {n: p.detach().clone() for n, p in named},
+                "outer": {n: inner.state[p]["outer"].clone() for n, p in named if p in inner.state},
+            }
+        )
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+        self.train_mode_during_eval.append(unwrap_gpa_optimizer(optimizer).train_mode)
+
+
+def groups_of(trainer: GPATrainer) -> dict[str, list[int]]:
+    """The global ranks of every process group the run's collectives can use, by the name the flight recorder gives."""
+    layout = unwrap_gpa_optimizer(trainer.optimizer).layout
+    groups = [dist.group.WORLD, layout.island_group, layout.outer_group]
+    return {g.group_name: dist.get_process_group_ranks(g) for g in groups if g is not None}
+
+
+def run(out: Path, name: str, resume: str | None = None, **overrides: Any) -> dict[str, Any]:
+    """One training run with the Recorder; what it held, saved and communicated."""
+    trainer = GPATrainer(
+        model=tiny_llama(),
+        args=diloco_args(out / name, **overrides),
+        train_dataset=TokenDataset(32, seed=1),
+        eval_dataset=TokenDataset(8, seed=2),
+    )
+    recorder = Recorder()
+    trainer.add_callback(recorder)
+    first = last_record_id()
+    trainer.train(resume_from_checkpoint=resume)
+    metrics = trainer.evaluate()  # after training: at the outer weights
+    trainer.save_model(str(out / name / "final"))
+    layout = unwrap_gpa_optimizer(trainer.optimizer).layout
+    records = flight_records()
+    return {
+        "steps": recorder.steps,
+        "train_mode_during_eval": recorder.train_mode_during_eval,
+        "eval_loss": metrics["eval_loss"],
+        "held_after_train": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "records": None if records is None else [r for r in records if r["id"] > first],
+        "groups": groups_of(trainer),
+        "layout": layout.saved(),
+        "island_size": layout.island_size,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "ddp_group_is_island": getattr(trainer.model_wrapped, "process_group", None) is layout.island_group,
+        "numel": sum(p.numel() for p in trainer.model.parameters()),
+    }
+
+
+def error_of(call: Any) -> str:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def two_ranks(out: Path) -> dict[str, Any]:
+    """M = W = 2: train with checkpoints and evaluations, resume from the middle of a period, refuse a resume with
+    another M; streaming (P = 2); M = 1 against single-worker DiLoCo under accelerate's DDP."""
+    facts: dict[str, Any] = {"run": run(out, "run")}
+    facts["resumed"] = run(out, "resumed", resume=str(out / "run" / RESUME_FROM))
+
+    # Another M on the same checkpoint: refused by name before anything is trained or loaded, by the Trainer and by
+    # the example scripts' resume check.
+    other = GPATrainer(
+        model=tiny_llama(),
+        args=diloco_args(out / "other", diloco_workers=1, eval_strategy="no"),
+        train_dataset=TokenDataset(32, seed=1),
+    )
+    checkpoint = str(out / "run" / RESUME_FROM)
+    facts["other_m_refused"] = error_of(lambda: other.train(resume_from_checkpoint=checkpoint))
+    facts["other_m_before_training"] = other.optimizer is None and other.state.global_step == 0
+    script_args = diloco_args(
+        out / "other", diloco_workers=1, eval_strategy="no", do_train=True, resume_from_checkpoint=checkpoint
+    )
+    facts["other_m_refused_by_script"] = error_of(lambda: checkpoint_to_resume(script_args, logging.getLogger()))
+
+    facts["streaming"] = run(out, "streaming", save_strategy="no", eval_strategy="no", **STREAMING)
+    # One worker of both processes (an island of 2: DDP over it), against accelerate's DDP around single-worker DiLoCo.
+    short = dict(max_steps=INNER_STEPS, save_strategy="no", eval_strategy="no")
+    facts["one_worker"] = run(out, "one_worker", diloco_workers=1, **short)
+    facts["stock_ddp"] = run_stock_ddp(out, **short)
+    return facts
+
+
+def run_stock_ddp(out: Path, **overrides: Any) -> dict[str, Any]:
+    """Single-worker DiLoCo (no --diloco_distributed) under the DDP accelerate builds over all processes."""
+    trainer = GPATrainer(
+        model=tiny_llama(),
+        args=diloco_args(out / "stock_ddp", diloco_distributed=False, **overrides),
+        train_dataset=TokenDataset(32, seed=1),
+    )
+    trainer.train()
+    return {"held_after_train": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
+
+
+def four_ranks(out: Path) -> dict[str, Any]:
+    """2 islands of 2 processes: gradients averaged in the island every step, pseudo-gradients across the islands."""
+    return {"islands": run(out, "islands", diloco_workers=2, save_strategy="no")}
+
+
+SCENARIOS = {"two_ranks": two_ranks, "four_ranks": four_ranks}
+
+
+def main(scenario: str, out: str) -> None:
+    out_dir = Path(out).resolve()
+    torch.set_num_threads(1)  # the ranks share 2 cores in CI
+    try:
+        facts = SCENARIOS[scenario](out_dir)
+        torch.save(facts, out_dir / f"{scenario}_rank{dist.get_rank()}.pt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,344 @@
+"""GPATrainer with DiLoCo across processes (``--diloco_distributed``): 2 CPU ranks (gloo) under accelerate launch.
+
+One launch of ``tests/diloco_trainer_workers.py`` with ``configs/accelerate_ddp.yaml`` (the user's command) trains a
+tiny Llama with 2 workers (H = 3, 6 steps: outer steps at 3 and 6, checkpoints at 2, 4 and 6), resumes it from
+checkpoint-4, refuses a resume with another M, trains streaming DiLoCo (P = 2) and one worker of both processes; a
+second launch runs 4 processes as 2 islands of 2. The workers record what they held after every step and, with
+torch's flight recorder, every collective of every process group; the tests read those records. Each launch is killed
+on timeout (about 25 s and 45 s on 2 shared cores).
+
+The checkpoint layout and resume refusals that need no launch are tested here too, on files written in-process.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import diloco_trainer_workers as dw
+import pytest
+import torch
+from launching import free_port, launch_env, run_logged
+from safetensors.torch import load_file
+
+from hf_gpa.distributed_diloco import refuse_other_layout, requested_layout
+from hf_gpa.optim import WorkerLayout
+
+WORKERS = Path(__file__).with_name("diloco_trainer_workers.py")
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "accelerate_ddp.yaml"
+
+
+def launch(scenario: str, num_processes: int, out: Path) -> list[dict[str, Any]]:
+    """``accelerate launch`` of ``scenario`` on ``num_processes`` CPU processes, with the flight recorder on; each
+    rank's record. A failure or a hang fails the test with the end of the log."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)]
+    cmd += ["--num_processes", str(num_processes), "--main_process_port", str(free_port())]
+    cmd += [str(WORKERS), scenario, str(out)]
+    env = {**launch_env(REPO, WORKERS.parent), "TORCH_FR_BUFFER_SIZE": "100000", "HF_GPA_DISABLE_CPU_KERNEL": "1"}
+    run_logged(cmd, out / "launch.log", env, what=f"{scenario} on {num_processes} processes")
+    return [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(num_processes)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("diloco_trainer")
+    return out, launch("two_ranks", 2, out)
+
+
+def islands(run: dict[str, Any]) -> dict[str, set[int]]:
+    """The workers (islands) whose processes each process group of the run joins, by the group's name."""
+    size = run["island_size"]
+    return {name: {rank // size for rank in ranks} for name, ranks in run["groups"].items()}
+
+
+def step_of(run: dict[str, Any], record: dict[str, Any]) -> int | None:
+    """The training step during which a collective was issued (None: between steps, or before the first)."""
+    for step in run["steps"]:
+        begin, end = step["records"]
+        if begin < record["id"] <= end:
+            return step["step"]
+    return None
+
+
+def crossing(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The collectives of a run whose process group joins more than one worker."""
+    if run["records"] is None:
+        pytest.skip("this torch has no flight recorder to dump (torch._C._distributed_c10d._dump_fr_trace)")
+    assert run["records"], "the flight recorder saw no collective"
+    spans = islands(run)
+    return [r for r in run["records"] if len(spans[r["group"]]) > 1]
+
+
+# ---------------------------------------------------------------- what crosses the workers
+
+
+def test_no_collective_crosses_the_workers_between_outer_steps(two_ranks: tuple) -> None:
+    """M = W = 2: during the 6 steps the only collective that leaves a worker is the outer all-reduce, once at steps 3
+    and 6, carrying the whole model (P = 1); every other step sends nothing to the other worker. The model's DDP runs
+    over the worker's own island."""
+    _, facts = two_ranks
+    for f in facts:
+        run = f["run"]
+        during = {}
+        for record in crossing(run):
+            step = step_of(run, record)
+            if step is not None:
+                during.setdefault(step, []).append((record["op"], record["numel"]))
+        assert during == {3: [("gloo:all_reduce", run["numel"])], 6: [("gloo:all_reduce", run["numel"])]}
+        assert run["wrapped"] == "DistributedDataParallel" and run["ddp_group_is_island"]
+
+
+def test_between_steps_only_the_trainer_s_scalars_cross_the_workers(two_ranks: tuple) -> None:
+    """Outside the steps, after the first one began, what leaves a worker is the Trainer's own: the logged loss,
+    the evaluation's losses (a few elements each) and the checkpoints' barriers, never a gradient or a weight."""
+    _, facts = two_ranks
+    for f in facts:
+        run = f["run"]
+        start = run["steps"][0]["records"][0]
+        between = [r for r in crossing(run) if r["id"] > start and step_of(run, r) is None]
+        assert between and max(r["numel"] for r in between) <= 2, sorted({(r["op"], r["numel"]) for r in between})
+
+
+def test_streaming_all_reduces_each_fragment_once_per_period(two_ranks: tuple) -> None:
+    """P = 2, H = 4, 8 steps: fragment 1 leaves the worker at steps 2 and 6, fragment 0 at 4 and 8, each once, and
+    the two fragments together are the whole model."""
+    _, facts = two_ranks
+    for f in facts:
+        run = f["streaming"]
+        during = {step_of(run, r): (r["op"], r["numel"]) for r in crossing(run) if step_of(run, r) is not None}
+        assert sorted(during) == [2, 4, 6, 8]
+        assert {op for op, _ in during.values()} == {"gloo:all_reduce"}
+        assert during[2] == during[6] and during[4] == during[8]
+        assert during[2][1] + during[4][1] == run["numel"]
+
+
+# ---------------------------------------------------------------- the outer weights: evaluated, saved, the same
+
+
+def test_outer_weights_are_the_same_bits_on_every_rank_after_every_step(two_ranks: tuple) -> None:
+    """After every step both ranks hold bitwise the same outer weights; their inner weights differ (each worker its
+    own data); after training both hold the outer weights in the parameters and evaluate to the same loss."""
+    _, (first, second) = two_ranks
+    for a, b in zip(first["run"]["steps"], second["run"]["steps"]):
+        assert all(torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"]), a["step"]
+    assert any(
+        not torch.equal(first["run"]["steps"][1]["inner"][n], t) for n, t in second["run"]["steps"][1]["inner"].items()
+    )
+    last = first["run"]["steps"][-1]["outer"]
+    for f in (first, second):
+        assert all(torch.equal(f["run"]["held_after_train"][n], last[n]) for n in last)
+    assert first["run"]["eval_loss"] == second["run"]["eval_loss"]
+
+
+def test_evaluation_runs_at_the_outer_weights(two_ranks: tuple) -> None:
+    """Every evaluation batch (after steps 3 and 6 and after training) ran with the optimizer in eval mode."""
+    _, facts = two_ranks
+    for f in facts:
+        assert f["run"]["train_mode_during_eval"] and not any(f["run"]["train_mode_during_eval"])
+
+
+@pytest.mark.parametrize("checkpoint", ["checkpoint-2", "checkpoint-4", "checkpoint-6", "final"])
+def test_every_save_holds_the_outer_weights(two_ranks: tuple, checkpoint: str) -> None:
+    """model.safetensors of every checkpoint and of save_model() holds the outer weights of its step: the initial
+    weights at step 2, those of the outer step at 3 at step 4, those of step 6 at 6."""
+    out, (first, _) = two_ranks
+    steps = {s["step"]: s["outer"] for s in first["run"]["steps"]}
+    saved = load_file(out / "run" / checkpoint / "model.safetensors")
+    expected = steps[dw.STEPS if checkpoint == "final" else int(checkpoint.split("-")[1])]
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[n], expected[n]) for n in expected)
+
+
+def test_checkpoints_keep_every_worker_s_state(two_ranks: tuple) -> None:
+    """Every checkpoint holds one optimizer state per process (each recording its worker), none in optimizer.pt, and
+    an RNG state per process; the two workers' states differ (their inner weights)."""
+    out, _ = two_ranks
+    for checkpoint in ("checkpoint-2", "checkpoint-4", "checkpoint-6"):
+        folder = out / "run" / checkpoint
+        names = {p.name for p in folder.iterdir()}
+        assert {"optimizer_rank0.pt", "optimizer_rank1.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
+        assert "optimizer.pt" not in names and "scheduler.pt" in names
+    states = [torch.load(out / "run" / "checkpoint-4" / f"optimizer_rank{r}.pt", weights_only=True) for r in range(2)]
+    for rank, state in enumerate(states):
+        assert state["param_groups"][0]["diloco_layout"] == {
+            "world_size": 2, "num_workers": 2, "num_fragments": 1, "worker": rank
+        }  # fmt: skip
+    inner = [s["state"][0]["outer"] for s in states]  # in eval mode, state["outer"] holds the inner weights
+    assert not torch.equal(*inner)
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_resume_is_bitwise_on_every_rank(two_ranks: tuple) -> None:
+    """Resumed from checkpoint-4 (one step after an outer step), every rank's inner and outer weights after steps 5
+    and 6, the final evaluation and the saved model equal the uninterrupted run's bitwise."""
+    out, facts = two_ranks
+    for f in facts:
+        uninterrupted = {s["step"]: s for s in f["run"]["steps"]}
+        assert [s["step"] for s in f["resumed"]["steps"]] == [5, 6]
+        for resumed in f["resumed"]["steps"]:
+            want = uninterrupted[resumed["step"]]
+            for key in ("inner", "outer"):
+                assert all(torch.equal(resumed[key][n], want[key][n]) for n in want[key]), (resumed["step"], key)
+        assert f["resumed"]["eval_loss"] == f["run"]["eval_loss"]
+    resumed, uninterrupted = (load_file(out / d / "final" / "model.safetensors") for d in ("resumed", "run"))
+    assert all(torch.equal(resumed[n], uninterrupted[n]) for n in uninterrupted)
+
+
+def test_a_resume_with_another_number_of_workers_is_refused_before_training(two_ranks: tuple) -> None:
+    """--diloco_workers 1 on a checkpoint of 2 workers: GPATrainer.train and the example scripts' resume check raise a
+    ValueError naming the flag, before the optimizer exists or a step is taken."""
+    _, facts = two_ranks
+    for f in facts:
+        for key in ("other_m_refused", "other_m_refused_by_script"):
+            assert "--diloco_workers = 2, this optimizer runs with 1" in f[key], key
+        assert f["other_m_before_training"]
+
+
+# ---------------------------------------------------------------- one worker of two processes
+
+
+def test_one_worker_of_two_processes_is_ddp_around_single_worker_diloco(two_ranks: tuple) -> None:
+    """--diloco_workers 1 on 2 processes (one island of both: DDP over it, no outer all-reduce) ends bitwise where
+    single-worker DiLoCo under accelerate's DDP does."""
+    _, facts = two_ranks
+    for f in facts:
+        run = f["one_worker"]
+        assert run["layout"]["num_workers"] == 1 and run["island_size"] == 2 and run["ddp_group_is_island"]
+        held, stock = run["held_after_train"], f["stock_ddp"]["held_after_train"]
+        assert all(torch.equal(held[n], stock[n]) for n in stock)
+
+
+# ---------------------------------------------------------------- the layout of a checkpoint, without a launch
+
+
+def _checkpoint(folder: Path, layout: WorkerLayout | None, ranks: range, single: bool = False) -> Path:
+    """A checkpoint folder with the optimizer files a run on ``layout`` writes (their param groups only)."""
+    folder.mkdir()
+    for rank in ranks:
+        saved = {} if layout is None else {"diloco_layout": {**layout.saved(), "worker": rank // layout.island_size}}
+        torch.save({"state": {}, "param_groups": [{"params": [0], **saved}]}, folder / f"optimizer_rank{rank}.pt")
+    if single:
+        torch.save({"state": {}, "param_groups": [{"params": [0]}]}, folder / "optimizer.pt")
+    return folder
+
+
+class _Args:
+    def __init__(self, distributed: bool = True, workers: int | None = None, fragments: int = 1) -> None:
+        self.diloco_distributed, self.diloco_workers, self.diloco_fragments = distributed, workers, fragments
+
+
+@pytest.mark.parametrize(
+    ("world_size", "args", "named"),
+    [
+        (4, _Args(), "the world size (the number of processes) = 2, this optimizer runs with 4"),
+        (2, _Args(workers=1), "--diloco_workers = 2, this optimizer runs with 1"),
+        (2, _Args(fragments=2), "--diloco_fragments = 1, this optimizer runs with 2"),
+        (2, _Args(distributed=False), "holds the optimizer states of a DiLoCo run across processes"),
+    ],
+)
+def test_a_checkpoint_of_another_layout_is_refused_by_name(tmp_path: Path, world_size: int, args: Any, named: str):
+    """A checkpoint of 2 workers over 2 processes, resumed on 4 processes (also by the processes that have no file
+    of their own), with another M or P, or without --diloco_distributed: a ValueError naming what differs."""
+    checkpoint = _checkpoint(tmp_path / "checkpoint-4", WorkerLayout(2, 2, 1), range(2))
+    for rank in range(world_size):
+        with pytest.raises(ValueError) as error:
+            refuse_other_layout(str(checkpoint), requested_layout(args, world_size, rank), rank)
+        assert named in str(error.value)
+
+
+def test_a_checkpoint_of_the_same_layout_or_without_optimizer_state_passes(tmp_path: Path) -> None:
+    """The same layout passes on every rank; so does a --save_only_model checkpoint (no optimizer state), and a
+    checkpoint with optimizer.pt for a run that is not across processes."""
+    same = _checkpoint(tmp_path / "same", WorkerLayout(2, 2, 1), range(2))
+    weights_only = _checkpoint(tmp_path / "weights_only", None, range(0))
+    single = _checkpoint(tmp_path / "single", None, range(0), single=True)
+    for rank in range(2):
+        refuse_other_layout(str(same), requested_layout(_Args(), 2, rank), rank)
+        refuse_other_layout(str(weights_only), requested_layout(_Args(), 2, rank), rank)
+    refuse_other_layout(str(single), None, 0)
+
+
+def test_a_single_optimizer_state_is_refused_to_a_run_across_processes(tmp_path: Path) -> None:
+    """optimizer.pt alone (a run on one process, or single-worker DiLoCo under DDP) cannot resume DiLoCo across
+    processes, which needs every worker's state: refused, naming the file each process would need."""
+    single = _checkpoint(tmp_path / "single", None, range(0), single=True)
+    with pytest.raises(ValueError, match=r"holds one optimizer state \(optimizer\.pt\).*optimizer_rank<r>\.pt"):
+        refuse_other_layout(str(single), requested_layout(_Args(), 2, 0), 0)
+
+
+def test_a_missing_state_of_this_process_is_refused(tmp_path: Path) -> None:
+    """A checkpoint of the right layout without this process's file (an incomplete checkpoint) is refused, naming the
+    file."""
+    partial = _checkpoint(tmp_path / "partial", WorkerLayout(2, 2, 1), range(1))
+    with pytest.raises(ValueError, match="has no optimizer_rank1.pt"):
+        refuse_other_layout(str(partial), requested_layout(_Args(), 2, 1), 1)
+
+
+# ---------------------------------------------------------------- 2 islands of 2 processes (4 ranks)
+
+
+def test_two_islands_of_two_average_gradients_inside_the_island_only(tmp_path: Path) -> None:
+    """4 processes as 2 workers of 2: every step the gradients are all-reduced inside the island (whose two processes
+    then hold the same inner weights), and only the outer all-reduce at steps 3 and 6 leaves it; the outer weights
+    are the same bits on all four processes after every step."""
+    facts = [f["islands"] for f in launch("four_ranks", 4, tmp_path)]
+    for rank, run in enumerate(facts):
+        assert run["layout"] == {"world_size": 4, "num_workers": 2, "num_fragments": 1, "worker": rank // 2}
+        assert run["island_size"] == 2 and run["ddp_group_is_island"]
+        spans = islands(run)
+        within = {}
+        for record in run["records"]:
+            step = step_of(run, record)
+            if step is not None and record["op"] == "gloo:all_reduce":
+                within.setdefault((step, len(spans[record["group"]]) > 1), []).append(record["numel"])
+        for step in range(1, dw.STEPS + 1):
+            assert sum(within[(step, False)]) >= run["numel"], step  # the gradients, in DDP's buckets
+            assert within.get((step, True)) == ([run["numel"]] if step % dw.INNER_STEPS == 0 else None), step
+    for a, b in zip(facts[0]["steps"], facts[1]["steps"]):
+        assert all(torch.equal(a["inner"][n], b["inner"][n]) for n in a["inner"])  # one island, one worker
+    assert any(not torch.equal(facts[0]["steps"][1]["inner"][n], t) for n, t in facts[2]["steps"][1]["inner"].items())
+    for other in facts[1:]:
+        for a, b in zip(facts[0]["steps"], other["steps"]):
+            assert all(torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"])
+
+
+# ---------------------------------------------------------------- the documented command
+
+DOC = REPO / "docs" / "distributed.md"
+#: The README's tiny settings for the example script, and a checkpoint after the first outer step.
+TINY_CLM = (
+    "--use_cpu --max_steps 4 --save_steps 3 --diloco_inner_steps 2 --streaming true --max_train_samples 32 "
+    "--max_eval_samples 4 --block_size 32 --per_device_train_batch_size 2 --per_device_eval_batch_size 2 "
+    "--tokenizer_vocab_size 512 --tokenizer_train_bytes 300000 --report_to none --disable_tqdm true "
+    "--config_overrides hidden_size=32,intermediate_size=64,num_hidden_layers=1,num_attention_heads=2,"
+    "num_key_value_heads=2"
+)
+
+
+@pytest.mark.slow
+def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path) -> None:
+    """docs/distributed.md's accelerate launch of run_clm_gpa.py, as written plus --use_cpu and the README's tiny
+    settings (a streamed dataset: every process reads its own batches): 2 workers of 2 processes train, save a
+    checkpoint with every process's optimizer state and evaluate."""
+    blocks = re.findall(r"<!-- skip-test:[^>]*test_diloco_trainer[^>]*-->\n```bash\n(.*?)\n```", DOC.read_text(), re.S)
+    assert len(blocks) == 1
+    command = (
+        blocks[0]
+        .replace("\\\n", " ")
+        .replace("accelerate launch", f"accelerate launch --main_process_port {free_port()}")
+    )
+    for entry in ("configs", "run_clm_gpa.py"):
+        (tmp_path / entry).symlink_to(REPO / entry)
+    env = {**launch_env(REPO), "HF_GPA_DISABLE_CPU_KERNEL": "1", "HF_GPA_CACHE": str(tmp_path / "cache")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    log = tmp_path / "launch.log"
+    run_logged(["bash", "-e", "-c", f"{command} {TINY_CLM}"], log, env, 600, "the documented command", tmp_path)
+    checkpoint = tmp_path / "outputs" / "clm-diloco" / "checkpoint-3"
+    assert {f"optimizer_rank{r}.pt" for r in range(4)} <= {p.name for p in checkpoint.iterdir()}
+    assert "eval_loss" in (tmp_path / "outputs" / "clm-diloco" / "all_results.json").read_text()
