@@ -169,6 +169,20 @@ def optimizer_from_flags(
     benchmark that varies one of them (``state_dtype``, a base class).
     """
     cls, kwargs = optimizer_cls_and_kwargs(flags, model)
+    return optimizer_from_entry(cls, kwargs, params, weight_decay=weight_decay, **overrides)
+
+
+def optimizer_from_entry(
+    cls: type,
+    kwargs: Mapping[str, Any],
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+    *,
+    weight_decay: float | None = None,
+    **overrides: Any,
+) -> torch.optim.Optimizer:
+    """The optimizer of an entry of the ``--optim`` table (the class and keyword arguments `optimizer_cls_and_kwargs`
+    returns), built as `optimizer_from_flags` builds it: for a process that received the entry from another one and
+    need not import the Trainer's modules (a spawned benchmark process)."""
     kwargs = {**kwargs, **overrides}
     groups = list(kwargs.pop("params", params))
     if not groups or not isinstance(groups[0], dict):

@@ -8,6 +8,7 @@ import importlib
 import json
 import pkgutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,54 @@ def test_bn_recalibration_sweeps_the_checkpoints_of_the_scripts_run(tmp_path: Pa
     assert [row["epoch"] for row in rows] == [1.0]
     assert all(0 <= rows[0][key] <= 1 for key in ("accuracy_y_stats", "accuracy_reference"))
     assert rows[0]["N=1"]["var_rel_err"] > 0 and torch.isfinite(torch.tensor(rows[0]["y_stats"]["var_rel_err"]))
+
+
+def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: Path) -> None:
+    """``--tiny`` (2 processes over the metered gloo): DDP hands the model's bytes to one all-reduce a step and
+    nothing else, DiLoCo the model's bytes once per H steps, streaming one fragment at a time (the peak below the
+    model); a speed row per link against DDP, the slow link charging DDP its latency every step; a final loss per
+    quality method; the table and the plot written."""
+    from benchmarks import diloco_workers
+
+    plan = diloco_workers.TINY_PLAN
+    diloco_workers.main(["--tiny", "--out", str(tmp_path)])
+    runs = json.loads((tmp_path / "diloco_workers.json").read_text())["runs"]
+    sent = {run["method"]: run for run in runs if run["part"] == "bytes"}
+    assert list(sent) == [method.name for method in plan.bytes_methods()]
+    model = sent["DDP-AdamW"]["model_bytes"]
+    assert sent["DDP-AdamW"]["ops"] == {"allreduce": plan.bytes_steps}
+    assert sent["DDP-AdamW"]["payload_per_step"] == model
+    for h in plan.inner_steps:
+        assert sent[f"DiLoCo H={h}"]["ops"] == {"allreduce": plan.bytes_steps // h}
+        assert sent[f"DiLoCo H={h}"]["between_workers_per_step"] == model / h
+    streaming = sent[f"streaming DiLoCo H={plan.streaming_inner_steps} P={plan.fragments[0]}"]
+    assert streaming["payload_per_step"] == model / plan.streaming_inner_steps
+    assert 0 < streaming["peak_between_workers_step_payload"] < model
+    assert all(len(set(run["payload_of_each_rank"])) == 1 for run in sent.values())
+
+    speed = [run for run in runs if run["part"] == "speed"]
+    assert [run["link"]["name"] for run in speed] == [link.name for link in plan.links]
+    assert all(ratio > 0 for run in speed for ratio in run["ratio_to_ddp"].values())
+    assert speed[1]["modelled_link_s_per_step"]["DDP-AdamW"] >= plan.links[1].latency_s
+
+    quality = diloco_workers.quality_summary(runs)
+    assert [row["method"] for row in quality] == [method.name for method in plan.quality_methods()]
+    assert all(0 < row["mean"] < 10 for row in quality)
+    text = (tmp_path / "diloco_workers.md").read_text()
+    assert all(f"## {title}" in text for title in ("Bytes per training step", "Steps per second", "Validation loss"))
+    assert (tmp_path / "diloco_workers.png").stat().st_size
+
+
+def _sleeps(rank: int, meter: object, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_launch_of_ranks_past_its_timeout_is_killed() -> None:
+    """`benchmarks.ranks.run_ranks` never waits without bound: past its timeout every process is killed and a
+    TimeoutError names the launch."""
+    from benchmarks.ranks import run_ranks
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="_sleeps on 2 processes was not done after 3 s"):
+        run_ranks(_sleeps, 2, (600.0,), timeout_s=3)
+    assert time.monotonic() - start < 60

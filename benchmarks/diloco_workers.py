@@ -1,0 +1,655 @@
+"""DiLoCo across workers against DDP, measured on CPU processes over gloo: the bytes each process sends per training
+step, the steps per second over a simulated slow link, and the validation loss at the same token budget.
+
+Why this file exists: DiLoCo's reason to exist is communication. M workers each take H inner steps on their own
+data and then average their pseudo-gradients in one all-reduce, where DDP all-reduces every gradient at every step;
+so DiLoCo should send about 1/H of DDP's bytes, streaming DiLoCo (P fragments) should cut the peak of one
+synchronisation by P, and over a slow link DiLoCo should take more steps per second. This benchmark measures the
+three claims and what the saving costs in loss, on the tiny Llama and corpus of ``benchmarks.paper_recipe``:
+
+* **bytes**: every collective of every process is counted by the metered gloo backend of ``benchmarks.ranks`` (the
+  payload each process hands to each collective: DDP's gradient buckets, DiLoCo's outer all-reduce, anything else),
+  over whole outer periods after two warm-up steps, for DDP-AdamW, GPA-AdamW under DDP, DiLoCo at each H (every
+  process a worker), streaming DiLoCo (P fragments) and DiLoCo in islands (M workers of W / M processes, DDP inside
+  each island: only the outer all-reduce crosses workers);
+* **speed**: steps per second of DDP-AdamW and DiLoCo at each H with every collective delayed by a `ranks.Link`
+  (latency plus bytes over bandwidth), in interleaved rounds (ABBA), medians and the ratio to DDP of the same link.
+  The ranks share the machine's cores, so the model is tiny and the step's compute small beside the link;
+* **quality**: DDP-AdamW, DiLoCo at each H (M = W workers) and, for reference, GPA-AdamW under DDP, trained on the
+  same batches (each step's global batch split over the processes, the same tokens for every method) from the same
+  initialisation with the recipe of ``benchmarks.paper_recipe`` (its betas, weight decay, clipping, warmup and
+  cosine, DiLoCo's outer lr and momentum); each method's lr is the best of a small grid at the first seed (one
+  value: no sweep), then every seed runs at it. The loss is that of the evaluation weights (DiLoCo's outer weights,
+  GPA's x) on the fixed validation windows.
+
+Each part runs in one launch of W spawned processes with a timeout; results are written as they come (a resumable
+``diloco_workers.json``, ``diloco_workers.md`` and ``diloco_workers.png`` under ``--out``):
+
+    python -m benchmarks.diloco_workers --parts bytes speed        # 4 processes, about 7 minutes
+    nohup python -m benchmarks.diloco_workers --parts quality > quality.log 2>&1 &
+    python -m benchmarks.diloco_workers --tiny --out outputs/dl    # 2 processes, 1 minute: the whole pipeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import paper_recipe as pr
+from benchmarks import report, workloads
+from benchmarks.ranks import LOOPBACK, Link, Meter, run_ranks
+
+logger = logging.getLogger("diloco_workers")
+
+PARTS = ("bytes", "speed", "quality")
+#: The collective timeout of every process group: a process left alone in a collective (another one failed) fails
+#: after this; process 0 evaluates while the others wait in their next collective.
+COLLECTIVE_TIMEOUT_S = 120.0
+STEM = "diloco_workers"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to train across the processes: ``family`` is the paper recipe's method ("adamw" and "gpa" under
+    DDP over all processes, "diloco" across workers), ``inner_steps`` H, ``num_workers`` M (None: every process a
+    worker), ``num_fragments`` P."""
+
+    family: str
+    inner_steps: int | None = None
+    num_workers: int | None = None
+    num_fragments: int = 1
+
+    @property
+    def name(self) -> str:
+        if self.family == "adamw":
+            return "DDP-AdamW"
+        if self.family == "gpa":
+            return f"GPA-AdamW (DDP, H={self.inner_steps})"
+        name = f"DiLoCo H={self.inner_steps}"
+        if self.num_fragments > 1:
+            name = f"streaming {name} P={self.num_fragments}"
+        return name if self.num_workers is None else f"{name}, M={self.num_workers} islands"
+
+
+DDP_ADAMW = Method("adamw")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to run: the processes, the methods of each part, the links, the seeds and the lr grids."""
+
+    world_size: int = 4
+    #: DiLoCo's H (every part) and streaming DiLoCo's H and P (bytes)
+    inner_steps: tuple[int, ...] = (8, 32)
+    streaming_inner_steps: int = 32
+    fragments: tuple[int, ...] = (2, 4)
+    #: M of the islands row of the bytes table (None: no such row), at the largest H
+    islands: int | None = 2
+    #: GPA-AdamW's H (its mu_x) and mu_y: the paper bench's best full-budget setting (as benchmarks.lowbit_quality)
+    gpa_inner_steps: int = 8
+    gpa_mu_y: float = 0.5
+    #: steps counted per method (a multiple of every H and of every H / P), after `WARMUP_STEPS`
+    bytes_steps: int = 64
+    #: steps per timed round (a multiple of every H), rounds kept (after one warm-up round), links: short rounds,
+    #: many of them, so that the load of a shared machine hits every method alike
+    speed_steps: int = 32
+    speed_rounds: int = 11
+    links: tuple[Link, ...] = (
+        LOOPBACK,
+        Link("WAN", latency_s=0.05, bandwidth=100e6),
+        Link("thin", latency_s=0.005, bandwidth=2e6),
+    )
+    #: the (constant) lr of the bytes and speed runs, which measure communication, not loss
+    comm_lr: float = 1e-3
+    seeds: tuple[int, ...] = (0, 1, 2)
+    #: the lr grid of each quality family, swept at the first seed (one value: no sweep): around the paper bench's
+    #: best lrs (AdamW and GPA 0.02, single-worker DiLoCo 0.01 at 2,000 steps of the same global batch); DiLoCo's
+    #: widened both ways once its best lrs (H = 8: 0.02, H = 32: 0.005) came out at the edges of 0.005-0.02
+    lrs: dict[str, tuple[float, ...]] = field(
+        default_factory=lambda: {
+            "adamw": (1e-2, 2e-2, 4e-2),
+            "diloco": (2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2),
+            "gpa": (1e-2, 2e-2, 4e-2),
+        }
+    )
+    timeout_s: float = 7200.0
+
+    def bytes_methods(self) -> list[Method]:
+        methods = [DDP_ADAMW, Method("gpa", self.gpa_inner_steps)]
+        methods += [Method("diloco", h) for h in self.inner_steps]
+        methods += [Method("diloco", self.streaming_inner_steps, num_fragments=p) for p in self.fragments]
+        if self.islands is not None:
+            methods.append(Method("diloco", max(self.inner_steps), num_workers=self.islands))
+        return methods
+
+    def speed_methods(self) -> list[Method]:
+        return [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps)]
+
+    def quality_methods(self) -> list[Method]:
+        return [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps), Method("gpa", self.gpa_inner_steps)]
+
+
+#: The quality budget: the paper bench's tiny Llama, 16 windows of 64 tokens a step (4 per process on 4 processes),
+#: 1,024 steps (1.05M tokens, a multiple of every H), evaluated every 128 steps on 128 fixed validation windows.
+WORKLOAD = pr.Workload(batch_size=16, steps=1024, eval_every=128, val_windows=128)
+TINY_WORKLOAD = dataclasses.replace(pr.QUICK_WORKLOAD, steps=8, eval_every=4)
+TINY_PLAN = Plan(
+    world_size=2, inner_steps=(2, 4), streaming_inner_steps=4, fragments=(2,), islands=None, gpa_inner_steps=2,
+    bytes_steps=4, speed_steps=4, speed_rounds=1, links=(LOOPBACK, Link("WAN", latency_s=0.001, bandwidth=100e6)),
+    seeds=(0,), lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,)}, timeout_s=300.0,
+)  # fmt: skip
+
+
+# ---- one trainee: a model, what its forward runs through, its optimizer ----
+
+
+@dataclass
+class Trainee:
+    method: Method
+    model: torch.nn.Module
+    forward: torch.nn.Module  # the model, or its DDP
+    optimizer: torch.optim.Optimizer
+    grad_clip: float
+
+    def step(self, batch: torch.Tensor) -> float:
+        loss = self.forward(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def evaluation_loss(self, val: torch.Tensor, workload: pr.Workload) -> float:
+        """The loss of the evaluation weights (DiLoCo's outer weights, GPA's x, else the parameters)."""
+        averaged = hasattr(self.optimizer, "eval")
+        if averaged:
+            self.optimizer.eval()
+        try:
+            return pr.evaluate(self.model, val, workload.batch_size, workload)
+        finally:
+            if averaged:
+                self.optimizer.train()
+
+
+def optimizer_entries(plan: Plan, workload: pr.Workload) -> dict[Method, tuple[type, dict[str, Any]]]:
+    """The ``--optim`` table's entry (class, keyword arguments) of every method of the plan: the paper recipe's flags
+    (`paper_recipe.optimizer_flags`) read by the one table, once, in the launching process; each run sets its lr."""
+    methods = {*plan.bytes_methods(), *plan.speed_methods(), *plan.quality_methods()}
+    entries = {}
+    for method in sorted(methods, key=lambda m: m.name):
+        mu_y = plan.gpa_mu_y if method.family == "gpa" else None
+        spec = pr.RunSpec(method.family, plan.comm_lr, 0, workload.steps, STEM, method.inner_steps, mu_y)
+        entries[method] = workloads.optimizer_cls_and_kwargs(pr.optimizer_flags(spec, workload))
+    return entries
+
+
+def build(method: Method, context: Context, seed: int, lr: float) -> Trainee:
+    """The trainee of ``method`` on every process (a collective: every process calls it with the same arguments):
+    the workload's Llama from ``seed``, the method's optimizer at ``lr`` with weight decay on every tensor, DDP over
+    all processes for AdamW and GPA, over the island for DiLoCo in islands, none for DiLoCo with every process a
+    worker. DDP does not broadcast buffers before each forward: the Llama's only buffers are constant."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    workload = context.workload
+    model = workload.build(seed)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    cls, kwargs = context.entries[method]
+    overrides: dict[str, Any] = {"lr": lr}
+    if method.family == "diloco":
+        overrides |= {"distributed": True, "num_workers": method.num_workers, "num_fragments": method.num_fragments}
+    optimizer = workloads.optimizer_from_entry(cls, kwargs, params, weight_decay=workload.weight_decay, **overrides)
+    group = dist.group.WORLD
+    if method.family == "diloco":
+        group = optimizer.layout.island_group if optimizer.layout.island_size > 1 else None
+    forward = model if group is None else DistributedDataParallel(model, process_group=group, **_NO_BUFFER_SYNC)
+    return Trainee(method, model, forward, optimizer, workload.grad_clip)
+
+
+#: DDP's switch for the per-forward buffer broadcast (renamed in torch 2.13; the old name warns there).
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
+
+
+# ---- the three parts, run on every process ----
+
+
+@dataclass
+class Context:
+    """What every part of one process works with."""
+
+    rank: int
+    meter: Meter
+    plan: Plan
+    workload: pr.Workload
+    entries: dict[Method, tuple[type, dict[str, Any]]]
+    #: (train windows, validation windows) of the corpus
+    data: tuple[torch.Tensor, torch.Tensor]
+    #: the runs recorded before (a resumed record), by key
+    recorded: dict[str, dict[str, Any]]
+    #: records a finished run (process 0 writes it; the others do nothing)
+    record: Callable[[dict[str, Any]], None]
+
+    def from_rank0(self, value: Any) -> Any:
+        """``value`` of process 0, on every process (a collective, neither counted nor delayed)."""
+        return from_rank0(value, self.meter)
+
+    def batch(self, order: torch.Tensor, step: int) -> torch.Tensor:
+        """This process's share of the step's global batch (row ``step`` of a `workloads.batch_order`)."""
+        per = order.shape[1] // self.plan.world_size
+        return self.data[0][order[step, self.rank * per : (self.rank + 1) * per]].long()
+
+
+def from_rank0(value: Any, meter: Meter) -> Any:
+    box = [value]
+    with meter.paused():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+#: Steps before the bytes are counted: DDP rebuilds its buckets at the start of its second step (a broadcast).
+WARMUP_STEPS = 2
+
+
+def measure_bytes(context: Context) -> None:
+    """Each method's collectives over ``plan.bytes_steps`` steps after `WARMUP_STEPS` steps, per step. A window of
+    N consecutive steps, N a multiple of H, holds N / H outer steps of every fragment."""
+    plan, meter, world, steps = context.plan, context.meter, context.plan.world_size, context.plan.bytes_steps
+    order = workloads.batch_order(context.data[0].shape[0], context.workload.batch_size, WARMUP_STEPS + steps, 0)
+    for method in plan.bytes_methods():
+        key = f"bytes/{method.name}"
+        if key in context.recorded:
+            continue
+        trainee = build(method, context, 0, plan.comm_lr)
+        model_bytes = sum(p.numel() * p.element_size() for p in trainee.model.parameters() if p.requires_grad)
+        for step in range(WARMUP_STEPS):
+            trainee.step(context.batch(order, step))
+        meter.clear()
+        for step in range(steps):
+            meter.step = step
+            trainee.step(context.batch(order, WARMUP_STEPS + step))
+        collectives, meter.collectives = meter.collectives, []
+        with meter.paused():
+            payloads: list[Any] = [None] * world
+            dist.all_gather_object(payloads, sum(c.payload for c in collectives))
+        island = world // (method.num_workers or world)
+        between = [c for c in collectives if len({r // island for r in c.ranks}) > 1]
+        context.record({
+            "key": key, "part": "bytes", "method": method.name, **dataclasses.asdict(method),
+            "world_size": world, "island_size": island, "steps": steps, "model_bytes": model_bytes,
+            "collectives_per_step": len(collectives) / steps,
+            "ops": {op: sum(c.op == op for c in collectives) for op in sorted({c.op for c in collectives})},
+            "payload_per_step": sum(c.payload for c in collectives) / steps,
+            "sent_per_step": sum(c.wire_bytes for c in collectives) / steps,
+            "between_workers_per_step": sum(c.payload for c in between) / steps,
+            "between_workers_sent_per_step": sum(c.wire_bytes for c in between) / steps,
+            "peak_step_payload": max(sum(c.payload for c in collectives if c.step == s) for s in range(steps)),
+            "peak_between_workers_step_payload": max(
+                sum(c.payload for c in between if c.step == s) for s in range(steps)
+            ),
+            "payload_of_each_rank": payloads,
+        })  # fmt: skip
+
+
+def measure_speed(context: Context) -> None:
+    """Steps per second of each speed method over each link, in interleaved rounds (process 0's clock, between two
+    uncounted barriers), and the link time the model charged per step."""
+    plan, meter, world, steps = context.plan, context.meter, context.plan.world_size, context.plan.speed_steps
+    trainees = {m.name: build(m, context, 0, plan.comm_lr) for m in plan.speed_methods()}
+    generator = torch.Generator().manual_seed(1000 + context.rank)
+    train = context.data[0]
+
+    def timed(trainee: Trainee) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:
+            shape = (steps, context.workload.batch_size // world)
+            picks = torch.randint(0, train.shape[0], shape, generator=generator)
+            meter.clear()
+            with meter.paused():
+                dist.barrier()
+            start = time.perf_counter()
+            for step in range(steps):
+                meter.step = step
+                trainee.step(train[picks[step]].long())
+            with meter.paused():
+                dist.barrier()
+            elapsed = time.perf_counter() - start
+            link_s = sum(meter.link.delay_s(c.wire_bytes) for c in meter.collectives if len(c.ranks) > 1)
+            return steps / elapsed, (link_s / steps if meter.link != LOOPBACK else 0.0)
+
+        return run
+
+    for link in plan.links:
+        key = f"speed/{link.name}"
+        if key in context.recorded:
+            continue
+        meter.link = link
+        rounds = report.interleaved_rounds({n: timed(t) for n, t in trainees.items()}, plan.speed_rounds, warmup=1)
+        meter.link, meter.collectives = LOOPBACK, []
+        medians, rates = rounds.medians(0), {n: [s[0] for s in samples] for n, samples in rounds.samples.items()}
+        ddp = rates[DDP_ADAMW.name]
+        round_ratios = {n: statistics.median(a / b for a, b in zip(r, ddp)) for n, r in rates.items()}
+        context.record({
+            "key": key, "part": "speed", "link": dataclasses.asdict(link), "link_text": link.describe(),
+            "world_size": world, "steps_per_round": steps, "rounds": plan.speed_rounds,
+            "steps_per_s": rates, "median_steps_per_s": medians,
+            "ratio_to_ddp": {n: medians[n] / medians[DDP_ADAMW.name] for n in medians},
+            "median_round_ratio_to_ddp": round_ratios,
+            "modelled_link_s_per_step": rounds.medians(1),
+        })  # fmt: skip
+
+
+def measure_quality(context: Context) -> None:
+    """Each quality method: its lr grid at the first seed, then every other seed at the grid's best lr."""
+    plan = context.plan
+    for method in plan.quality_methods():
+        grid, first = plan.lrs[method.family], plan.seeds[0]
+        finals = {lr: quality_run(context, method, lr, first) for lr in grid}
+        best = min(grid, key=lambda lr: finals[lr])
+        for seed in plan.seeds[1:]:
+            quality_run(context, method, best, seed)
+
+
+def quality_key(method: Method, lr: float, seed: int) -> str:
+    return f"quality/{method.name}/lr{lr:g}/s{seed}"
+
+
+def quality_run(context: Context, method: Method, lr: float, seed: int) -> float:
+    """One training run on every process (or its record, if there is one); its final validation loss (process 0's
+    evaluation, on every process; inf if it diverged)."""
+    key = quality_key(method, lr, seed)
+    if key in context.recorded:
+        return _finite(context.recorded[key]["final_val"])
+    workload, steps = context.workload, context.workload.steps
+    trainee = build(method, context, seed, lr)
+    order = workloads.batch_order(context.data[0].shape[0], workload.batch_size, steps, seed)
+    run: dict[str, Any] = {"steps": [], "val": [], "train_loss": []}
+    running: list[float] = []
+    start = time.perf_counter()
+    for step in range(steps):
+        trainee.set_lr(lr * pr.lr_factor(step, steps, workload.warmup_fraction, "cosine"))
+        running.append(trainee.step(context.batch(order, step)))
+        if not math.isfinite(running[-1]):
+            run["diverged_at"] = step + 1
+            break
+        if (step + 1) % workload.eval_every == 0 or step + 1 == steps:
+            run["steps"].append(step + 1)
+            run["val"].append(trainee.evaluation_loss(context.data[1], workload) if context.rank == 0 else math.nan)
+            run["train_loss"].append(statistics.fmean(running))  # process 0's share of the batches
+            running = []
+    # A loss that is not finite on one process stops that one only; the others fail in their next collective.
+    run["wall_s"] = time.perf_counter() - start
+    final = run["val"][-1] if run["val"] and "diverged_at" not in run else math.inf
+    context.record({"key": key, "part": "quality", "method": method.name, **dataclasses.asdict(method), "lr": lr,
+                    "seed": seed, "world_size": context.plan.world_size, "final_val": final, **run})  # fmt: skip
+    return _finite(context.from_rank0(final))
+
+
+def _finite(value: float | None) -> float:
+    return value if value is not None and math.isfinite(value) else math.inf
+
+
+MEASURES = {"bytes": measure_bytes, "speed": measure_speed, "quality": measure_quality}
+
+
+def rank_main(
+    rank: int, meter: Meter, parts: Sequence[str], plan: Plan, workload: pr.Workload, entries: dict, out: Path
+) -> None:
+    """One process of the launch: the requested parts in order; process 0 records every result as it comes."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
+    results = results_file(out, plan, workload) if rank == 0 else None
+
+    def record(run: dict[str, Any]) -> None:
+        if results is not None:
+            results.add(run)
+            write_report(results.data, out)
+            logger.info("%s done", run["key"])
+
+    recorded = {run["key"]: run for run in from_rank0(results.runs if results is not None else None, meter)}
+    data = pr.load_token_windows(workload)
+    context = Context(rank, meter, plan, workload, entries, data, recorded, record)
+    for part in parts:
+        MEASURES[part](context)
+
+
+# ---- the record and the report ----
+
+
+def results_file(out: Path, plan: Plan, workload: pr.Workload) -> report.ResultsFile:
+    environment = {"torch": torch.__version__, "num_threads": 1, "device": report.device_name("cpu")}
+    workload_fields = {**dataclasses.asdict(workload), "world_size": plan.world_size}
+    return report.ResultsFile(out / f"{STEM}.json", workload_fields, dataclasses.asdict(plan), environment)
+
+
+def _kb(value: float) -> str:
+    return f"{value / 1e3:,.1f}"
+
+
+def bytes_table(runs: list[dict[str, Any]]) -> str:
+    rows = [run for run in runs if run["part"] == "bytes"]
+    ddp = next((run for run in rows if run["method"] == DDP_ADAMW.name), None)
+    header = ["method", "processes per worker", "collectives / step", "payload / step (KB)", "sent / step (KB)",
+              "between workers / step (KB)", "vs DDP", "peak of one step between workers (KB)",
+              "peak / model"]  # fmt: skip
+    table = []
+    for run in rows:
+        ratio = run["between_workers_per_step"] / ddp["between_workers_per_step"] if ddp else math.nan
+        table.append([
+            run["method"], run["island_size"], f"{run['collectives_per_step']:.3f}", _kb(run["payload_per_step"]),
+            _kb(run["sent_per_step"]), _kb(run["between_workers_per_step"]), f"{ratio:.4f} (1/{1 / ratio:.1f})",
+            _kb(run["peak_between_workers_step_payload"]),
+            f"{run['peak_between_workers_step_payload'] / run['model_bytes']:.3f}",
+        ])  # fmt: skip
+    return report.markdown_table(header, table, right=range(1, len(header)))
+
+
+def speed_table(runs: list[dict[str, Any]]) -> str:
+    rows = [run for run in runs if run["part"] == "speed"]
+    if not rows:
+        return ""
+    header = ["link", "method", "steps/s, median (range)", "vs DDP: ratio of medians", "median of round ratios",
+              "link time / step (ms, model)"]  # fmt: skip
+    table = []
+    for run in rows:
+        for name, rates in run["steps_per_s"].items():
+            table.append([
+                run["link_text"], name, f"{run['median_steps_per_s'][name]:.2f} ({min(rates):.1f}-{max(rates):.1f})",
+                f"{run['ratio_to_ddp'][name]:.2f}x", f"{run['median_round_ratio_to_ddp'][name]:.2f}x",
+                f"{run['modelled_link_s_per_step'][name] * 1e3:.1f}",
+            ])  # fmt: skip
+    return report.markdown_table(header, table, right=range(2, len(header)))
+
+
+def quality_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per method: the lr chosen at the first seed (the lowest final loss of its grid) and the runs of every seed
+    at it, in method order."""
+    rows = [run for run in runs if run["part"] == "quality"]
+    summary = []
+    for name in dict.fromkeys(run["method"] for run in rows):
+        mine = [run for run in rows if run["method"] == name]
+        first = min(run["seed"] for run in mine)
+        sweep = {run["lr"]: run["final_val"] for run in mine if run["seed"] == first}
+        best = min(sweep, key=lambda lr: _finite(sweep[lr]))
+        chosen = sorted((run for run in mine if run["lr"] == best), key=lambda run: run["seed"])
+        finals = [run["final_val"] for run in chosen]
+        mean = statistics.fmean(finals) if all(map(math.isfinite, finals)) else math.inf
+        summary.append({"method": name, "lr": best, "sweep": sweep, "runs": chosen, "finals": finals, "mean": mean})
+    return summary
+
+
+def quality_table(runs: list[dict[str, Any]]) -> str:
+    summary = quality_summary(runs)
+    if not summary:
+        return ""
+    ddp = next((row for row in summary if row["method"] == DDP_ADAMW.name), None)
+    header = ["method", "lr (best of)", "seeds", "final val loss, mean", "each seed", "vs DDP-AdamW", "wall s / run"]
+    table = []
+    for row in summary:
+        delta = row["mean"] - ddp["mean"] if ddp else math.nan
+        grid = ", ".join(f"{lr:g}: {loss:.4f}" for lr, loss in sorted(row["sweep"].items()))
+        table.append([
+            row["method"], f"{row['lr']:g} ({grid})", len(row["finals"]), f"{row['mean']:.4f}",
+            " / ".join(f"{v:.4f}" for v in row["finals"]), f"{delta:+.4f}",
+            f"{statistics.fmean(run['wall_s'] for run in row['runs']):.0f}",
+        ])  # fmt: skip
+    return report.markdown_table(header, table, right=(2, 3, 5, 6))
+
+
+def report_text(data: dict[str, Any]) -> str:
+    workload, runs = data["workload"], data["runs"]
+    world = workload["world_size"]
+    spec = pr.Workload(**{k: v for k, v in workload.items() if k in {f.name for f in dataclasses.fields(pr.Workload)}})
+    model = next((run["model_bytes"] for run in runs if run["part"] == "bytes"), None)
+    parts = [
+        f"# DiLoCo across workers against DDP: {world} CPU processes over gloo\n",
+        f"Model: the paper bench's Llama (d={spec.hidden_size}, {spec.num_layers} layers, vocabulary "
+        f"{spec.vocab_size}, seq {spec.seq_len})"
+        + (f", {model:,} bytes of fp32 parameters" if model else "")
+        + f"; global batch {spec.batch_size} windows ({spec.batch_size // world} per process); one thread per "
+        "process, the processes sharing the machine's cores. Every collective of every process is counted by the "
+        "metered gloo backend (`benchmarks/ranks.py`): the payload is the bytes of the tensors a process hands to a "
+        "collective, `sent` what it puts on the wire in a ring (2 (n - 1) / n of an all-reduce's payload over n "
+        "processes), `between workers` the collectives whose group spans more than one worker (island).\n",
+    ]
+    text = bytes_table(runs)
+    if [run for run in runs if run["part"] == "bytes"]:
+        steps = next(run["steps"] for run in runs if run["part"] == "bytes")
+        parts += [
+            f"## Bytes per training step (process 0, {steps} steps after {WARMUP_STEPS} warm-up steps)\n",
+            text + "\n",
+        ]
+    text = speed_table(runs)
+    if text:
+        run = next(run for run in runs if run["part"] == "speed")
+        parts += [
+            f"## Steps per second over a simulated link ({run['steps_per_round']} steps a round, median of "
+            f"{run['rounds']} interleaved rounds)\n",
+            "Each collective of more than one process first sleeps latency + sent bytes / bandwidth on every "
+            "process (`benchmarks.ranks.Link`); the last column is the time the link model charged per step (the "
+            "rest of a step is compute and gloo on loopback, which the processes' sharing of the cores makes noisy: "
+            "the range is over the rounds).\n",
+            text + "\n",
+        ]
+    text = quality_table(runs)
+    if text:
+        parts += [
+            f"## Validation loss at the same token budget ({spec.steps} steps, "
+            f"{spec.steps * spec.batch_size * spec.seq_len:,} tokens)\n",
+            f"The paper bench's recipe (betas {pr.BETAS['adamw']}, weight decay {spec.weight_decay} on every tensor, "
+            f"clipping {spec.grad_clip}, {spec.warmup_fraction:.0%} warmup then cosine; DiLoCo's outer lr "
+            f"{pr.DILOCO_OUTER_LR} and momentum {pr.DILOCO_OUTER_MOMENTUM}; GPA's mu_y {data['plan']['gpa_mu_y']}); "
+            "each method's lr the best of its grid at the first seed, the other seeds at it. DiLoCo: every process a "
+            "worker, each with its share of the global batch. The loss is that of the evaluation weights (DiLoCo's "
+            "outer weights, GPA's x) on the fixed validation windows.\n",
+            text + "\n",
+        ]
+    return "\n".join(parts)
+
+
+def write_report(data: dict[str, Any], out: Path) -> None:
+    (out / f"{STEM}.md").write_text(report_text(data))
+    plot(data, out / f"{STEM}.png")
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Bytes between workers per step (log scale), steps/s against DDP per link, and the mean validation curve of
+    each quality method: one panel per part that has results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = data["runs"]
+    panels = [part for part in PARTS if any(run["part"] == part for run in runs)]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, part in zip(axes[0], panels):
+        if part == "bytes":
+            rows = [run for run in runs if run["part"] == "bytes"]
+            ax.barh([r["method"] for r in rows][::-1], [r["between_workers_per_step"] / 1e3 for r in rows][::-1])
+            ax.set_xscale("log")
+            ax.set_xlabel("payload between workers per step (KB, log)")
+        elif part == "speed":
+            rows = [run for run in runs if run["part"] == "speed"]
+            names = list(rows[0]["ratio_to_ddp"])
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                ax.bar([j + i * width for j in range(len(rows))], [r["ratio_to_ddp"][name] for r in rows], width,
+                       label=name)  # fmt: skip
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["link_text"] for r in rows], fontsize=8)
+            ax.set_ylabel("steps/s relative to DDP-AdamW")
+            ax.legend(fontsize=8)
+        else:
+            for row in quality_summary(runs):
+                curves = [run["val"] for run in row["runs"] if "diverged_at" not in run]
+                if curves and all(len(c) == len(curves[0]) for c in curves):
+                    mean = [statistics.fmean(values) for values in zip(*curves)]
+                    ax.plot(row["runs"][0]["steps"], mean, label=f"{row['method']} (lr {row['lr']:g})")
+            ax.set_xlabel("step")
+            ax.set_ylabel("validation loss (mean over seeds)")
+            ax.legend(fontsize=8)
+        ax.set_title(part)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- the command line ----
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--out", type=Path, default=Path(f"benchmarks/results/{STEM}"))
+    parser.add_argument("--tiny", action="store_true", help="2 processes, a tiny Llama, a few steps: seconds")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch (default: plan's)")
+    parser.add_argument("--again", action="store_true", help="measure --parts again, replacing their recorded runs")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the table and the plot from the JSON")
+    args = parser.parse_args(argv)
+    plan, workload = (TINY_PLAN, TINY_WORKLOAD) if args.tiny else (Plan(), WORKLOAD)
+    if args.timeout is not None:
+        if args.timeout <= 0:
+            parser.error(f"--timeout: {args.timeout} (must be > 0 seconds)")
+        plan = dataclasses.replace(plan, timeout_s=args.timeout)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = results_file(args.out, plan, workload)  # refuses a record of another workload before anything starts
+    parts = [part for part in PARTS if part in args.parts]
+    if args.report_only:
+        write_report(results.data, args.out)
+        logger.info("\n%s", report_text(results.data))
+        return
+    if args.again:
+        results.data["runs"] = [run for run in results.runs if run["part"] not in parts]
+        results.write()
+    pr.load_token_windows(workload)  # tokenized and cached once, here, rather than by every process
+    start = time.perf_counter()
+    entries = optimizer_entries(plan, workload)
+    run_ranks(rank_main, plan.world_size, (parts, plan, workload, entries, args.out.resolve()),
+              timeout_s=plan.timeout_s, collective_timeout_s=COLLECTIVE_TIMEOUT_S)  # fmt: skip
+    data = results_file(args.out, plan, workload).data
+    write_report(data, args.out)
+    logger.info("%s in %.0f s\n%s", " ".join(parts), time.perf_counter() - start, report_text(data))
+
+
+if __name__ == "__main__":
+    main()
