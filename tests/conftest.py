@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 
@@ -51,3 +52,28 @@ def _peak_allocated(fn: Callable[[], object]) -> int:
 def peak_allocated() -> Callable[[Callable[[], object]], int]:
     """``peak_allocated(fn)``: the peak of CPU bytes torch allocates while ``fn()`` runs, above the level before."""
     return _peak_allocated
+
+
+@pytest.fixture
+def failing_adamw() -> type[torch.optim.AdamW]:
+    """An AdamW class, for a wrapper's base, whose step raises an out-of-memory error (before it changes anything)
+    inside ``with failing_adamw.failing():``; a class of its own for each test."""
+
+    class FailingAdamW(torch.optim.AdamW):
+        fail = False
+
+        @staticmethod
+        @contextlib.contextmanager
+        def failing() -> Iterator[None]:
+            FailingAdamW.fail = True
+            try:
+                yield
+            finally:
+                FailingAdamW.fail = False
+
+        def step(self, closure=None):  # noqa: ANN001, ANN201
+            if FailingAdamW.fail:
+                raise torch.OutOfMemoryError("injected: out of memory")
+            return super().step(closure)
+
+    return FailingAdamW
