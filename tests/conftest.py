@@ -22,6 +22,17 @@ def _environment_restored() -> Iterator[None]:
         os.environ.update(before)
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the tests of a module that asks for it (``pytestmark =
+    pytest.mark.usefixtures("one_thread")``): the CI box is shared, and tiny models are far too small to gain from
+    threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _fused_needs_the_cpu_kernel(request: pytest.FixtureRequest) -> None:
     """A test parametrized with ``impl="fused"`` on CPU is skipped where the C++ kernel cannot be built: there,

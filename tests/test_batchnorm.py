@@ -39,12 +39,7 @@ F64 = dict(rtol=1e-10, atol=1e-12)
 F32 = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI box is shared; these models are far too small to gain from threads
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- the core: recalibrate_norm_statistics on a conv net with BatchNorm, InstanceNorm and dropout ----

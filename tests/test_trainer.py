@@ -47,13 +47,7 @@ from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
 from hf_gpa.trainer import EvaluationWeightsAtTrainEnd, GPATrainer
 from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI box is shared; these models are far too small to gain from threads
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- optimizer construction ----
