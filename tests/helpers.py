@@ -108,6 +108,11 @@ def make_args(output_dir, **overrides) -> GPATrainingArguments:
     return GPATrainingArguments(**kwargs)
 
 
+def eval_and_save_every(steps: int) -> dict[str, Any]:
+    """The arguments that evaluate and save every ``steps`` steps."""
+    return dict(eval_strategy="steps", eval_steps=steps, save_strategy="steps", save_steps=steps)
+
+
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 

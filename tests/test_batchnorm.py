@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from batchnorm_models import SEED, TRAIN, TRAIN_BATCH, Digits, conv_net, make_trainer, tiny_resnet
+from helpers import eval_and_save_every
 from launching import free_port, launch_env, run_logged, run_logged_together
 from safetensors.torch import load_file
 from torch import nn
@@ -383,10 +384,7 @@ def test_model_without_running_statistics_pays_nothing(tmp_path):
         model=model,
         max_steps=2,
         per_device_eval_batch_size=128,
-        save_strategy="steps",
-        save_steps=1,
-        eval_strategy="steps",
-        eval_steps=1,
+        **eval_and_save_every(1),
     )
     trainer.train()
     trainer.save_model()

@@ -22,6 +22,7 @@ from helpers import (  # noqa: E402
     TinyRegressor,
     TokenDataset,
     assert_equal_dicts,
+    eval_and_save_every,
     make_args,
     max_abs_diff,
     params_of,
@@ -376,10 +377,7 @@ def test_load_best_model_at_end_loads_best_x(tmp_path):
     args = make_args(
         tmp_path,
         max_steps=4,
-        eval_strategy="steps",
-        eval_steps=1,
-        save_strategy="steps",
-        save_steps=1,
+        **eval_and_save_every(1),
         load_best_model_at_end=True,
         metric_for_best_model="score",
     )
@@ -781,9 +779,7 @@ def dropout_run(output_dir, **overrides) -> dict[str, torch.Tensor]:
 def test_evaluation_and_saving_leave_the_random_state_alone(optim, tmp_path):
     """With dropout, evaluating and saving every 2 steps trains on the same masks as neither: bitwise equal y."""
     quiet = dropout_run(tmp_path / "quiet", optim=optim)
-    busy = dropout_run(
-        tmp_path / "busy", optim=optim, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2
-    )
+    busy = dropout_run(tmp_path / "busy", optim=optim, **eval_and_save_every(2))
     assert_equal_dicts(busy, quiet)
 
 
