@@ -186,19 +186,23 @@ def train_losses(trainer: Trainer) -> dict[int, tuple[float, float]]:
     return {e["step"]: (e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e}
 
 
+def llama_trainer(args: GPATrainingArguments, *callbacks: TrainerCallback) -> GPATrainer:
+    """`tiny_llama` under GPATrainer with ``args``, on 16 training and 8 evaluation sequences."""
+    return GPATrainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=TokenDataset(16, seed=1),
+        eval_dataset=TokenDataset(8, seed=2),
+        callbacks=list(callbacks),
+    )
+
+
 RUN = dict(max_steps=6, save_strategy="steps", save_steps=3, lr_scheduler_type="cosine", warmup_steps=0.1)
 
 
 def run_llama(output_dir, resume: str | None = None, **overrides) -> tuple[GPATrainer, Snapshots]:
     """Six steps, 4 per epoch (so the resume at step 3 is mid-epoch and crosses an epoch boundary)."""
     snapshots = Snapshots()
-    args = make_args(output_dir, **{**RUN, **overrides})
-    trainer = GPATrainer(
-        model=tiny_llama(),
-        args=args,
-        train_dataset=TokenDataset(16, seed=1),
-        eval_dataset=TokenDataset(8, seed=2),
-        callbacks=[snapshots],
-    )
+    trainer = llama_trainer(make_args(output_dir, **{**RUN, **overrides}), snapshots)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, snapshots

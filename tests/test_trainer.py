@@ -23,6 +23,7 @@ from helpers import (  # noqa: E402
     TokenDataset,
     assert_equal_dicts,
     eval_and_save_every,
+    llama_trainer,
     make_args,
     max_abs_diff,
     params_of,
@@ -381,13 +382,7 @@ def test_load_best_model_at_end_loads_best_x(tmp_path):
         load_best_model_at_end=True,
         metric_for_best_model="score",
     )
-    trainer = GPATrainer(
-        model=tiny_llama(),
-        args=args,
-        train_dataset=TokenDataset(16, seed=1),
-        eval_dataset=TokenDataset(8, seed=2),
-        callbacks=[snapshots],
-    )
+    trainer = llama_trainer(args, snapshots)
     # A score that peaks at step 2, so that the best checkpoint is neither the first nor the last.
     trainer.compute_metrics = lambda prediction: {"score": -abs(trainer.state.global_step - 2)}
     with mock.patch.object(
