@@ -49,7 +49,7 @@ try:  # the examples extra; without it, stop here with the pip command that inst
     import evaluate
     import torch
     import transformers
-    from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
     from transformers import (
         CONFIG_MAPPING,
         MODEL_FOR_CAUSAL_LM_MAPPING,
@@ -442,6 +442,21 @@ def build_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
     )
 
 
+def _split(
+    lm_datasets: DatasetDict | IterableDatasetDict, name: str, flag: str, max_samples: int | None, streaming: bool
+) -> Dataset | IterableDataset:
+    """The split ``name`` that ``flag`` (--do_train, --do_eval) needs, cut to its first ``max_samples`` examples."""
+    if name not in lm_datasets:
+        raise ValueError(f"{flag} requires a {name} dataset")
+    dataset = lm_datasets[name]
+    if max_samples is not None:
+        if streaming:
+            dataset = dataset.take(max_samples)
+        else:
+            dataset = dataset.select(range(min(len(dataset), max_samples)))
+    return dataset
+
+
 def _accuracy_metrics(cache_dir: str | None) -> tuple[Callable[..., torch.Tensor], Callable[[EvalPrediction], dict]]:
     """Next-token accuracy, computed by the local `evaluate` accuracy module (no Hub access)."""
     metric = evaluate.load(ACCURACY, cache_dir=cache_dir)
@@ -583,28 +598,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
     train_dataset = None
     if training_args.do_train:
-        if "train" not in tokenized_datasets:
-            raise ValueError("--do_train requires a train dataset")
-        train_dataset = lm_datasets["train"]
-        if data_args.max_train_samples is not None:
-            if data_args.streaming:
-                train_dataset = train_dataset.take(data_args.max_train_samples)
-            else:
-                max_train_samples = min(len(train_dataset), data_args.max_train_samples)
-                train_dataset = train_dataset.select(range(max_train_samples))
+        train_dataset = _split(lm_datasets, "train", "--do_train", data_args.max_train_samples, data_args.streaming)
 
     eval_dataset = None
     preprocess_logits_for_metrics = compute_metrics = None
     if training_args.do_eval:
-        if "validation" not in tokenized_datasets:
-            raise ValueError("--do_eval requires a validation dataset")
-        eval_dataset = lm_datasets["validation"]
-        if data_args.max_eval_samples is not None:
-            if data_args.streaming:
-                eval_dataset = eval_dataset.take(data_args.max_eval_samples)
-            else:
-                max_eval_samples = min(len(eval_dataset), data_args.max_eval_samples)
-                eval_dataset = eval_dataset.select(range(max_eval_samples))
+        eval_dataset = _split(lm_datasets, "validation", "--do_eval", data_args.max_eval_samples, data_args.streaming)
         preprocess_logits_for_metrics, compute_metrics = _accuracy_metrics(model_args.cache_dir)
 
     # Initialize our Trainer

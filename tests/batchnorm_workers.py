@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from batchnorm_models import conv_net, make_trainer  # beside this script, which the launcher runs by its path
+from helpers import eval_and_save_every
 from torch import nn
 
 from hf_gpa.batchnorm import norm_statistics, recalibrate_norm_statistics
@@ -85,10 +86,7 @@ def two_nodes(out: Path, node: int) -> None:
         out / f"node{node}",
         max_steps=4,
         per_device_train_batch_size=16,
-        eval_strategy="steps",
-        eval_steps=2,
-        save_strategy="steps",
-        save_steps=2,
+        **eval_and_save_every(2),
         load_best_model_at_end=True,
         metric_for_best_model="eval_loss",
         greater_is_better=True,  # the higher loss: checkpoint-2, so that the best and the last model differ

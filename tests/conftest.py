@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 
@@ -19,6 +20,17 @@ def _environment_restored() -> Iterator[None]:
     if dict(os.environ) != before:
         os.environ.clear()
         os.environ.update(before)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the tests of a module that asks for it (``pytestmark =
+    pytest.mark.usefixtures("one_thread")``): the CI box is shared, and tiny models are far too small to gain from
+    threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
@@ -51,3 +63,28 @@ def _peak_allocated(fn: Callable[[], object]) -> int:
 def peak_allocated() -> Callable[[Callable[[], object]], int]:
     """``peak_allocated(fn)``: the peak of CPU bytes torch allocates while ``fn()`` runs, above the level before."""
     return _peak_allocated
+
+
+@pytest.fixture
+def failing_adamw() -> type[torch.optim.AdamW]:
+    """An AdamW class, for a wrapper's base, whose step raises an out-of-memory error (before it changes anything)
+    inside ``with failing_adamw.failing():``; a class of its own for each test."""
+
+    class FailingAdamW(torch.optim.AdamW):
+        fail = False
+
+        @staticmethod
+        @contextlib.contextmanager
+        def failing() -> Iterator[None]:
+            FailingAdamW.fail = True
+            try:
+                yield
+            finally:
+                FailingAdamW.fail = False
+
+        def step(self, closure=None):  # noqa: ANN001, ANN201
+            if FailingAdamW.fail:
+                raise torch.OutOfMemoryError("injected: out of memory")
+            return super().step(closure)
+
+    return FailingAdamW

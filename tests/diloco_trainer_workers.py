@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from diloco_workers import error_of
 from distributed_workers import trainer_args
 from helpers import TokenDataset, tiny_llama
 from transformers import TrainerCallback
@@ -140,14 +141,6 @@ def run(out: Path, name: str, resume: str | None = None, **overrides: Any) -> di
         "ddp_group_is_island": getattr(trainer.model_wrapped, "process_group", None) is layout.island_group,
         "numel": sum(p.numel() for p in trainer.model.parameters()),
     }
-
-
-def error_of(call: Any) -> str:
-    try:
-        call()
-    except ValueError as error:
-        return str(error)
-    return ""
 
 
 # ---------------------------------------------------------------- scenarios

@@ -6,11 +6,14 @@ fixtures live in ``conftest.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
-from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer
+from hf_gpa.checkpoint import evaluation_weights, unwrap_gpa_optimizer, x_state_dict
 from hf_gpa.trainer import GPATrainer
 from hf_gpa.training_args import GPATrainingArguments
 
@@ -20,18 +23,26 @@ MU_X, MU_Y = 0.5, 0.7  # a short memory so that x, y and the initial weights are
 # ---- tiny models and data ----
 
 
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+#: The config of `tiny_llama`: 2 layers, a 64-token vocabulary.
+TINY_LLAMA: dict[str, Any] = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+)
+#: A narrower `tiny_llama` (width 16, one key-value head): ``tiny_llama(**NARROW_LLAMA)``.
+NARROW_LLAMA: dict[str, Any] = dict(
+    hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16
+)
+
+
+def tiny_llama(seed: int = 0, **config: Any) -> LlamaForCausalLM:
+    """A Llama of the `TINY_LLAMA` config, with ``config``'s fields over it, initialised from ``seed``."""
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config}))
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -97,6 +108,11 @@ def make_args(output_dir, **overrides) -> GPATrainingArguments:
     return GPATrainingArguments(**kwargs)
 
 
+def eval_and_save_every(steps: int) -> dict[str, Any]:
+    """The arguments that evaluate and save every ``steps`` steps."""
+    return dict(eval_strategy="steps", eval_steps=steps, save_strategy="steps", save_steps=steps)
+
+
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -133,8 +149,52 @@ class Snapshots(TrainerCallback):
             self.saved_x[state.global_step] = params_of(model)
 
 
+def all_weights(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``state`` if given, else a copy of the model's state dict: every weight. `RecordXY` and `x_then_y` take any
+    such ``pick(model, state=None)``, which may keep fewer (a test of adapters keeps the adapters')."""
+    return state if state is not None else {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+class RecordXY(TrainerCallback):
+    """Records y (the live weights) and x (from the optimizer, `x_state_dict`) after every optimizer step, as
+    ``pick`` keeps them."""
+
+    def __init__(self, pick: Callable[..., dict[str, torch.Tensor]] = all_weights) -> None:
+        self.pick = pick
+        self.x: dict[int, dict[str, torch.Tensor]] = {}
+        self.y: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.y[state.global_step] = self.pick(model)
+        self.x[state.global_step] = self.pick(model, x_state_dict(model, optimizer))
+
+
+def x_then_y(
+    trainer: Trainer, pick: Callable[..., dict[str, torch.Tensor]] = all_weights
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The weights the model holds after train() (x), then those its GPA optimizer's train() gives back (y), as
+    ``pick`` keeps them; the optimizer is left in eval mode, as train() left it."""
+    x = pick(trainer.model)
+    inner = unwrap_gpa_optimizer(trainer.optimizer)
+    inner.train()
+    y = pick(trainer.model)
+    inner.eval()
+    return x, y
+
+
 def train_losses(trainer: Trainer) -> dict[int, tuple[float, float]]:
     return {e["step"]: (e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e}
+
+
+def llama_trainer(args: GPATrainingArguments, *callbacks: TrainerCallback) -> GPATrainer:
+    """`tiny_llama` under GPATrainer with ``args``, on 16 training and 8 evaluation sequences."""
+    return GPATrainer(
+        model=tiny_llama(),
+        args=args,
+        train_dataset=TokenDataset(16, seed=1),
+        eval_dataset=TokenDataset(8, seed=2),
+        callbacks=list(callbacks),
+    )
 
 
 RUN = dict(max_steps=6, save_strategy="steps", save_steps=3, lr_scheduler_type="cosine", warmup_steps=0.1)
@@ -143,13 +203,6 @@ RUN = dict(max_steps=6, save_strategy="steps", save_steps=3, lr_scheduler_type="
 def run_llama(output_dir, resume: str | None = None, **overrides) -> tuple[GPATrainer, Snapshots]:
     """Six steps, 4 per epoch (so the resume at step 3 is mid-epoch and crosses an epoch boundary)."""
     snapshots = Snapshots()
-    args = make_args(output_dir, **{**RUN, **overrides})
-    trainer = GPATrainer(
-        model=tiny_llama(),
-        args=args,
-        train_dataset=TokenDataset(16, seed=1),
-        eval_dataset=TokenDataset(8, seed=2),
-        callbacks=[snapshots],
-    )
+    trainer = llama_trainer(make_args(output_dir, **{**RUN, **overrides}), snapshots)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, snapshots

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from batchnorm_models import SEED, TRAIN, TRAIN_BATCH, Digits, conv_net, make_trainer, tiny_resnet
+from helpers import eval_and_save_every
 from launching import free_port, launch_env, run_logged, run_logged_together
 from safetensors.torch import load_file
 from torch import nn
@@ -39,12 +40,7 @@ F64 = dict(rtol=1e-10, atol=1e-12)
 F32 = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI box is shared; these models are far too small to gain from threads
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- the core: recalibrate_norm_statistics on a conv net with BatchNorm, InstanceNorm and dropout ----
@@ -388,10 +384,7 @@ def test_model_without_running_statistics_pays_nothing(tmp_path):
         model=model,
         max_steps=2,
         per_device_eval_batch_size=128,
-        save_strategy="steps",
-        save_steps=1,
-        eval_strategy="steps",
-        eval_steps=1,
+        **eval_and_save_every(1),
     )
     trainer.train()
     trainer.save_model()

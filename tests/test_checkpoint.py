@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import MU_X, MU_Y, NARROW_LLAMA, assert_equal_dicts, params_of, tiny_llama
 from safetensors.torch import load_file
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from hf_gpa.checkpoint import evaluation_weights, save_x_weights, unwrap_gpa_optimizer, x_state_dict
 from hf_gpa.optim import GPA, GPAAdamW
-
-MU_X, MU_Y = 0.5, 0.7
-
-
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def assert_equal_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def trained(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> None:
@@ -35,20 +24,6 @@ def trained(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) 
 def x_from_y_and_z(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The paper's x = (y - (1 - mu_y) z) / mu_y (Appendix B), from the live y and the optimizer's z."""
     return {n: (p - (1 - MU_Y) * optimizer.state[p]["z"]) / MU_Y for n, p in model.named_parameters()}
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
-    return LlamaForCausalLM(config)
 
 
 def test_x_state_dict_is_x_and_leaves_y():
@@ -123,7 +98,7 @@ def test_save_x_weights_plain_module_and_pretrained(tmp_path):
     assert_equal_dicts(load_file(path), x)
     assert_equal_dicts(params_of(plain), y)
 
-    llama = tiny_llama()
+    llama = tiny_llama(**NARROW_LLAMA)
     optimizer = GPAAdamW(llama.parameters(), lr=0.1, mu_x=MU_X, mu_y=MU_Y)
     trained(llama, optimizer, steps=2)
     y, x = params_of(llama), x_state_dict(llama, optimizer)

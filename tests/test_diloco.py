@@ -24,6 +24,17 @@ def _grad(y: torch.Tensor, t: int) -> torch.Tensor:
     return torch.sin(3 * y + t) + 0.3 * y
 
 
+def _bf16_diloco(size: int, seed: int, inner_steps: int, steps: int) -> tuple[torch.nn.Parameter, DiLoCo]:
+    """A bf16 weight of ``size`` random entries (from ``seed``) and DiLoCo(AdamW, lr 1e-2) over it, after ``steps``
+    steps on `_grad` (taken in float32)."""
+    w = torch.nn.Parameter(torch.randn(size, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
+    opt = DiLoCo([w], base=torch.optim.AdamW, inner_steps=inner_steps, lr=1e-2)
+    for t in range(steps):
+        w.grad = _grad(w.detach().float(), t).to(torch.bfloat16)
+        opt.step()
+    return w, opt
+
+
 def test_matches_algorithm_2() -> None:
     """Inner AdamW steps, then every H steps the outer Nesterov step on the pseudo-gradient and the reset."""
     h, outer_lr, mu, steps = 4, 0.7, 0.9, 30
@@ -134,11 +145,7 @@ def test_bf16_under_a_cosine_schedule_matches_the_fp32_run() -> None:
 
 def test_bf16_eval_and_train_restore_both_weights_bitwise() -> None:
     """eval() shows the float32 outer weights rounded; train() gives back the inner weights; the outer stay float32."""
-    w = torch.nn.Parameter(torch.randn(40, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16))
-    opt = DiLoCo([w], base=torch.optim.AdamW, inner_steps=3, lr=1e-2)
-    for t in range(7):
-        w.grad = _grad(w.detach().float(), t).to(torch.bfloat16)
-        opt.step()
+    w, opt = _bf16_diloco(size=40, seed=2, inner_steps=3, steps=7)
     state = opt.state[w]
     assert state["outer"].dtype == state["outer_momentum_buffer"].dtype == torch.float32
     inner, outer = w.detach().clone(), state["outer"].clone()
@@ -179,11 +186,7 @@ def test_adopted_adamw_state_continues_when_the_parameters_have_no_grad() -> Non
 
 def test_bf16_outer_weights_written_in_eval_mode_are_kept() -> None:
     """A write into the outer weights while in eval mode (bf16) becomes the float32 outer weights, as in fp32."""
-    w = torch.nn.Parameter(torch.randn(10, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16))
-    opt = DiLoCo([w], base=torch.optim.AdamW, inner_steps=2, lr=1e-2)
-    for t in range(3):
-        w.grad = _grad(w.detach().float(), t).to(torch.bfloat16)
-        opt.step()
+    w, opt = _bf16_diloco(size=10, seed=4, inner_steps=2, steps=3)
     inner, outer = w.detach().clone(), opt.state[w]["outer"].clone()
     opt.eval()
     with torch.no_grad():
@@ -196,11 +199,7 @@ def test_bf16_outer_weights_written_in_eval_mode_are_kept() -> None:
 def test_bf16_parameter_written_in_train_mode_wins_over_its_float32_inner_weights() -> None:
     """A write into a bf16 parameter in train mode (a load, clipping) becomes its float32 inner weights: eval() and
     train() keep it, and the next step starts from it."""
-    w = torch.nn.Parameter(torch.randn(10, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16))
-    opt = DiLoCo([w], base=torch.optim.AdamW, inner_steps=4, lr=1e-2)
-    for t in range(2):
-        w.grad = _grad(w.detach().float(), t).to(torch.bfloat16)
-        opt.step()
+    w, opt = _bf16_diloco(size=10, seed=4, inner_steps=4, steps=2)
     with torch.no_grad():
         w[:3] = 0.25
     written = w.detach().clone()

@@ -112,6 +112,16 @@ def _assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], 
         torch.testing.assert_close(a, e.detach(), **tol)
 
 
+def _assert_matches_at_y_and_x(
+    full: dict[str, Any], run: str, model: torch.nn.Module, opt: Any, tol: dict[str, float]
+) -> None:
+    """The sharded run ``run`` (its gathered ``{run}_y`` and ``{run}_x``) equals the unsharded ``model`` and ``opt``
+    at y (the parameters) and at x (the state dict under opt.eval())."""
+    _assert_all_close(full[f"{run}_y"], list(model.parameters()), tol)
+    expected_x = _x_state_dict(model, opt)
+    _assert_all_close([full[f"{run}_x"][k] for k in expected_x], list(expected_x.values()), tol)
+
+
 def test_fsdp2_gpa_adamw_step_on_shards_matches_unsharded(fsdp2: tuple) -> None:
     """y, z and both Adam moments after 3 sharded steps equal the unsharded for-loop run (fp64)."""
     _, full = fsdp2
@@ -130,27 +140,21 @@ def test_fsdp2_default_construction_matches_unsharded(fsdp2: tuple) -> None:
         assert f["fused_kernel_available"] == fused
         assert f["default_implementation"] == ("fused" if fused else "foreach")  # the shards are contiguous
     model, opt = _oracle(GPAAdamW, {**dw.ADAMW_KW, "foreach": False}, torch.float32)
-    _assert_all_close(full["default_fp32_y"], list(model.parameters()), F32)
-    expected_x = _x_state_dict(model, opt)
-    _assert_all_close([full["default_fp32_x"][k] for k in expected_x], list(expected_x.values()), F32)
+    _assert_matches_at_y_and_x(full, "default_fp32", model, opt, F32)
 
 
 def test_fsdp2_gpa_wrapper_matches_unsharded(fsdp2: tuple) -> None:
     """GPA(base=SGD Nesterov) builds its base on DTensor z shards and equals the unsharded run, at y and x."""
     _, full = fsdp2
     model, opt = _oracle(GPA, {"base": torch.optim.SGD, **dw.SGD_KW}, torch.float64)
-    _assert_all_close(full["gpa_sgd_y"], list(model.parameters()), F64)
-    expected_x = _x_state_dict(model, opt)
-    _assert_all_close([full["gpa_sgd_x"][k] for k in expected_x], list(expected_x.values()), F64)
+    _assert_matches_at_y_and_x(full, "gpa_sgd", model, opt, F64)
 
 
 def test_fsdp2_diloco_matches_unsharded(fsdp2: tuple) -> None:
     """DiLoCo around AdamW on shards (inner and outer steps) equals the unsharded run, at inner and outer weights."""
     _, full = fsdp2
     model, opt = _oracle(DiLoCo, {"base": torch.optim.AdamW, **dw.DILOCO_KW}, torch.float64)
-    _assert_all_close(full["diloco_y"], list(model.parameters()), F64)
-    expected_x = _x_state_dict(model, opt)
-    _assert_all_close([full["diloco_x"][k] for k in expected_x], list(expected_x.values()), F64)
+    _assert_matches_at_y_and_x(full, "diloco", model, opt, F64)
 
 
 def test_fsdp2_optimizer_state_created_lazily_after_wrapping(fsdp2: tuple) -> None:

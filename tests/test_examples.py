@@ -233,6 +233,27 @@ def test_do_flags_in_a_json_file(script: str, tmp_path: Path) -> None:
     assert (args.do_train, args.do_eval) == (True, False)
 
 
+@pytest.mark.parametrize(
+    ("script", "argv", "message"),
+    [
+        ("run_clm_gpa", ["--not_a_flag", "1"], "not used by the HfArgumentParser"),
+        ("run_clm_gpa", ["--train_file", "data.parquet"], "csv, a json or a txt file"),
+        ("run_clm_gpa", ["--gpa_mu_x", "1.5"], "gpa_mu_x"),
+        ("run_clm_gpa", ["--validation_split_percentage", "0"], "validation_split_percentage"),
+        ("run_clm_gpa", ["--model_type", "vit"], "causal-LM model type"),
+        ("run_vit_gpa", ["--not_a_flag", "1"], "not used by the HfArgumentParser"),
+        ("run_vit_gpa", ["--train_dir", "/nonexistent/images"], "not a directory"),
+        ("run_vit_gpa", ["--min_crop_scale", "0"], "min_crop_scale"),
+        ("run_vit_gpa", ["--gpa_mu_y", "0"], "gpa_mu_y"),
+        ("run_vit_gpa", ["--model_type", "llama"], "image-classification model type"),
+    ],
+)
+def test_bad_flags_fail_clearly(script: str, argv: list[str], message: str) -> None:
+    """A wrong flag fails before any data or model is loaded, with a ValueError that names it."""
+    with pytest.raises(ValueError, match=message):
+        _load_script(script).parse_args(["--output_dir", "unused", *argv])
+
+
 def _final_output_folder(path: Path) -> Path:
     """What a finished run leaves in --output_dir: the model, its config and the trainer state, no optimizer."""
     path.mkdir(parents=True)
@@ -277,22 +298,6 @@ def test_clm_save_steps_writes_checkpoints_that_resume(tmp_path: Path, run_clm: 
     assert (output_dir / "checkpoint-2" / "optimizer.pt").stat().st_mtime_ns == written
     assert json.loads((output_dir / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
     assert resumed["eval_loss"] == uninterrupted["eval_loss"]
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--not_a_flag", "1"], "not used by the HfArgumentParser"),
-        (["--train_file", "data.parquet"], "csv, a json or a txt file"),
-        (["--gpa_mu_x", "1.5"], "gpa_mu_x"),
-        (["--validation_split_percentage", "0"], "validation_split_percentage"),
-        (["--model_type", "vit"], "causal-LM model type"),
-    ],
-)
-def test_clm_bad_flags_fail_clearly(run_clm: ModuleType, argv: list[str], message: str) -> None:
-    """A wrong flag fails before any data or model is loaded, with a ValueError that names it."""
-    with pytest.raises(ValueError, match=message):
-        run_clm.parse_args(["--output_dir", "unused", *argv])
 
 
 # --- run_vit_gpa.py --------------------------------------------------------------------------------------------------
@@ -390,22 +395,6 @@ def test_vit_defaults_yield_to_user_flags(run_vit: ModuleType) -> None:
     _, data_args, args = run_vit.parse_args(["--output_dir", "unused", "--dataset_name", "user/images"])
     assert args.lr_scheduler_type.value == "cosine" and args.remove_unused_columns is False
     assert args.num_train_epochs == 3.0 and data_args.min_crop_scale == 0.08
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--not_a_flag", "1"], "not used by the HfArgumentParser"),
-        (["--train_dir", "/nonexistent/images"], "not a directory"),
-        (["--min_crop_scale", "0"], "min_crop_scale"),
-        (["--gpa_mu_y", "0"], "gpa_mu_y"),
-        (["--model_type", "llama"], "image-classification model type"),
-    ],
-)
-def test_vit_bad_flags_fail_clearly(run_vit: ModuleType, argv: list[str], message: str) -> None:
-    """A wrong flag fails before any data or model is loaded, with a ValueError that names it."""
-    with pytest.raises(ValueError, match=message):
-        run_vit.parse_args(["--output_dir", "unused", *argv])
 
 
 def test_vit_missing_label_column_fails_clearly(tmp_path: Path, run_vit: ModuleType) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -39,12 +40,39 @@ def _fake_grads(params: list[torch.Tensor], t: int) -> None:
         p.grad = (torch.sin(3 * y + t) + 0.3 * y - 0.1 * i).to(p.dtype)
 
 
+def _steps(
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    steps: int,
+    grads: Callable[[list[torch.Tensor], int], None] = _fake_grads,
+) -> None:
+    """``steps`` steps at the optimizer's own lr, on the deterministic gradients ``grads(params, t)``, t = 0, 1, ...
+    (two optimizers run one after the other see the same gradients as run in lockstep)."""
+    for t in range(steps):
+        grads(params, t)
+        opt.step()
+
+
 def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, lr0: float = 1e-2) -> None:
     for t in range(steps):
         _fake_grads(params, t)
         for k, group in enumerate(opt.param_groups):
             group["lr"] = lr0 * (1 + k) * (0.5 + 0.5 * math.cos(math.pi * t / steps))  # a changing schedule
         opt.step()
+
+
+def _assert_follows_reference(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], ref: ReferenceGPA, ref_params: list[torch.Tensor]
+) -> None:
+    """Both run 60 steps under a changing lr (`_run`): opt's y equals the reference's y, and after opt.eval() its x
+    the reference's x (float64, 1e-12)."""
+    _run(ref, ref_params, 60)
+    _run(opt, params, 60)
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
+    opt.eval()
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), ref.x(r), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("averaging", ["gpa", "schedule_free"])
@@ -55,13 +83,7 @@ def test_gpa_adamw_matches_three_sequence_reference(impl: str, averaging: str) -
     ref_params, params = _params(), _params()
     ref = ReferenceGPA(_groups(ref_params), base="adamw", **kwargs)
     opt = GPAAdamW(_groups(params), **kwargs, **IMPLS[impl])
-    _run(ref, ref_params, 60)
-    _run(opt, params, 60)
-    for p, r in zip(params, ref_params):
-        torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
-    opt.eval()
-    for p, r in zip(params, ref_params):
-        torch.testing.assert_close(p.detach(), ref.x(r), rtol=0, atol=1e-12)
+    _assert_follows_reference(opt, params, ref, ref_params)
 
 
 @pytest.mark.parametrize("averaging", ["gpa", "schedule_free"])
@@ -79,13 +101,7 @@ def test_wrapper_matches_three_sequence_reference(base, ref_base: str, base_kwar
     ref_params, params = _params(), _params()
     ref = ReferenceGPA(_groups(ref_params), base=ref_base, lr=1e-2, **mu, **base_kwargs)
     opt = GPA(_groups(params), base=base, lr=1e-2, **mu, **base_kwargs)
-    _run(ref, ref_params, 60)
-    _run(opt, params, 60)
-    for p, r in zip(params, ref_params):
-        torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
-    opt.eval()
-    for p, r in zip(params, ref_params):
-        torch.testing.assert_close(p.detach(), ref.x(r), rtol=0, atol=1e-12)
+    _assert_follows_reference(opt, params, ref, ref_params)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
@@ -117,11 +133,8 @@ def test_wrapper_with_mu_x_zero_is_the_base_bitwise(base, base_kwargs: dict) -> 
     ref_params, params = _params(torch.float32), _params(torch.float32)
     ref = base(ref_params, **base_kwargs)
     opt = GPA(params, base=base, mu_x=0.0, mu_y=0.7, **base_kwargs)
-    for t in range(10):
-        _fake_grads(ref_params, t)
-        _fake_grads(params, t)
-        ref.step()
-        opt.step()
+    _steps(ref, ref_params, 10)
+    _steps(opt, params, 10)
     for p, r in zip(params, ref_params):
         assert torch.equal(p, r)
 
@@ -135,11 +148,8 @@ def test_wrapper_with_muon_on_matrices() -> None:
     ref_params = [torch.nn.Parameter(torch.randn(8, 6, generator=gen)) for _ in range(2)]
     params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
     ref, opt = muon(ref_params, lr=1e-2), GPA(params, base=muon, mu_x=0.0, lr=1e-2)
-    for t in range(5):
-        _fake_grads(ref_params, t)
-        _fake_grads(params, t)
-        ref.step()
-        opt.step()
+    _steps(ref, ref_params, 5)
+    _steps(opt, params, 5)
     for p, r in zip(params, ref_params):
         assert torch.equal(p, r)
 
@@ -150,11 +160,8 @@ def test_proposition_1_nesterov() -> None:
     ref_params, params = _params(), _params()
     ref = torch.optim.SGD(ref_params, lr=(1 - mu) * lr, momentum=mu, nesterov=True)
     opt = GPA(params, base=torch.optim.SGD, lr=lr, mu_x=mu, mu_y=mu)
-    for t in range(100):
-        _fake_grads(ref_params, t)
-        _fake_grads(params, t)
-        ref.step()
-        opt.step()
+    _steps(ref, ref_params, 100)
+    _steps(opt, params, 100)
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, rtol=0, atol=1e-11)
 
@@ -470,15 +477,11 @@ def test_tensor_learning_rates_behave_as_torch(impl: str) -> None:
     all three)."""
     reference = _params(torch.float32)
     opt = GPAAdamW(reference, lr=1e-2, weight_decay=0.1, **IMPLS[impl])
-    for t in range(3):
-        _fake_grads(reference, t)
-        opt.step()
+    _steps(opt, reference, 3)
     for lr in (torch.tensor(1e-2), torch.tensor([1e-2]), torch.tensor([[1e-2]])):
         params = _params(torch.float32)
         opt = GPAAdamW(params, lr=lr, weight_decay=0.1, **IMPLS[impl])
-        for t in range(3):
-            _fake_grads(params, t)
-            opt.step()
+        _steps(opt, params, 3)
         for p, r in zip(params, reference):
             torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
@@ -509,18 +512,13 @@ def test_complex_parameters_follow_torch_adamw(impl: str) -> None:
     ref_params, params = _complex_params(), _complex_params()
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=False)
     opt = GPAAdamW(params, lr=1e-2, weight_decay=0.1, mu_x=0.0, **IMPLS[impl])
-    for t in range(3):
-        _complex_grads(ref_params, t)
-        _complex_grads(params, t)
-        ref.step()
-        opt.step()
+    _steps(ref, ref_params, 3, _complex_grads)
+    _steps(opt, params, 3, _complex_grads)
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
     averaged = _complex_params()
     opt = GPAAdamW(averaged, lr=1e-2, mu_x=0.9, **IMPLS[impl])
-    for t in range(3):
-        _complex_grads(averaged, t)
-        opt.step()
+    _steps(opt, averaged, 3, _complex_grads)
     ys = [p.detach().clone() for p in averaged]
     opt.eval()
     opt.train()
@@ -532,37 +530,25 @@ def test_wrapper_takes_complex_parameters() -> None:
     ref_params, params = _complex_params(), _complex_params()
     ref = torch.optim.AdamW(ref_params, lr=1e-2, foreach=False)
     opt = GPA(params, base=torch.optim.AdamW, mu_x=0.0, lr=1e-2, foreach=False)
-    for t in range(3):
-        _complex_grads(ref_params, t)
-        _complex_grads(params, t)
-        ref.step()
-        opt.step()
+    _steps(ref, ref_params, 3, _complex_grads)
+    _steps(opt, params, 3, _complex_grads)
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
-
-
-class _FailingAdamW(torch.optim.AdamW):
-    """AdamW whose step raises an out-of-memory error while ``fail`` is set (before it changes anything)."""
-
-    fail = False
-
-    def step(self, closure=None):  # noqa: ANN001, ANN201
-        if _FailingAdamW.fail:
-            raise torch.OutOfMemoryError("injected: out of memory")
-        return super().step(closure)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("failing_step", [0, 3])
 @pytest.mark.parametrize("wrapper", ["gpa", "diloco"])
-def test_wrapper_step_whose_base_raises_changes_nothing(wrapper: str, failing_step: int, dtype: torch.dtype) -> None:
+def test_wrapper_step_whose_base_raises_changes_nothing(
+    wrapper: str, failing_step: int, dtype: torch.dtype, failing_adamw: type[torch.optim.AdamW]
+) -> None:
     """GPA / DiLoCo: a step whose base raises (Schedule-Free's first step, where mu_x = 0, or a later one) leaves z,
     the base's state, keys and groups torch.equal to before, and bf16 parameters too; GPA's fp64 y (and y's float32
     copy) come back by the first pass's inverse, within a rounding. The run then goes on as if the step was never
     tried."""
     make = {
-        "gpa": lambda ps: GPA(ps, base=_FailingAdamW, lr=1e-2, mu_x=0.9, averaging="schedule_free"),
-        "diloco": lambda ps: DiLoCo(ps, base=_FailingAdamW, inner_steps=2, lr=1e-2),
+        "gpa": lambda ps: GPA(ps, base=failing_adamw, lr=1e-2, mu_x=0.9, averaging="schedule_free"),
+        "diloco": lambda ps: DiLoCo(ps, base=failing_adamw, inner_steps=2, lr=1e-2),
     }[wrapper]
     inexact = wrapper == "gpa" and failing_step > 0  # y was scaled in place before the base raised
     close = dict(rtol=0, atol=4 * torch.finfo(torch.float32 if dtype == torch.bfloat16 else dtype).eps)
@@ -573,12 +559,8 @@ def test_wrapper_step_whose_base_raises_changes_nothing(wrapper: str, failing_st
     before = [p.detach().clone() for p in params]
     before_state = copy.deepcopy(opt.state_dict())
     _fake_grads(params, 99)
-    _FailingAdamW.fail = True
-    try:
-        with pytest.raises(torch.OutOfMemoryError):
-            opt.step()
-    finally:
-        _FailingAdamW.fail = False
+    with failing_adamw.failing(), pytest.raises(torch.OutOfMemoryError):
+        opt.step()
     for p, b in zip(params, before):
         if inexact and dtype == torch.float64:
             torch.testing.assert_close(p, b, **close)
@@ -612,9 +594,7 @@ def test_wrapper_at_zero_lr_moves_y_towards_z_and_rests_where_x_equals_z() -> No
     params = _params(torch.float32)
     start = [p.detach().clone() for p in params]
     opt = GPA(params, lr=0.0, mu_x=0.9967, mu_y=0.7)
-    for t in range(100):
-        _fake_grads(params, t)
-        opt.step()
+    _steps(opt, params, 100)
     for p, s in zip(params, start):
         bound = 100 * torch.finfo(torch.float32).eps
         torch.testing.assert_close(p.detach(), s, rtol=bound, atol=bound)

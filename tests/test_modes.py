@@ -34,13 +34,22 @@ def _steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], start: int, s
         opt.step()
 
 
+def _stepped(
+    make, steps: int, dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """Fresh parameters (`_params`) and the optimizer ``make(params)`` (a `FACTORIES` or `WRITERS` entry) after
+    ``steps`` steps (`_steps`)."""
+    params = _params(dtype)
+    opt = make(params)
+    _steps(opt, params, 0, steps)
+    return params, opt
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_thousand_toggles_restore_y_bitwise(name: str, dtype: torch.dtype) -> None:
     """1000 eval()/train() alternations leave the training weights torch.equal to what they were."""
-    params = _params(dtype)
-    opt = FACTORIES[name](params)
-    _steps(opt, params, 0, 7)
+    params, opt = _stepped(FACTORIES[name], 7, dtype)
     before = [p.detach().clone() for p in params]
     opt.eval()
     x = [p.detach().clone() for p in params]
@@ -55,9 +64,7 @@ def test_thousand_toggles_restore_y_bitwise(name: str, dtype: torch.dtype) -> No
 
 def test_residual_is_compact() -> None:
     """While in eval mode GPA keeps an int8 residual per parameter (a quarter of an fp32 copy), nothing in train."""
-    params = _params()
-    opt = FACTORIES["gpa_adamw"](params)
-    _steps(opt, params, 0, 5)
+    params, opt = _stepped(FACTORIES["gpa_adamw"], 5)
     opt.eval()
     assert all(opt.state[p]["y_residual"].dtype == torch.int8 for p in params)
     opt.train()
@@ -66,9 +73,7 @@ def test_residual_is_compact() -> None:
 
 def _with_tiny_y(dtype: torch.dtype = torch.float32) -> tuple[list[torch.nn.Parameter], GPAAdamW]:
     """A run where a few y are tiny against z: the round trip's error there is far more than 127 units of y."""
-    params = _params(dtype)
-    opt = FACTORIES["gpa_adamw"](params)
-    _steps(opt, params, 0, 5)
+    params, opt = _stepped(FACTORIES["gpa_adamw"], 5, dtype)
     with torch.no_grad():
         params[0][0, :4] = torch.tensor([1e-6, -3e-7, 2e-8, 0.0])
         opt.state[params[0]]["z"][0, :4] = torch.tensor([1.0, -2.0, 3.0, 0.5])
@@ -162,9 +167,7 @@ def test_eval_and_train_are_idempotent_and_start_in_train(name: str) -> None:
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_step_in_eval_mode_raises(name: str) -> None:
     """step() after eval() raises a RuntimeError that says to call .train()."""
-    params = _params()
-    opt = FACTORIES[name](params)
-    _steps(opt, params, 0, 2)
+    params, opt = _stepped(FACTORIES[name], 2)
     opt.eval()
     with pytest.raises(RuntimeError, match=r"optimizer\.train\(\)"):
         _steps(opt, params, 2, 3)
@@ -178,9 +181,7 @@ def test_state_dict_round_trip_continues_bitwise(name: str, eval_mode_save: bool
     ref = FACTORIES[name](ref_params)
     _steps(ref, ref_params, 0, 14)
 
-    params = _params()
-    opt = FACTORIES[name](params)
-    _steps(opt, params, 0, 6)
+    params, opt = _stepped(FACTORIES[name], 6)
     if eval_mode_save:
         opt.eval()  # what a checkpoint writer does: the weights on disk are x
     saved_weights = [p.detach().clone() for p in params]
@@ -198,9 +199,7 @@ def test_state_dict_round_trip_continues_bitwise(name: str, eval_mode_save: bool
 
 def test_dropped_residual_falls_back_to_rounded_y() -> None:
     """An eval-mode state loaded without its residual still restores y, to within a couple of ulps."""
-    params = _params()
-    opt = FACTORIES["gpa_adamw"](params)
-    _steps(opt, params, 0, 5)
+    params, opt = _stepped(FACTORIES["gpa_adamw"], 5)
     y = [p.detach().clone() for p in params]
     opt.eval()
     state = copy.deepcopy(opt.state_dict())
@@ -217,9 +216,7 @@ def test_dropped_residual_falls_back_to_rounded_y() -> None:
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_init_state_gives_an_eval_mode_template(name: str) -> None:
     """init_state(eval_mode=True) creates every state key an eval-mode checkpoint has, and keeps lr and grads."""
-    params = _params()
-    opt = FACTORIES[name](params)
-    _steps(opt, params, 0, 3)
+    params, opt = _stepped(FACTORIES[name], 3)
     opt.eval()
     saved = opt.state_dict()
     fresh = FACTORIES[name](_params())
@@ -266,9 +263,7 @@ def _assert_rounded(actual: torch.Tensor, exact: torch.Tensor, scale: torch.Tens
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_weights_written_in_train_mode_are_kept_by_eval_and_train(name: str, dtype: torch.dtype) -> None:
     """A write into y (a loaded/re-initialized/clipped weight): eval() gives x of the written y, train() that y."""
-    params = _params(dtype)
-    opt = WRITERS[name](params)
-    _steps(opt, params, 0, 5)
+    params, opt = _stepped(WRITERS[name], 5, dtype)
     with torch.no_grad():
         params[0].clamp_(-0.5, 0.5)  # clipping
         params[1].normal_(generator=torch.Generator().manual_seed(9))  # re-initializing a head
@@ -293,9 +288,7 @@ def test_weights_written_in_train_mode_are_kept_by_eval_and_train(name: str, dty
 @pytest.mark.parametrize("name", ["gpa_adamw_fused", "gpa(sgd)"])
 def test_weights_written_in_eval_mode_are_kept_by_train(name: str, dtype: torch.dtype) -> None:
     """A write into x while in eval mode: train() gives y = mu_y x + (1 - mu_y) z there, the old y elsewhere."""
-    params = _params(dtype)
-    opt = WRITERS[name](params)
-    _steps(opt, params, 0, 5)
+    params, opt = _stepped(WRITERS[name], 5, dtype)
     y_before = [p.detach().clone() for p in params]
     opt.eval()
     with torch.no_grad():

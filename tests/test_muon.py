@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
+from helpers import NARROW_LLAMA, tiny_llama
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_gpa import GPA, DiLoCo, MuonWithAuxAdam, mu_x_from_inner_steps, muon_param_groups
 
@@ -140,25 +140,10 @@ def muon_groups(params: list[nn.Parameter]) -> list[dict]:
 # ---- muon_param_groups ----
 
 
-def _tiny_llama(tie: bool) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-
 @pytest.mark.parametrize("tie", [True, False], ids=["tied_head", "untied_head"])
 def test_groups_of_a_llama(tie: bool) -> None:
     """Attention and MLP projections to Muon; embedding, the head (tied or not) and the norms to AdamW, each once."""
-    model = _tiny_llama(tie)
+    model = tiny_llama(**NARROW_LLAMA, tie_word_embeddings=tie)
     groups = muon_param_groups(model, lr=1e-2)
     assert [g["use_muon"] for g in groups] == [True, False] and all(g["lr"] == 1e-2 for g in groups)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -438,7 +423,7 @@ def test_gpa_bf16_parameters_track_the_fp32_run() -> None:
 
 def test_gpa_over_muon_trains_a_tiny_llama() -> None:
     """GPA(MuonWithAuxAdam) on muon_param_groups(llama) lowers the loss of a fixed batch; x is what eval() holds."""
-    model = _tiny_llama(tie=True)
+    model = tiny_llama(**NARROW_LLAMA, tie_word_embeddings=True)
     batch = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
     opt = GPA(muon_param_groups(model), base=MuonWithAuxAdam, lr=1e-2, mu_x=mu_x_from_inner_steps(8))
     losses = []

@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_llama
-from transformers import TrainerCallback
+from helpers import RecordXY, make_args, tiny_llama, x_then_y
 
-from hf_gpa.checkpoint import unwrap_gpa_optimizer, x_state_dict
+from hf_gpa.checkpoint import unwrap_gpa_optimizer
 from hf_gpa.trainer import GPATrainer
-from hf_gpa.training_args import GPATrainingArguments
 
 peft = pytest.importorskip("peft")
 
@@ -42,21 +40,7 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def _trainer(output_dir: Path, model: torch.nn.Module, **extra) -> GPATrainer:
-    args = GPATrainingArguments(
-        output_dir=str(output_dir),
-        report_to="none",
-        disable_tqdm=True,
-        use_cpu=True,
-        seed=0,
-        learning_rate=1e-2,
-        per_device_train_batch_size=4,
-        max_steps=STEPS,
-        save_strategy="steps",
-        save_steps=SAVE_STEPS,
-        optim="gpa_adamw",
-        gpa_mu_x=0.5,
-        gpa_mu_y=0.7,
-    )
+    args = make_args(output_dir, max_steps=STEPS, save_strategy="steps", save_steps=SAVE_STEPS)
     return GPATrainer(model=model, args=args, train_dataset=Tokens(), **extra)
 
 
@@ -64,16 +48,6 @@ def _trainable(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = N
     names = [name for name, _ in model.named_parameters() if "lora_" in name]  # reloaded adapters are frozen
     state = state if state is not None else {n: p.detach().clone() for n, p in model.named_parameters()}
     return {name: state[name].clone() for name in names}
-
-
-class RecordXY(TrainerCallback):
-    def __init__(self) -> None:
-        self.x: dict[int, dict[str, torch.Tensor]] = {}
-        self.y: dict[int, dict[str, torch.Tensor]] = {}
-
-    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self.y[state.global_step] = _trainable(model)
-        self.x[state.global_step] = _trainable(model, x_state_dict(model, optimizer))
 
 
 @dataclass
@@ -88,28 +62,19 @@ class Run:
     resumed_y: dict[str, torch.Tensor]
 
 
-def _x_then_y(trainer: GPATrainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    x = _trainable(trainer.model)
-    inner = unwrap_gpa_optimizer(trainer.optimizer)
-    inner.train()
-    y = _trainable(trainer.model)
-    inner.eval()
-    return x, y
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Run:
     root = tmp_path_factory.mktemp("peft")
     model = _lora_model()
     base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    record = RecordXY()
+    record = RecordXY(_trainable)
     trainer = _trainer(root / "full", model, callbacks=[record])
     trainer.train()
     trainer.save_model(str(root / "final"))
-    x, y = _x_then_y(trainer)
+    x, y = x_then_y(trainer, _trainable)
     resumed = _trainer(root / "resumed", _lora_model())
     resumed.train(resume_from_checkpoint=str(root / "full" / f"checkpoint-{SAVE_STEPS}"))
-    resumed_x, resumed_y = _x_then_y(resumed)
+    resumed_x, resumed_y = x_then_y(resumed, _trainable)
     return Run(root, record, base_before, trainer, x, y, resumed_x, resumed_y)
 
 

@@ -22,6 +22,8 @@ from helpers import (  # noqa: E402
     TinyRegressor,
     TokenDataset,
     assert_equal_dicts,
+    eval_and_save_every,
+    llama_trainer,
     make_args,
     max_abs_diff,
     params_of,
@@ -47,13 +49,7 @@ from hf_gpa.optim import GPA, DiLoCo, GPAAdamW
 from hf_gpa.trainer import EvaluationWeightsAtTrainEnd, GPATrainer
 from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CI box is shared; these models are far too small to gain from threads
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- optimizer construction ----
@@ -382,20 +378,11 @@ def test_load_best_model_at_end_loads_best_x(tmp_path):
     args = make_args(
         tmp_path,
         max_steps=4,
-        eval_strategy="steps",
-        eval_steps=1,
-        save_strategy="steps",
-        save_steps=1,
+        **eval_and_save_every(1),
         load_best_model_at_end=True,
         metric_for_best_model="score",
     )
-    trainer = GPATrainer(
-        model=tiny_llama(),
-        args=args,
-        train_dataset=TokenDataset(16, seed=1),
-        eval_dataset=TokenDataset(8, seed=2),
-        callbacks=[snapshots],
-    )
+    trainer = llama_trainer(args, snapshots)
     # A score that peaks at step 2, so that the best checkpoint is neither the first nor the last.
     trainer.compute_metrics = lambda prediction: {"score": -abs(trainer.state.global_step - 2)}
     with mock.patch.object(
@@ -787,9 +774,7 @@ def dropout_run(output_dir, **overrides) -> dict[str, torch.Tensor]:
 def test_evaluation_and_saving_leave_the_random_state_alone(optim, tmp_path):
     """With dropout, evaluating and saving every 2 steps trains on the same masks as neither: bitwise equal y."""
     quiet = dropout_run(tmp_path / "quiet", optim=optim)
-    busy = dropout_run(
-        tmp_path / "busy", optim=optim, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2
-    )
+    busy = dropout_run(tmp_path / "busy", optim=optim, **eval_and_save_every(2))
     assert_equal_dicts(busy, quiet)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import datasets
 import pytest
 import torch
+from helpers import TINY_LLAMA, RecordXY, all_weights, x_then_y
 from safetensors.torch import load_file
 from transformers import (
     HfArgumentParser,
@@ -26,11 +27,10 @@ from transformers import (
     LlamaForSequenceClassification,
     PreTrainedTokenizerFast,
     Trainer,
-    TrainerCallback,
     TrainingArguments,
 )
 
-from hf_gpa.checkpoint import unwrap_gpa_optimizer, x_state_dict
+from hf_gpa.checkpoint import unwrap_gpa_optimizer
 from hf_gpa.trainer import GPATrainer
 from hf_gpa.training_args import GPAOptimizerNames, GPATrainingArguments
 
@@ -69,13 +69,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 def _config(tokenizer: PreTrainedTokenizerFast, **extra: Any) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        **{**TINY_LLAMA, "vocab_size": len(tokenizer), "max_position_embeddings": 64},
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
@@ -151,22 +145,6 @@ def _trainer(
     )
 
 
-def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.state_dict().items()}
-
-
-class RecordXY(TrainerCallback):
-    """Records x (from the optimizer) and y (the live parameters) after every optimizer step."""
-
-    def __init__(self) -> None:
-        self.x: dict[int, dict[str, torch.Tensor]] = {}
-        self.y: dict[int, dict[str, torch.Tensor]] = {}
-
-    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self.y[state.global_step] = _params(model)
-        self.x[state.global_step] = x_state_dict(model, optimizer)
-
-
 @dataclass
 class Run:
     kind: str
@@ -180,15 +158,6 @@ class Run:
     trainer: Any
 
 
-def _x_then_y(trainer) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    x = _params(trainer.model)
-    inner = unwrap_gpa_optimizer(trainer.optimizer)
-    inner.train()
-    y = _params(trainer.model)
-    inner.eval()
-    return x, y
-
-
 @pytest.fixture(scope="module", params=["sft", "dpo", "reward"])
 def run(request, tokenizer, tmp_path_factory) -> Run:
     kind = request.param
@@ -198,11 +167,11 @@ def run(request, tokenizer, tmp_path_factory) -> Run:
     trainer.train()
     trainer.save_model(str(root / "final"))
     eval_metrics = trainer.evaluate()
-    x, y = _x_then_y(trainer)
+    x, y = x_then_y(trainer)
 
     resumed = _trainer(kind, tokenizer, root / "resumed", _model(kind, tokenizer))
     resumed.train(resume_from_checkpoint=str(root / "full" / f"checkpoint-{SAVE_STEPS}"))
-    resumed_x, resumed_y = _x_then_y(resumed)
+    resumed_x, resumed_y = x_then_y(resumed)
     return Run(kind, root, record, x, y, eval_metrics, resumed_x, resumed_y, trainer)
 
 
@@ -268,7 +237,7 @@ def test_dpo_reference_model_is_never_optimized(run: Run, tokenizer) -> None:
     optimized = {id(p) for group in unwrap_gpa_optimizer(trainer.optimizer).param_groups for p in group["params"]}
     assert optimized and not optimized & {id(p) for p in trainer.ref_model.parameters()}
     assert optimized <= {id(p) for p in trainer.model.parameters()}
-    _assert_equal(_params(trainer.ref_model), _params(_model("dpo", tokenizer, seed=1)))  # as built, bitwise
+    _assert_equal(all_weights(trainer.ref_model), all_weights(_model("dpo", tokenizer, seed=1)))  # as built, bitwise
     assert not torch.equal(trainer.model.model.embed_tokens.weight, trainer.ref_model.model.embed_tokens.weight)
 
 
@@ -283,7 +252,7 @@ def test_dpo_sync_ref_model_copies_x_not_y(tokenizer, tmp_path) -> None:
     syncs = [c for c in trainer.callback_handler.callbacks if isinstance(c, trl.SyncRefModelCallback)]
     assert [type(c) for c in syncs] == [SyncRefModelAtX]
     trainer.train()
-    reference = _params(trainer.ref_model)
+    reference = all_weights(trainer.ref_model)
     _assert_equal(reference, _subset(record.x[STEPS], reference))
     assert not any(torch.equal(reference[k], record.y[STEPS][k]) for k in reference if k.endswith("proj.weight"))
 

@@ -46,20 +46,11 @@ def test_first_pass_and_its_inverse_stay_within_the_bound(path: str, dtype: torc
     assert worst <= BOUND, worst
 
 
-class _RaisingAdamW(torch.optim.AdamW):
-    fail = False
-
-    def step(self, closure=None):  # noqa: ANN001, ANN201
-        if _RaisingAdamW.fail:
-            raise torch.OutOfMemoryError("injected: out of memory")
-        return super().step(closure)
-
-
-def test_a_failed_step_gives_y_back_within_the_bound() -> None:
+def test_a_failed_step_gives_y_back_within_the_bound(failing_adamw: type[torch.optim.AdamW]) -> None:
     """GPA(AdamW), fp32, mu_x = 0.9, mu_y = 0.3 (where 45 ulps of y were seen): y within the bound, z exact."""
     gen = torch.Generator().manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((257, 33), (1000,))]
-    opt = GPA(params, base=_RaisingAdamW, lr=1e-2, mu_x=0.9, mu_y=0.3)
+    opt = GPA(params, base=failing_adamw, lr=1e-2, mu_x=0.9, mu_y=0.3)
     for t in range(6):
         for p in params:
             p.grad = torch.sin(3 * p.detach() + t)
@@ -68,12 +59,8 @@ def test_a_failed_step_gives_y_back_within_the_bound() -> None:
         params[1][:10] = 1e-7  # y near 0 against z: many ulps of y, still within the bound
     y = [p.detach().clone() for p in params]
     z = [opt.state[p]["z"].clone() for p in params]
-    _RaisingAdamW.fail = True
-    try:
-        with pytest.raises(torch.OutOfMemoryError):
-            opt.step()
-    finally:
-        _RaisingAdamW.fail = False
+    with failing_adamw.failing(), pytest.raises(torch.OutOfMemoryError):
+        opt.step()
     for p, y0, z0 in zip(params, y, z):
         assert torch.equal(opt.state[p]["z"], z0)
         assert _excess(p.detach(), y0, z0, 0.3) <= BOUND
