@@ -228,23 +228,37 @@ class GPATrainingArguments(TrainingArguments):
         self._check_step_in_backward(optim)
         self._check_gpa_flags(optim)
         self._refuse_deepspeed(optim)
+        if self.diloco_distributed:
+            self._refuse_dispatched_batches()
+        # transformers sets up the device here, and under a launch (and, with accelerate 1.10, for WORLD_SIZE > 1
+        # alone) the process group: every refusal above comes before it.
         with self._stock_name_inside(optim):
             super().__post_init__()
         if self.diloco_distributed:
-            self._read_batches_on_every_process()
+            self.accelerator_config.dispatch_batches = False
         self._warn_constant_schedule(optim)
 
-    def _read_batches_on_every_process(self) -> None:
+    def _refuse_dispatched_batches(self) -> None:
         """With DiLoCo across the processes, every process reads its own batches: accelerate's default for an
         iterable dataset, one process reading and sending every batch to the others, would cross the workers at
-        every step, which is what DiLoCo exists to avoid."""
-        if self.accelerator_config.dispatch_batches:
+        every step, which is what DiLoCo exists to avoid. Read from --accelerator_config as given (an
+        ``AcceleratorConfig``, a dict, a JSON string or a JSON file), before transformers parses it."""
+        config = self.accelerator_config
+        if isinstance(config, str):
+            text = config.strip()
+            if not text.startswith("{"):
+                with open(config, encoding="utf-8") as file:
+                    text = file.read()
+            config = json.loads(text)
+        dispatch = (
+            config.get("dispatch_batches") if isinstance(config, dict) else getattr(config, "dispatch_batches", None)
+        )
+        if dispatch:
             raise ValueError(
                 "--diloco_distributed true cannot run with --accelerator_config dispatch_batches=true: the first "
                 "process would send every batch to all the others at every step, across the workers; leave "
                 "dispatch_batches unset (each process then reads its own batches)"
             )
-        self.accelerator_config.dispatch_batches = False
 
     def _warn_constant_schedule(self, optim: str) -> None:
         """GPA's exponential average needs a decaying lr: with a constant one x lags y to the end (warned, not refused:

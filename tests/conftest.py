@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Every test ends with the environment it began with: accelerate writes RANK, LOCAL_RANK, WORLD_SIZE and
+    MASTER_PORT into ``os.environ`` as it sets up a (simulated) launch, which ``monkeypatch`` does not undo, and a
+    later test would then take itself for one process of a launch."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture(autouse=True)
