@@ -27,12 +27,8 @@ import torch
 from ._checks import check_diloco, check_num_fragments
 from ._loading import saved_optimizer_name
 from ._residual import bits_differ
-<<<<<<< HEAD
-from ._tensors import authoritative_y, is_dtensor, local_tensor
-=======
 from ._state_layout import wide_dtype
-from ._tensors import authoritative_y, local_tensor
->>>>>>> state
+from ._tensors import authoritative_y, is_dtensor, local_tensor
 from ._types import (
     DEFAULT_INNER_STEPS,
     DEFAULT_NUM_FRAGMENTS,
