@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.workloads import least_squares_problem, least_squares_x
 from hf_gpa.optim import GPAAdamW
-from hf_gpa.optim._compact import join24, split24_
+from hf_gpa.optim._state_layout import join24, split24_
 
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "default": {}}
 

@@ -86,7 +86,7 @@ def test_one_switch_sends_both_the_step_and_the_passes_to_foreach(monkeypatch: p
     monkeypatch.setitem(kernels.FORCE, "backend", "foreach")
     params = _params()
     opt = _run(params)
-    assert opt._implementation(opt.param_groups[0], params) == "foreach"
+    assert {plan.impl for plan in opt._plans.values()} == {"foreach"}
     assert kernels.kernel_for(params[0]) is None
     reference = _params()
     _run(reference, foreach=True)

@@ -16,7 +16,7 @@ import torch
 from hf_gpa import GPAAdamW
 from hf_gpa.optim import _wrapper_passes as _passes
 from hf_gpa.optim import kernels
-from hf_gpa.optim._compact import join24
+from hf_gpa.optim._state_layout import join24
 from hf_gpa.optim.kernels import cpu as _kernels
 from hf_gpa.optim.kernels import triton_launch as _triton
 

@@ -1,9 +1,12 @@
 """State that did not come from this very optimizer's steps: ``init_state`` (no step taken, for GPAAdamW and the
-wrappers), state dicts loaded by a new optimizer, and state dicts without the optimizer's name (refused)."""
+wrappers), state dicts loaded by a new optimizer, state dicts without the optimizer's name (refused), a base whose
+constructor makes state (Adagrad), and a cleared state (created afresh)."""
 
 from __future__ import annotations
 
 import copy
+import pickle
+from collections import defaultdict
 
 import pytest
 import torch
@@ -107,3 +110,93 @@ def test_nameless_state_of_another_family_is_refused_by_its_keys(saver: str, loa
         target.load_state_dict(_nameless(opt.state_dict()))
     after = target.state_dict()
     assert all(torch.equal(before["state"][i]["z"], s["z"]) for i, s in after["state"].items())
+
+
+ADAGRAD = {
+    "gpa(adagrad)": lambda ps: GPA(ps, base=torch.optim.Adagrad, lr=1e-1, mu_x=0.9),
+    "diloco(adagrad)": lambda ps: DiLoCo(ps, base=torch.optim.Adagrad, inner_steps=2, lr=1e-1),
+}
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "deepcopy", "pickle"])
+@pytest.mark.parametrize("name", list(ADAGRAD))
+def test_a_base_that_makes_its_state_in_its_constructor_resumes_bitwise(name: str, how: str) -> None:
+    """torch's Adagrad creates its state when constructed; the base rebuilt after a load, a deepcopy or a pickle round
+    trip keeps the state the wrapper holds, so the run goes on bitwise (a fresh Adagrad state used to replace it)."""
+    params = _params()
+    opt = ADAGRAD[name](params)
+    _steps(opt, params, 0, 3)
+    saved, saved_params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
+    if how == "load_state_dict":
+        resumed_params = [torch.nn.Parameter(p) for p in saved_params]
+        resumed = ADAGRAD[name](resumed_params)
+        resumed.load_state_dict(saved)
+    else:
+        copied = copy.deepcopy if how == "deepcopy" else lambda obj: pickle.loads(pickle.dumps(obj))
+        resumed_params, resumed = copied((params, opt))
+    _steps(opt, params, 3, 6)
+    _steps(resumed, resumed_params, 3, 6)
+    assert all(torch.equal(p, q) for p, q in zip(params, resumed_params))
+    assert all(resumed.state[p]["base"]["step"].item() == 6.0 for p in resumed_params)
+
+
+@pytest.mark.parametrize("name", list(ADAGRAD))
+def test_a_first_gradient_keeps_the_state_of_a_base_that_makes_it_in_its_constructor(name: str) -> None:
+    """A parameter's first gradient after 3 steps rebuilds the base; the other parameter's Adagrad state goes on (its
+    steps as in an optimizer of it alone, bitwise)."""
+    params, alone = _params(), _params()[:1]
+    opt, alone_opt = ADAGRAD[name](params), ADAGRAD[name](alone)
+    for t in range(6):
+        for p in params if t >= 3 else params[:1]:
+            p.grad = torch.sin(3 * p.detach() + t)
+        alone[0].grad = torch.sin(3 * alone[0].detach() + t)
+        opt.step()
+        alone_opt.step()
+    assert torch.equal(params[0], alone[0])
+    assert opt.state[params[0]]["base"]["step"].item() == 6.0 and opt.state[params[1]]["base"]["step"].item() == 3.0
+
+
+CLEARED = {
+    "gpa_adamw_forloop": (lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, foreach=False), torch.float32),
+    "gpa_adamw_foreach": (lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, foreach=True), torch.float32),
+    "gpa_adamw": (lambda ps: GPAAdamW(ps, lr=1e-2, weight_decay=0.1, mu_x=0.9), torch.float32),
+    "gpa_adamw_forloop_compact": (lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, foreach=False), torch.bfloat16),
+    "gpa_adamw_foreach_compact": (lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, foreach=True), torch.bfloat16),
+    "gpa_adamw_compact": (lambda ps: GPAAdamW(ps, lr=1e-2, weight_decay=0.1, mu_x=0.9), torch.bfloat16),
+    "gpa(adamw)": (FACTORIES["gpa(adamw)"], torch.float64),
+    "gpa(adagrad)": (ADAGRAD["gpa(adagrad)"], torch.float64),
+    "diloco(adamw)": (FACTORIES["diloco(adamw)"], torch.float64),
+}
+
+
+@pytest.mark.parametrize("how", ["clear", "del", "new_dict"])
+@pytest.mark.parametrize("name", list(CLEARED))
+def test_cleared_state_is_created_afresh(name: str, how: str) -> None:
+    """``optimizer.state.clear()`` (or ``del optimizer.state[p]``, or a new dict) after steps: the next steps create
+    the state afresh from the parameters, as torch's optimizers do, bitwise as a new optimizer with the same group
+    counters, and ``state_dict()`` and ``eval()`` see it (GPAAdamW's plan went on updating the orphaned tensors, GPA
+    raised a KeyError, DiLoCo's base went on with the old moments)."""
+    factory, dtype = CLEARED[name]
+    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
+    opt = factory(params)
+    _steps(opt, params, 0, 3)
+    if how == "clear":
+        opt.state.clear()
+    elif how == "del":
+        for p in params:
+            del opt.state[p]
+    else:
+        opt.state = defaultdict(dict)
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = factory(fresh_params)
+    for group, old in zip(fresh.param_groups, opt.param_groups):
+        group.update({k: old[k] for k in ("inner_step", "weight_sum") if k in old})  # group values are not state
+    _steps(opt, params, 3, 6)
+    _steps(fresh, fresh_params, 3, 6)
+    assert len(opt.state_dict()["state"]) == len(params)
+    assert all(torch.equal(p, q) for p, q in zip(params, fresh_params))
+    for p, q in zip(params, fresh_params):
+        assert opt.state[p].keys() == fresh.state[q].keys()
+    opt.eval()
+    fresh.eval()
+    assert all(torch.equal(p, q) for p, q in zip(params, fresh_params))

@@ -1,5 +1,6 @@
-"""GPAAdamW's step plan: host work per step that does not grow with the number of tensors, a plan that never
-outlives what it was built on (loaded state, new groups, replaced parameters), a per-tensor choice of the state
+"""GPAAdamW's step plan: host work per step that does not grow with the number of tensors (also with the Trainer's
+two groups), a plan that never outlives what it was built on (loaded or replaced state, new groups, replaced
+parameters, gradients of another dtype; a cleared state: tests/test_state.py), a per-tensor choice of the state
 layout, and the two methods a step from a backward hook uses (``_begin_group_step``, ``_step_params``)."""
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def _grads(params: list[torch.Tensor], t: int) -> None:
         p.grad = torch.sin(3 * p.detach() + t) + 0.1
 
 
-def _host_ops(n_tensors: int, state_dtype: str = "float32") -> int:
+def _host_ops(n_tensors: int, state_dtype: str = "float32", two_groups: bool = False) -> int:
     """aten ops recorded by the profiler in one steady-state step over ``n_tensors`` small tensors (bf16 ones for
-    ``state_dtype="compact"``)."""
+    ``state_dtype="compact"``), in one group or in the Trainer's two (weights with decay, biases without)."""
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if state_dtype == "compact" else torch.float32
     params = [torch.nn.Parameter(torch.randn(64, generator=gen).to(dtype)) for _ in range(n_tensors)]
-    opt = GPAAdamW(params, lr=torch.tensor(1e-3), weight_decay=0.1, fused=True, state_dtype=state_dtype)
+    groups = [{"params": params[::2]}, {"params": params[1::2], "weight_decay": 0.0}] if two_groups else params
+    opt = GPAAdamW(groups, lr=torch.tensor(1e-3), weight_decay=0.1, fused=True, state_dtype=state_dtype)
     for t in range(2):  # the plan is built at the first step; the second is a steady one already
         _grads(params, t)
         opt.step()
@@ -62,6 +64,17 @@ def test_host_ops_per_step_do_not_grow_with_the_tensors(path: str, state_dtype: 
     also for bf16 parameters with state_dtype="compact"."""
     with _path(path):
         few, many = _host_ops(20, state_dtype), _host_ops(200, state_dtype)
+    assert many <= 2 * few, f"{path}: {few} aten ops per step for 20 tensors, {many} for 200"
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "compact"])
+@pytest.mark.parametrize("path", PATHS)
+def test_two_groups_keep_their_plans(path: str, state_dtype: str) -> None:
+    """With the Trainer's two groups (decay and no decay) a step over 200 tensors records at most 2x the aten ops of
+    a step over 20: each group keeps its own plan (building one used to drop the other's: 178 ops for 20 tensors,
+    1,618 for 200)."""
+    with _path(path):
+        few, many = _host_ops(20, state_dtype, two_groups=True), _host_ops(200, state_dtype, two_groups=True)
     assert many <= 2 * few, f"{path}: {few} aten ops per step for 20 tensors, {many} for 200"
 
 
@@ -83,6 +96,15 @@ def _impl(name: str) -> dict:
     if name == "cpu_kernel" and _kernels.load_cpu_kernel() is None:
         pytest.skip("the C++ kernel cannot be built here")
     return IMPLS[name]
+
+
+def _impl_and_switch(name: str) -> tuple[dict, str | None]:
+    """`_impl`, and "triton": the fused path with the kernels' test switch on the Triton kernel."""
+    if name != "triton":
+        return _impl(name), None
+    if not _triton.triton_available():
+        pytest.skip("triton is not installed")
+    return {"fused": True}, "triton"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -147,24 +169,24 @@ def test_a_group_mixing_state_layouts_steps_each_as_alone(impl: str) -> None:
     float32 copy and one with 24-bit y and z ("compact"), step exactly as each would in a group of its own (the
     layout is decided per tensor)."""
     kwargs = _impl(impl)
-    half_state, f32_state, compact_state = _params(0, torch.bfloat16)
-    opt = GPAAdamW([half_state, f32_state, compact_state], lr=1e-2, mu_x=0.9, state_dtype="param", **kwargs)
-    _train([half_state], opt, 0, 1)  # its state: z, m, v in bf16
+    param_state, f32_state, compact_state = _params(0, torch.bfloat16)
+    opt = GPAAdamW([param_state, f32_state, compact_state], lr=1e-2, mu_x=0.9, state_dtype="param", **kwargs)
+    _train([param_state], opt, 0, 1)  # its state: z, m, v in bf16
     opt.param_groups[0]["state_dtype"] = "compact"
-    _train([half_state, compact_state], opt, 1, 2)  # the third one's state: 24-bit y and z
+    _train([param_state, compact_state], opt, 1, 2)  # the third one's state: 24-bit y and z
     opt.param_groups[0]["state_dtype"] = "float32"
-    _train([half_state, f32_state, compact_state], opt, 2, 5)  # the second one's state: float32, with y's copy
-    assert opt.state[half_state]["z"].dtype == torch.bfloat16 and "y_fp32" not in opt.state[half_state]
+    _train([param_state, f32_state, compact_state], opt, 2, 5)  # the second one's state: float32, with y's copy
+    assert opt.state[param_state]["z"].dtype == torch.bfloat16 and "y_fp32" not in opt.state[param_state]
     assert opt.state[f32_state]["y_fp32"].dtype == torch.float32
     assert opt.state[compact_state]["z_lo"].dtype == torch.int8 and "y_fp32" not in opt.state[compact_state]
-    alone_half, alone_f32, alone_compact = _params(0, torch.bfloat16)
-    opt_half = GPAAdamW([alone_half], lr=1e-2, mu_x=0.9, state_dtype="param", **kwargs)
-    _train([alone_half], opt_half, 0, 5)
+    alone_param, alone_f32, alone_compact = _params(0, torch.bfloat16)
+    opt_param = GPAAdamW([alone_param], lr=1e-2, mu_x=0.9, state_dtype="param", **kwargs)
+    _train([alone_param], opt_param, 0, 5)
     opt_f32 = GPAAdamW([alone_f32], lr=1e-2, mu_x=0.9, state_dtype="float32", **kwargs)
     _train([alone_f32], opt_f32, 2, 5)
     opt_compact = GPAAdamW([alone_compact], lr=1e-2, mu_x=0.9, state_dtype="compact", **kwargs)
     _train([alone_compact], opt_compact, 1, 5)
-    pairs = ((half_state, alone_half, opt_half), (f32_state, alone_f32, opt_f32))
+    pairs = ((param_state, alone_param, opt_param), (f32_state, alone_f32, opt_f32))
     for mixed, alone, alone_opt in (*pairs, (compact_state, alone_compact, opt_compact)):
         assert torch.equal(mixed, alone)
         for key, value in alone_opt.state[alone].items():
@@ -175,12 +197,7 @@ def test_a_group_mixing_state_layouts_steps_each_as_alone(impl: str) -> None:
 def test_one_parameter_at_a_time_equals_the_step(impl: str) -> None:
     """_begin_group_step once per group, then _step_params one parameter at a time (as a backward hook does) gives
     bitwise what step() gives, for both averaging modes, without dropping the group's plan."""
-    if impl == "triton":
-        if not _triton.triton_available():
-            pytest.skip("triton is not installed")
-        kwargs, force = {"fused": True}, "triton"
-    else:
-        kwargs, force = _impl(impl), None
+    kwargs, force = _impl_and_switch(impl)
 
     def build(params: list[torch.nn.Parameter]) -> GPAAdamW:
         groups = [{"params": params[:2]}, {"params": params[2:], "averaging": "schedule_free"}]
@@ -249,3 +266,30 @@ def test_a_parameter_or_gradient_of_another_layout_is_planned_again(path: str) -
     torch.testing.assert_close(p, ref, rtol=0, atol=1e-6)
     for key in ("z", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(opt.state[p][key], ref_opt.state[ref][key], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "compact"])
+@pytest.mark.parametrize("impl", [*IMPLS, "triton"])
+def test_a_gradient_of_another_dtype_is_planned_again(impl: str, state_dtype: str) -> None:
+    """bf16 parameters whose gradients come in float32 from the third step on (``p.grad_dtype = None``, as with
+    gradients accumulated in float32): every path steps them, as the for-loop does (the kernels raised)."""
+    kwargs, force = _impl_and_switch(impl)
+
+    def run(kwargs: dict, force: str | None) -> tuple[list[torch.nn.Parameter], GPAAdamW]:
+        params = _params(0, torch.bfloat16)
+        for p in params:
+            p.grad_dtype = None  # any dtype may be assigned
+        opt = GPAAdamW(params, lr=1e-2, mu_x=0.9, state_dtype=state_dtype, **kwargs)
+        with mock.patch.dict(kernels.FORCE, backend=force):
+            for t in range(5):
+                for p in params:
+                    g = torch.sin(3 * p.detach().float() + t) + 0.1
+                    p.grad = g if t in (2, 3) else g.to(torch.bfloat16)
+                opt.step()
+        return params, opt
+
+    params, opt = run(kwargs, force)
+    ref, ref_opt = run({"foreach": False}, None)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=2**-7, atol=0)  # the kernels' float32 rounding: one bf16 unit
+        torch.testing.assert_close(opt.state[p]["z"].float(), ref_opt.state[r]["z"].float(), rtol=2**-7, atol=0)

@@ -11,8 +11,9 @@ longer bitwise what ``eval()`` wrote (recomputed from the restored y; a NaN x th
 written x wins and y = mu_y x + (1 - mu_y) z, instead of the residual of the old x being added to it.
 
 Under ``state_dtype="compact"`` (GPAAdamW, bf16 parameters) y and z are 24-bit values whose low words stay in the
-state (``_compact``): ``eval()`` computes x from them, and the residual restores the parameter's high word of y, the
-low word being kept as it is; where x was written in eval mode, y = mu_y x + (1 - mu_y) z is rounded to 24 bits.
+state: ``eval()`` computes x from them, and the residual restores the parameter's high word of y, the low word being
+kept as it is; where x was written in eval mode, y = mu_y x + (1 - mu_y) z is rounded to 24 bits. How y and z are
+read is the state's layout's (``_state_layout``); `to_eval_` and `to_train_` switch one parameter.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from typing import Any
 
 import torch
 
-from ._compact import join24, split24_
 from ._residual import bits_differ, bits_equal, decode_residual_, encode_residual, residual_dtype
+from ._state_layout import FLOAT32, layout_of
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
-from ._types import MU_Y, Y_FP32, Y_LO, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z_LO, Z
+from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
 from .kernels import kernel_for, kernel_module, same_dense_layout
 
-__all__ = ["GPASwitch"]
+__all__ = ["GPASwitch", "to_eval_", "to_train_"]
 
 #: The dtypes whose train() the C++ kernel takes (``gpa_train_residual``); bf16/fp16 with state in their own dtype
 #: round every operation to 16 bits, which the torch ops below do.
@@ -60,108 +61,98 @@ def _kernel_takes(x: torch.Tensor, z: torch.Tensor, approx: torch.Tensor, residu
     )
 
 
-def _lows(state: dict[str, Any]) -> list[torch.Tensor]:
-    """The low words of y and z (``state_dtype="compact"``), or an empty list."""
-    return [local_tensor(state[Y_LO]), local_tensor(state[Z_LO])] if Y_LO in state else []
-
-
-def _exact(y: torch.Tensor, z: torch.Tensor, lows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """y and z as the update keeps them: the tensors themselves, or joined with their low words (float32)."""
-    if not lows:
-        return y, z
-    return join24(y, lows[0]), join24(z, lows[1])
-
-
-def _store_y(y_wide: torch.Tensor, y: torch.Tensor, lows: list[torch.Tensor]) -> torch.Tensor:
-    """``y_wide`` in y's form: rounded to y's dtype, or (with low words) split into a new high word, its low word
-    written into ``lows[0]``."""
-    if not lows:
-        return y_wide.to(y.dtype)
-    hi = torch.empty_like(y)
-    split24_(y_wide, hi, lows[0])
-    return hi
-
-
 class GPASwitch(TrainEvalOptimizer):
     """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
 
     def _params_to_eval(self, group: dict[str, Any]) -> None:
-        mu_y = group[MU_Y]
-        for p in group["params"]:
-            state = self.state.get(p)
-            if not state or Z not in state or mu_y == 1.0:
-                continue  # never stepped (x = y = z), or mu_y = 1 (x = y)
-            y, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
-            if Y_FP32 in state:  # bf16/fp16: x from the float32 y; train() restores y from it, no residual
-                y32 = real_view(local_tensor(state[Y_FP32]))
-                for _, (yc, zc, y32c) in chunks(y, z, y32):
-                    y32c.copy_(authoritative_y(yc, y32c, y32c.dtype))
-                    yc.copy_(_x_from_y(y32c, zc, mu_y))
-                continue
-            narrow = not is_dtensor(p)
-            residual = torch.empty_like(y, dtype=residual_dtype(y.dtype, narrow))
-            overflows = []
-            for offset, (yc, zc, rc, *lows) in chunks(y, z, residual, *_lows(state)):
-                y_exact, z_exact = _exact(yc, zc, lows)
-                xc = _x_from_y(y_exact, z_exact, mu_y).to(yc.dtype)
-                small, overflow = encode_residual(yc, _y_from_x(xc, z_exact, mu_y), narrow=narrow)
-                rc.copy_(small)
-                overflow[:, 0] += offset  # indices into the whole flattened tensor
-                overflows.append(overflow)
-                yc.copy_(xc)
-            state[Y_RESIDUAL] = shard_like(residual, p)
-            if narrow:  # a DTensor's shards keep a full-width residual and no list (see _residual)
-                state[Y_RESIDUAL_OVERFLOW] = torch.cat(overflows)
+        for p, state in self._switched(group):
+            to_eval_(p, state, group[MU_Y])
 
     def _params_to_train(self, group: dict[str, Any]) -> None:
-        mu_y = group[MU_Y]
-        for p in group["params"]:
-            state = self.state.get(p)
-            if not state or Z not in state or mu_y == 1.0:
-                continue
-            x, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
-            if Y_FP32 in state:
-                y32 = real_view(local_tensor(state[Y_FP32]))
-                for _, (xc, zc, y32c) in chunks(x, z, y32):
-                    written = bits_differ(xc, _x_from_y(y32c, zc, mu_y).to(xc.dtype))  # eval()'s x, recomputed
-                    if bool(written.any()):
-                        y32c.copy_(torch.where(written, _y_from_x(xc.to(y32c.dtype), zc, mu_y), y32c))
-                    xc.copy_(y32c)
-                continue
-            if Y_RESIDUAL not in state:  # a loader dropped the residual (see _residual): y by rounding, not bitwise
-                lows = _lows(state)
-                _, z_exact = _exact(x, z, lows)
-                x.copy_(_store_y(torch.lerp(z_exact, x.to(z_exact.dtype), mu_y), x, lows))
-                continue
-            residual = local_tensor(state.pop(Y_RESIDUAL))
-            overflow = state.pop(Y_RESIDUAL_OVERFLOW, None)
-            pieces = chunks(x, z, residual, *_lows(state))
-            if overflow is not None and overflow.numel():
-                # Where each piece's entries start in the (index-sorted) list: one search, one read to the host.
-                starts = torch.tensor([offset for offset, _ in pieces] + [x.numel()], device=overflow.device)
-                rows = torch.searchsorted(overflow[:, 0].contiguous(), starts).tolist()
-            kernel = kernel_module("cpu") if x.dtype in _TRAIN_KERNEL_DTYPES and kernel_for(x) == "cpu" else None
-            for k, (offset, (xc, zc, rc, *lows)) in enumerate(pieces):
-                listed = None
-                if overflow is not None and overflow.numel():
-                    listed = overflow[rows[k] : rows[k + 1]] - torch.tensor([offset, 0], device=overflow.device)
-                _, z_exact = _exact(xc, zc, lows)
-                approx = _y_from_x(xc, z_exact, mu_y)
-                if not lows and kernel is not None and _kernel_takes(xc, zc, approx, rc):
-                    # The rest of the pass below in one pass over memory (held to it bitwise by tests/test_modes.py).
-                    none = torch.empty(0, 2, dtype=torch.int64)
-                    kernel.gpa_train_residual(xc, zc, approx, rc, none if listed is None else listed, mu_y)
-                    continue
-                y = decode_residual_(approx, rc, listed)
-                # The residual restores the y of the x eval() wrote; where x was written since, x wins (as for bf16).
-                # One pass compares the whole piece; the mask is built only where something was written.
-                y_exact, _ = _exact(y, zc, lows)
-                x_again = _x_from_y(y_exact, z_exact, mu_y).to(xc.dtype)
-                if not bits_equal(xc, x_again):
-                    written = bits_differ(xc, x_again)
-                    y_lo = lows[0].clone() if lows else None
-                    y_new = _store_y(torch.lerp(z_exact, xc.to(z_exact.dtype), mu_y), xc, lows)
-                    if lows:  # the low words of the elements not written stay those eval() kept
-                        lows[0].copy_(torch.where(written, lows[0], y_lo))
-                    y = torch.where(written, y_new, y)
-                xc.copy_(y)
+        for p, state in self._switched(group):
+            to_train_(p, state, group[MU_Y])
+
+    def _switched(self, group: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """The group's parameters that have a state and whose x and y differ (never stepped: x = y = z; mu_y = 1:
+        x = y)."""
+        if group[MU_Y] == 1.0:
+            return []
+        return [(p, self.state[p]) for p in group["params"] if Z in self.state.get(p, ())]
+
+
+def to_eval_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:
+    """eval() of one parameter: y -> x in ``p`` (a parameter, or a plain tensor standing for one), with what gives y
+    back stored in ``state``."""
+    y, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
+    layout = layout_of(state)
+    if layout is FLOAT32:  # bf16/fp16: x from the float32 y; train() restores y from it, no residual
+        y32 = real_view(local_tensor(state[Y_FP32]))
+        for _, (yc, zc, y32c) in chunks(y, z, y32):
+            y32c.copy_(authoritative_y(yc, y32c, y32c.dtype))
+            yc.copy_(_x_from_y(y32c, zc, mu_y))
+        return
+    narrow = not is_dtensor(p)
+    residual = torch.empty_like(y, dtype=residual_dtype(y.dtype, narrow))
+    overflows = []
+    for offset, (yc, zc, rc, *extra) in chunks(y, z, residual, *layout.switch_tensors(state)):
+        y_exact, z_exact = layout.exact(yc, zc, extra)
+        xc = _x_from_y(y_exact, z_exact, mu_y).to(yc.dtype)
+        small, overflow = encode_residual(yc, _y_from_x(xc, z_exact, mu_y), narrow=narrow)
+        rc.copy_(small)
+        overflow[:, 0] += offset  # indices into the whole flattened tensor
+        overflows.append(overflow)
+        yc.copy_(xc)
+    state[Y_RESIDUAL] = shard_like(residual, p)
+    if narrow:  # a DTensor's shards keep a full-width residual and no list (see _residual)
+        state[Y_RESIDUAL_OVERFLOW] = torch.cat(overflows)
+
+
+def to_train_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:
+    """train() of one parameter: x -> y in ``p``, bitwise the y `to_eval_` found (where x was not written since)."""
+    x, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
+    layout = layout_of(state)
+    if layout is FLOAT32:
+        y32 = real_view(local_tensor(state[Y_FP32]))
+        for _, (xc, zc, y32c) in chunks(x, z, y32):
+            written = bits_differ(xc, _x_from_y(y32c, zc, mu_y).to(xc.dtype))  # eval()'s x, recomputed
+            if bool(written.any()):
+                y32c.copy_(torch.where(written, _y_from_x(xc.to(y32c.dtype), zc, mu_y), y32c))
+            xc.copy_(y32c)
+        return
+    if Y_RESIDUAL not in state:  # a loader dropped the residual (see _residual): y by rounding, not bitwise
+        extra = layout.switch_tensors(state)
+        _, z_exact = layout.exact(x, z, extra)
+        x.copy_(layout.store_y(torch.lerp(z_exact, x.to(z_exact.dtype), mu_y), x, extra))
+        return
+    residual = local_tensor(state.pop(Y_RESIDUAL))
+    overflow = state.pop(Y_RESIDUAL_OVERFLOW, None)
+    pieces = chunks(x, z, residual, *layout.switch_tensors(state))
+    if overflow is not None and overflow.numel():
+        # Where each piece's entries start in the (index-sorted) list: one search, one read to the host.
+        starts = torch.tensor([offset for offset, _ in pieces] + [x.numel()], device=overflow.device)
+        rows = torch.searchsorted(overflow[:, 0].contiguous(), starts).tolist()
+    kernel = kernel_module("cpu") if x.dtype in _TRAIN_KERNEL_DTYPES and kernel_for(x) == "cpu" else None
+    for k, (offset, (xc, zc, rc, *extra)) in enumerate(pieces):
+        listed = None
+        if overflow is not None and overflow.numel():
+            listed = overflow[rows[k] : rows[k + 1]] - torch.tensor([offset, 0], device=overflow.device)
+        _, z_exact = layout.exact(xc, zc, extra)
+        approx = _y_from_x(xc, z_exact, mu_y)
+        if not extra and kernel is not None and _kernel_takes(xc, zc, approx, rc):
+            # The rest of the pass below in one pass over memory (held to it bitwise by tests/test_modes.py).
+            none = torch.empty(0, 2, dtype=torch.int64)
+            kernel.gpa_train_residual(xc, zc, approx, rc, none if listed is None else listed, mu_y)
+            continue
+        y = decode_residual_(approx, rc, listed)
+        # The residual restores the y of the x eval() wrote; where x was written since, x wins (as for bf16).
+        # One pass compares the whole piece; the mask is built only where something was written.
+        y_exact, _ = layout.exact(y, zc, extra)
+        x_again = _x_from_y(y_exact, z_exact, mu_y).to(xc.dtype)
+        if not bits_equal(xc, x_again):
+            written = bits_differ(xc, x_again)
+            y_lo = extra[0].clone() if extra else None
+            y_new = layout.store_y(torch.lerp(z_exact, xc.to(z_exact.dtype), mu_y), xc, extra)
+            if extra:  # the low words of the elements not written stay those eval() kept
+                extra[0].copy_(torch.where(written, extra[0], y_lo))
+            y = torch.where(written, y_new, y)
+        xc.copy_(y)

@@ -9,25 +9,49 @@
 2. **Layout.** The saved param groups must match in number and sizes (and an adopted state's tensors the parameters'
    shapes).
 3. **Dtypes, as the receiving optimizer's modes want them.** Its own state keeps the saved dtypes (torch would cast
-   the float32 z of a bf16 parameter to bf16); an adopted state is first created in the receiving optimizer's modes
-   (GPAAdamW's ``state_dtype``, a low-bit base's quantized moments), and the saved values are copied into it.
+   the float32 z of a bf16 parameter to bf16), where the receiving optimizer can use them (``_check_loaded``:
+   GPAAdamW refuses here what it cannot convert exactly into the parameters' dtype, and converts the rest once it is
+   loaded, ``_loaded``); an adopted state is first created in the receiving optimizer's modes (GPAAdamW's
+   ``state_dtype``, a low-bit base's quantized moments), and the saved values are copied into it.
 
 Nothing changes before all three checks passed.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ._types import INITIAL_LR, LR, OPTIMIZER, STEP, TRAIN_MODE
 
-if TYPE_CHECKING:
-    from ._train_eval import TrainEvalOptimizer
+__all__ = ["Loadable", "saved_optimizer_name", "load_checked"]
 
-__all__ = ["saved_optimizer_name", "load_checked"]
+
+class Loadable(Protocol):
+    """What loading asks of an hf_gpa optimizer (``TrainEvalOptimizer`` provides it)."""
+
+    state: defaultdict[torch.Tensor, dict[str, Any]]
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def optimizer_name(self) -> str: ...
+
+    def _adoptable_keys(self, saved_group: dict[str, Any]) -> set[str] | None: ...
+
+    def _adopts(self) -> str: ...
+
+    def _adopted_state(self, p: torch.Tensor) -> dict[str, Any]: ...
+
+    def _check_loaded(self, param: torch.Tensor, saved: dict[str, Any], where: str) -> None: ...
+
+    def _loaded(self) -> None: ...
+
+    def _reset_state(self) -> None: ...
+
+    def _create_state(self) -> None: ...
 
 
 def saved_optimizer_name(state_dict: dict[str, Any]) -> str | None:
@@ -37,9 +61,7 @@ def saved_optimizer_name(state_dict: dict[str, Any]) -> str | None:
     return None if name is None else str(name)
 
 
-def load_checked(
-    optimizer: TrainEvalOptimizer, state_dict: dict[str, Any], load: Callable[[dict[str, Any]], None]
-) -> None:
+def load_checked(optimizer: Loadable, state_dict: dict[str, Any], load: Callable[[dict[str, Any]], None]) -> None:
     """Check ``state_dict`` against ``optimizer`` (kind, layout), then load it with ``load`` (torch's own loader) and
     restore the saved dtypes, or adopt it in the optimizer's modes."""
     saved = saved_optimizer_name(state_dict)
@@ -52,9 +74,13 @@ def load_checked(
         _check_shapes(optimizer, state_dict)
         _adopt(optimizer, state_dict)
         return
+    saved_states = list(_saved_param_states(optimizer, state_dict))
+    for param, saved_state, where in saved_states:
+        optimizer._check_loaded(param, saved_state, where)
     load(state_dict)
-    for param, saved_state in _saved_param_states(optimizer, state_dict):
+    for param, saved_state, _ in saved_states:
         _restore_dtypes(optimizer.state[param], saved_state)
+    optimizer._loaded()
 
 
 def _describe(state_dict: dict[str, Any]) -> str:
@@ -64,7 +90,7 @@ def _describe(state_dict: dict[str, Any]) -> str:
     return f"{who} with per-parameter state {keys}" if keys else who
 
 
-def _mismatch(optimizer: TrainEvalOptimizer, saved: str) -> str:
+def _mismatch(optimizer: Loadable, saved: str) -> str:
     name = optimizer.optimizer_name
     return (
         f"{name}.load_state_dict(): the state dict was saved by {saved}, not by {name}. Resume with the optimizer "
@@ -73,7 +99,7 @@ def _mismatch(optimizer: TrainEvalOptimizer, saved: str) -> str:
     )
 
 
-def _check_adoptable(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> None:
+def _check_adoptable(optimizer: Loadable, state_dict: dict[str, Any]) -> None:
     """Kind of a state without a name: each saved group's per-parameter states have the keys the run it continues
     creates (``optimizer._adoptable_keys(saved_group)``; None: this optimizer continues no such run)."""
     for saved_group in state_dict["param_groups"]:
@@ -85,7 +111,7 @@ def _check_adoptable(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) 
             raise ValueError(_mismatch(optimizer, _describe(state_dict)) + also)
 
 
-def _check_layout(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> None:
+def _check_layout(optimizer: Loadable, state_dict: dict[str, Any]) -> None:
     saved = [len(g["params"]) for g in state_dict["param_groups"]]
     mine = [len(g["params"]) for g in optimizer.param_groups]
     if saved != mine:
@@ -95,30 +121,28 @@ def _check_layout(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> 
         )
 
 
-def _check_shapes(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> None:
-    saved_ids = [(g, i, index) for g, group in enumerate(state_dict["param_groups"])
-                 for i, index in enumerate(group["params"])]  # fmt: skip
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for (g, i, index), param in zip(saved_ids, params):
-        for key, value in (state_dict["state"].get(index) or {}).items():
+def _check_shapes(optimizer: Loadable, state_dict: dict[str, Any]) -> None:
+    for param, saved, where in _saved_param_states(optimizer, state_dict):
+        for key, value in saved.items():
             if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
                 raise ValueError(
-                    f"{optimizer.optimizer_name}.load_state_dict(): the saved {key} of parameter {index} "
-                    f"(param_groups[{g}]['params'][{i}]) has shape {tuple(value.shape)}, the parameter "
-                    f"{tuple(param.shape)}: the state belongs to another model"
+                    f"{optimizer.optimizer_name}.load_state_dict(): the saved {key} of {where} has shape "
+                    f"{tuple(value.shape)}, the parameter {tuple(param.shape)}: the state belongs to another model"
                 )
 
 
 def _saved_param_states(
-    optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]
-) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
-    """(parameter, its saved state) in the order torch's ``load_state_dict`` pairs them, skipping empty states."""
-    saved_ids = (i for g in state_dict["param_groups"] for i in g["params"])
+    optimizer: Loadable, state_dict: dict[str, Any]
+) -> Iterator[tuple[torch.Tensor, dict[str, Any], str]]:
+    """(parameter, its saved state, where: "parameter 3 (param_groups[1]['params'][0])") in the order torch's
+    ``load_state_dict`` pairs them, skipping empty states."""
+    saved_ids = ((index, g, i) for g, group in enumerate(state_dict["param_groups"])
+                 for i, index in enumerate(group["params"]))  # fmt: skip
     params = (p for g in optimizer.param_groups for p in g["params"])
-    for index, param in zip(saved_ids, params):
+    for (index, g, i), param in zip(saved_ids, params):
         saved = state_dict["state"].get(index)
         if saved:
-            yield param, saved
+            yield param, saved, f"parameter {index} (param_groups[{g}]['params'][{i}])"
 
 
 def _restore_dtypes(state: dict[str, Any], saved: dict[str, Any]) -> None:
@@ -130,7 +154,7 @@ def _restore_dtypes(state: dict[str, Any], saved: dict[str, Any]) -> None:
             state[key] = value.to(device=state[key].device, copy=True)
 
 
-def _adopt(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> None:
+def _adopt(optimizer: Loadable, state_dict: dict[str, Any]) -> None:
     """Continue another optimizer's run: the state created as a first step would (in this optimizer's modes), the
     saved values copied into it, then the schedule's position (``lr``, ``initial_lr``) and train mode.
 
@@ -140,7 +164,7 @@ def _adopt(optimizer: TrainEvalOptimizer, state_dict: dict[str, Any]) -> None:
     saved = list(_saved_param_states(optimizer, state_dict))
     optimizer._reset_state()
     optimizer._create_state()
-    for param, saved_state in saved:
+    for param, saved_state, _ in saved:
         target = optimizer._adopted_state(param)
         for key, value in saved_state.items():
             current = target.get(key)

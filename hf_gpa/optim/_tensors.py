@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._types import state_dtype_for  # noqa: F401 - importable from here too (the wrappers import it)
-
-__all__ = ["state_dtype_for", "is_dtensor", "local_tensor", "real_view", "shard_like", "authoritative_y", "chunks"]
+__all__ = ["is_dtensor", "local_tensor", "real_view", "shard_like", "authoritative_y", "chunks"]
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._checks import CheckedGroups
+from ._checked_groups import CheckedGroups
 from ._loading import load_checked
 from ._types import OPTIMIZER, TRAIN_MODE
 
@@ -121,6 +121,13 @@ class TrainEvalOptimizer(CheckedGroups):
     def _adopted_state(self, p: torch.Tensor) -> dict[str, Any]:
         """Where the adopted state of ``p`` goes, once ``_create_state`` created it."""
         return self.state[p]
+
+    def _check_loaded(self, param: torch.Tensor, saved: dict[str, Any], where: str) -> None:
+        """Raise a ``ValueError``, before anything is loaded, where ``param`` cannot take its ``saved`` state
+        (``where`` names the parameter); by default every state is taken."""
+
+    def _loaded(self) -> None:
+        """What is done with a state of this optimizer's own kind once loaded (default: nothing)."""
 
     def _reset_state(self) -> None:
         self.state = defaultdict(dict)

@@ -1,16 +1,14 @@
 """The names and constants of hf_gpa's optimizers, each written once: state and group keys, the averaging modes,
-every default (derived where it is derived), and the dtype rule of the state.
+every default (derived where it is derived).
 
 Like the official GPA code's ``gpa_types.py``: a key that two files spell as a string literal can drift apart;
-a key that both import cannot. ``_checks`` holds the ranges and their checks; this module holds no logic beyond the
-state dtype rule.
+a key that both import cannot. ``_checks`` holds the ranges and their checks, ``_state_layout`` what GPAAdamW's
+state of a parameter is; this module holds no logic.
 """
 
 from __future__ import annotations
 
 import enum
-
-import torch
 
 __all__ = [
     "Averaging",
@@ -25,9 +23,9 @@ __all__ = [
     "DEFAULT_NUM_FRAGMENTS",
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_MOMENTUM",
+    "DEFAULT_STATE_DTYPE",
     "DEFAULT_WEIGHT_DECAY",
-    "HALF_DTYPES",
-    "state_dtype_for",
+    "STATE_DTYPES",
 ]
 
 
@@ -78,7 +76,7 @@ Z = "z"  # the unaveraged iterate z (state dtype)
 EXP_AVG = "exp_avg"  # AdamW's m
 EXP_AVG_SQ = "exp_avg_sq"  # AdamW's v
 Y_FP32 = "y_fp32"  # y in float32 beside a bf16/fp16 parameter, which holds it rounded
-Y_LO = "y_lo"  # state_dtype="compact": y's low word (int8) beside the bf16 parameter, its high word (see _compact)
+Y_LO = "y_lo"  # state_dtype="compact": y's low word (int8) beside the bf16 parameter, its high word (_state_layout)
 Z_LO = "z_lo"  # state_dtype="compact": z's low word (int8) beside z's high word (bf16, state["z"])
 Y_RESIDUAL = "y_residual"  # in eval mode: the int8 residual that gives y back bitwise
 Y_RESIDUAL_OVERFLOW = "y_residual_overflow"  # in eval mode: (index, difference) of the elements int8 cannot hold
@@ -100,8 +98,8 @@ WEIGHT_SUM = "weight_sum"  # Schedule-Free's running sum of lr_t ** 2
 FOREACH = "foreach"
 FUSED = "fused"
 MAXIMIZE = "maximize"
-#: GPAAdamW: what bf16/fp16 parameters keep their state in, one of ``HALF_STATE_MODES``.
-HALF_STATE = "state_dtype"
+#: GPAAdamW: how bf16/fp16 parameters keep their state, one of `STATE_DTYPES`.
+STATE_DTYPE = "state_dtype"
 INITIAL_LR = "initial_lr"  # written by torch's LR schedulers
 TRAIN_MODE = "train_mode"  # True while the parameters hold the training iterate
 OPTIMIZER = "optimizer"  # the name of the optimizer that wrote a state dict ("GPAAdamW", "GPA(AdamW)", ...)
@@ -112,29 +110,16 @@ INNER_STEP = "inner_step"  # DiLoCo's count of inner steps taken
 #: DiLoCo, in the param groups of a state dict only: the worker layout that saved it (``_workers.WorkerLayout``).
 DILOCO_LAYOUT = "diloco_layout"
 
-# ---- dtypes ----
+# ---- GPAAdamW's state_dtype ----
 
-#: Parameter dtypes whose optimizer state (z, moments, y's copy) is kept in float32 (`state_dtype_for`), unless
-#: GPAAdamW's ``state_dtype`` keeps it otherwise.
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-#: GPAAdamW's ``state_dtype`` for bf16/fp16 parameters: "float32" keeps z, m, v and a float32 copy of y (16 bytes per
-#: weight, x as exact as float32 allows); "param" keeps z, m and v in the parameter's dtype and no copy of y (6 bytes;
-#: torch's AdamW keeps m and v so, 4 bytes), computed in float32 and rounded once per step; "compact" (bf16
-#: parameters) keeps y and z as 24-bit values, a 16-bit high word (y's: the parameter) and an int8 low word each, and
-#: m and v in bf16: 8 bytes, computed in float32 and rounded once per step to 24 bits (``_compact``). fp16 parameters
-#: keep float32 state under "compact": fp16's 5-bit exponent leaves no 8-bit low word that covers its range.
-HALF_STATE_MODES = ("float32", "param", "compact")
+#: GPAAdamW's ``state_dtype``, how bf16/fp16 parameters keep their state (``_state_layout`` has one layout for each):
+#: "float32" keeps z, m, v and a float32 copy of y (16 bytes per weight, x as exact as float32 allows); "param" keeps
+#: z, m and v in the parameter's dtype and no copy of y (6 bytes; torch's AdamW keeps m and v so, 4 bytes), computed in
+#: float32 and rounded once per step; "compact" (bf16 parameters) keeps y and z as 24-bit values, a 16-bit high word
+#: (y's: the parameter) and an int8 low word each, and m and v in bf16: 8 bytes, computed in float32 and rounded once
+#: per step to 24 bits. fp16 parameters keep the "float32" state under "compact": fp16's 5-bit exponent leaves no
+#: 8-bit low word that covers its range. fp32/fp64 parameters keep their state in their own dtype under every value.
+STATE_DTYPES = ("float32", "param", "compact")
 #: "compact": the float32 state's accuracy (bf16 least squares within 1.001x of the fp32 run, like "float32") in half
 #: its bytes, and faster on CPU (docs/memory.md); fp16 parameters keep the float32 state under it.
-DEFAULT_HALF_STATE = "compact"
-
-
-def state_dtype_for(param: torch.Tensor) -> torch.dtype:
-    """The dtype of z and of the base optimizer's moments for a parameter.
-
-    Half-precision parameters (bf16, fp16) keep their optimizer state, z included, in float32: z is the only
-    unaveraged copy of the weights and small updates would vanish in bf16. fp32 and fp64 keep their own dtype. The
-    rule of the GPA wrapper, DiLoCo and GPAAdamW's ``state_dtype="float32"``; GPAAdamW's default for bf16 parameters
-    (``"compact"``) keeps z as a bf16 high word and an int8 low word instead (``_compact``).
-    """
-    return torch.float32 if param.dtype in HALF_DTYPES else param.dtype
+DEFAULT_STATE_DTYPE = "compact"

@@ -11,7 +11,9 @@ its step. Everything about holding that base lives here, once:
 * a base whose groups carry keys of their own (``MuonWithAuxAdam``'s ``use_muon``) names them in ``probe_group``
   and checks a group in its static ``check_group(group)``: the wrapper's groups are checked by it too, up front;
 * ``add_param_group``, ``load_state_dict``, ``copy.deepcopy`` and ``pickle`` drop it, and it is rebuilt on the
-  current (added, loaded, copied) tensors at the next step;
+  current (added, loaded, copied) tensors at the next step, as it is when a parameter gets its first gradient or its
+  state was cleared (created afresh then, as torch does); a base that makes its state in its constructor (torch's
+  Adagrad) keeps the state this optimizer holds;
 * its step runs without torch's step hooks, so global optimizer hooks fire once per wrapper step, around it;
 * a step whose base raises leaves the parameters and this optimizer's state as they were (``_rollback_on_error``);
 * a state dict saved by the base class itself is adopted: switching a base-optimizer run to the wrapper mid-training
@@ -21,16 +23,17 @@ its step. Everything about holding that base lives here, once:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from ._checks import base_defaults, constructor_arguments
+from ._checks import check_common
 from ._train_eval import TrainEvalOptimizer
 from ._types import BASE, LR, OPTIMIZER, STEP, TRAIN_MODE
 
-__all__ = ["BaseOptimizerWrapper", "unhooked_step"]
+__all__ = ["BaseOptimizerWrapper", "base_defaults", "unhooked_step"]
 
 
 def unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
@@ -41,6 +44,49 @@ def unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
         return optimizer.step()
     with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
         return raw(optimizer)
+
+
+def base_defaults(base: Any, base_kwargs: dict[str, Any], reserved: tuple[str, ...], owner: str) -> dict[str, Any]:
+    """The defaults of a base optimizer class with ``base_kwargs`` applied, checked by the base itself.
+
+    Instantiating the base on a dummy tensor runs its own argument checks now, before any work, and yields its
+    hyper-parameter names (lr, betas, ...), which the wrapper then carries in its own param groups. A base whose
+    groups must say something (``MuonWithAuxAdam``'s ``use_muon``) names it in its class attribute ``probe_group``.
+    """
+    if not (isinstance(base, type) and issubclass(base, torch.optim.Optimizer)):
+        raise ValueError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass)")
+    accepted = constructor_arguments(base)
+    unknown = sorted(set(base_kwargs) - accepted) if accepted is not None else []
+    if unknown:  # a misspelled keyword: a TypeError, as torch's optimizers and any Python function raise
+        raise TypeError(
+            f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r} (neither {owner}'s nor its base "
+            f"{base.__name__}'s)"
+        )
+    check_common(base_kwargs)
+    try:
+        defaults = dict(base([probe_group(base, torch.zeros(2, 2, requires_grad=True))], **base_kwargs).defaults)
+    except (TypeError, IndexError) as err:  # e.g. eps="x", betas=(0.9,): say which arguments, as a ValueError
+        raise ValueError(f"Invalid argument for {base.__name__}({', '.join(base_kwargs)}): {err}") from err
+    overlap = sorted(set(defaults) & set(reserved))
+    if overlap:
+        raise ValueError(f"Invalid base: {base.__name__} uses hyper-parameter names reserved by {owner}: {overlap}")
+    return defaults
+
+
+def constructor_arguments(base: type[torch.optim.Optimizer]) -> frozenset[str] | None:
+    """The keyword arguments ``base(params, ...)`` takes by name, or None if it takes any (``**kwargs``).
+
+    A base's ``defaults`` may hold keys its constructor does not take (torch's AdamW: ``decoupled_weight_decay``).
+    """
+    parameters = inspect.signature(base.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.name not in ("self", "params"))
+
+
+def probe_group(base: Any, tensor: torch.Tensor) -> dict[str, Any]:
+    """A param group of ``tensor`` that ``base`` accepts: with the keys of ``base.probe_group``, if it has one."""
+    return {"params": [tensor], **getattr(base, "probe_group", {})}
 
 
 class _Undo:
@@ -158,11 +204,14 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
 
     def _link_base_state(self, base: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         # The base's state of each tensor is the dict state[p]["base"] of this optimizer (one object, saved and
-        # loaded with it); it starts empty so that the base initializes it lazily as usual.
+        # loaded with it); it starts empty so that the base initializes it lazily as usual. A base that creates its
+        # state in its constructor (torch's Adagrad) has it taken only where this optimizer holds none: a state that
+        # was stepped, loaded or copied is the base's state, whatever a rebuilt base made.
         for p, t in pairs:
-            if t in base.state:
-                self.state[p]["base"] = base.state[t]
-            base.state[t] = self.state[p].setdefault("base", {})
+            own = self.state[p].setdefault(BASE, {})
+            if not own and t in base.state:
+                own.update(base.state[t])
+            base.state[t] = own
 
     def _base_step(self) -> None:
         """Forward the hyper-parameters, then the base's step, without step hooks (they fire for the wrapper)."""
@@ -179,9 +228,15 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
         self._base = None
 
     def _prepare_base(self) -> torch.optim.Optimizer:
-        """The base, rebuilt first if a parameter has its first gradient (it then needs the base's attention)."""
+        """The base, rebuilt first if a parameter has its first gradient (it then needs the base's attention) or if
+        the state it was built on is no longer this optimizer's (``state.clear()``, ``del state[p]``, a new dict: the
+        state is then created afresh, as torch's optimizers do)."""
         known = {id(p) for p, _ in self._base_pairs}
         if any(p.grad is not None and id(p) not in known for g in self.param_groups for p in g["params"]):
+            self._base = None
+        elif self._base is not None and any(
+            self.state.get(p, {}).get(BASE) is not self._base.state.get(t) for p, t in self._base_pairs
+        ):
             self._base = None
         return self.base_optimizer
 

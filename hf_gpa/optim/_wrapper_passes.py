@@ -5,7 +5,9 @@
 
 Each is one pass over memory: the C++ kernel on CPU, the Triton kernel on CUDA (when triton imports), foreach ops
 for what neither takes (other dtypes, tensors of different layouts): the choice and the bucketing are
-``kernels.fused_buckets``, the rule GPAAdamW's fused path uses too. Complex tensors are passed as pairs of reals.
+``kernels.fused_buckets``, the rule GPAAdamW's fused path uses too; the kernels take z in the parameter's
+`_state_layout.wide_dtype` (float32 for bf16/fp16 parameters) and y's copy in float32. Complex tensors are passed as
+pairs of reals.
 
 bf16/fp16 parameters may come with a float32 copy of y (``y32s``, one entry per parameter, None where there is
 none), which then carries y: before the base step only the copy moves (``y`` is left as it was; the base does not
@@ -20,8 +22,9 @@ from collections import OrderedDict
 
 import torch
 
+from ._state_layout import wide_dtype
 from ._tensors import authoritative_y, real_view
-from .kernels import FORCE, STATE_DTYPE, fused_buckets, kernel_module
+from .kernels import FORCE, fused_buckets, kernel_module
 
 __all__ = ["pass_before_base_", "pass_after_base_"]
 
@@ -55,10 +58,10 @@ def _wrapper_pass(
     ys, zs = [real_view(y) for y in ys], [real_view(z) for z in zs]
     y32s = list(y32s) if y32s is not None else [None] * len(ys)
     kernel_buckets, foreach_buckets = _buckets(ys, zs, y32s)
-    for (kind, _, _, absent), idx in kernel_buckets.items():
+    for (kind, _, absent, *_), idx in kernel_buckets.items():
         y32_b = [] if absent[-1] else [y32s[i] for i in idx]
         kernel_module(kind).gpa_wrapper_pass([ys[i] for i in idx], [zs[i] for i in idx], y32_b, alpha, scale, before)
-    for (_, _, (_, y32_dtype)), idx in foreach_buckets.items():
+    for (_, _, _, (_, y32_dtype)), idx in foreach_buckets.items():
         y32_b = None if y32_dtype is None else [y32s[i] for i in idx]
         _foreach_pass([ys[i] for i in idx], [zs[i] for i in idx], y32_b, alpha, scale, before)
 
@@ -83,7 +86,8 @@ def _buckets(
     if hit is not None:
         _BUCKETS.move_to_end(key)
         return hit[1], hit[2]
-    kernel_buckets, foreach_buckets = fused_buckets(ys, [(zs, STATE_DTYPE), (y32s, STATE_DTYPE)])
+    calls = [("pass", (wide_dtype(y.dtype), None if y32 is None else torch.float32)) for y, y32 in zip(ys, y32s)]
+    kernel_buckets, foreach_buckets = fused_buckets(ys, list(zip(zs, y32s)), calls)
     _BUCKETS[key] = ((list(ys), list(zs), list(y32s)), kernel_buckets, foreach_buckets)
     if len(_BUCKETS) > _BUCKETS_CACHE_SIZE:
         _BUCKETS.popitem(last=False)

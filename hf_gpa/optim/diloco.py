@@ -27,6 +27,7 @@ import torch
 from ._checks import check_diloco, check_num_fragments
 from ._loading import saved_optimizer_name
 from ._residual import bits_differ
+from ._state_layout import wide_dtype
 from ._tensors import authoritative_y, is_dtensor, local_tensor
 from ._types import (
     DEFAULT_INNER_STEPS,
@@ -41,7 +42,6 @@ from ._types import (
     OUTER_LR,
     OUTER_MOMENTUM,
     OUTER_MOMENTUM_BUFFER,
-    state_dtype_for,
 )
 from ._workers import (
     WorkerLayout,
@@ -206,7 +206,7 @@ class DiLoCo(BaseOptimizerWrapper):
         bf16/fp16 parameters, which also get their inner weights in float32)."""
         state = self.state[p]
         if OUTER not in state:
-            dtype = state_dtype_for(p)
+            dtype = wide_dtype(p.dtype)
             state[OUTER] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
             state[OUTER_MOMENTUM_BUFFER] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             if dtype != p.dtype:

@@ -18,21 +18,9 @@ import torch
 
 from ._checks import check_averaging, check_mu
 from ._gpa_switch import GPASwitch
+from ._state_layout import HALF_DTYPES, wide_dtype
 from ._tensors import local_tensor, real_view
-from ._types import (
-    AVERAGING,
-    DEFAULT_AVERAGING,
-    DEFAULT_MU_X,
-    DEFAULT_MU_Y,
-    HALF_DTYPES,
-    LR,
-    MU_X,
-    MU_Y,
-    WEIGHT_SUM,
-    Y_FP32,
-    Z,
-    state_dtype_for,
-)
+from ._types import AVERAGING, DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, LR, MU_X, MU_Y, WEIGHT_SUM, Y_FP32, Z
 from ._wrapper import BaseOptimizerWrapper
 from ._wrapper_passes import pass_after_base_, pass_before_base_
 from .averaging import averaging_mu_x
@@ -115,7 +103,7 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
             return state[Z]
         if p.grad is None and not create:
             return None
-        z = p.detach().to(dtype=state_dtype_for(p), copy=True, memory_format=torch.preserve_format)
+        z = p.detach().to(dtype=wide_dtype(p.dtype), copy=True, memory_format=torch.preserve_format)
         self.state[p][Z] = z
         return z
 

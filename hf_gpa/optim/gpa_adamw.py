@@ -11,64 +11,93 @@ The last identity (with x = (y - (1 - mu_y) z) / mu_y) is what lets the optimize
 written as small corrections added to y rather than as mu_x mu_y x + (1 - mu_x mu_y) z': the rounding error is then
 that of the corrections, and where x = z a step with lr = 0 leaves y bitwise unchanged.
 
-As in torch's ``adam.py``, with the per-step host work of torch's fused path: ``GPAAdamW.step()`` takes, for each
-group, its parameters with a gradient, resolves the group's hyper-parameters once (``_begin_group_step``: lr, this
-step's mu_x) and runs their cached step plan (``_step_params``; ``_step_plan.StepPlan``: the implementation and the
-per-tensor buckets decided once, the step counters advanced by one op) through the functional `gpa_adamw`, which
-calls `_single_tensor_gpa_adamw` (the for-loop, the ground truth), `_multi_tensor_gpa_adamw` (foreach) or
-`_fused_gpa_adamw` (the C++ kernel ``kernels/csrc/gpa_adamw.cpp`` on CPU, the Triton kernel
-``kernels/triton_source.py`` on CUDA), picked by the rule of ``kernels.default_to_fused_or_foreach``; each takes its
-bias corrections from `_step_plan.bias_corrections`. ``fused=None`` takes the fused kernel of the device where every
-tensor has one, and foreach inside it for the tensors a kernel cannot take (layouts, state dtypes).
+As in torch's ``adam.py``: the functional `gpa_adamw` takes plain tensor lists (params, grads, z, m, v, step counts,
+and the layout's own tensors) and calls `_single_tensor_gpa_adamw` (the for-loop, the ground truth),
+`_multi_tensor_gpa_adamw` (foreach) or `_fused_gpa_adamw` (the C++ kernel ``kernels/csrc/gpa_adamw.cpp`` on CPU,
+the Triton kernel ``kernels/triton_source.py`` on CUDA), picked by the rule of ``kernels.default_to_fused_or_foreach``;
+each takes its bias corrections from `bias_corrections`. What a parameter's state holds, how the paths widen it to
+float32 and round it back, and which tensors a kernel takes, is its layout's (``_state_layout``). ``GPAAdamW.step()``
+runs each group's cached `_Plan` (the implementation, the buckets and the tensor lists decided once, the step
+counters advanced by one op; torch's fused AdamW keeps its host work per step as constant) through the same paths:
+``_begin_group_step`` resolves a group's hyper-parameters once (lr, this step's mu_x), ``_step_params`` updates some of
+its parameters (a step inside backward calls it one parameter at a time). ``fused=None`` takes the fused kernel of
+the device where every tensor has one, and foreach inside it for the tensors a kernel cannot take (memory layouts,
+state dtypes, a gradient of another dtype).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+import operator
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
-from ._compact import join24, split24_
-from ._gpa_switch import GPASwitch
-from ._step_plan import AdamWHyper, Bucket, StepPlan, bias_corrections
-from ._tensors import authoritative_y, chunks, local_tensor, real_view
+from ._gpa_switch import GPASwitch, to_eval_, to_train_
+from ._state_layout import (
+    COMPACT,
+    FLOAT32,
+    PARAM,
+    StateLayout,
+    convert_,
+    layout_for,
+    layout_of,
+    refusal,
+    saved_param_dtype,
+)
+from ._tensors import chunks, is_dtensor, local_tensor, real_view
 from ._types import (
     AVERAGING,
     BETAS,
     DEFAULT_AVERAGING,
     DEFAULT_BETAS,
     DEFAULT_EPS,
-    DEFAULT_HALF_STATE,
     DEFAULT_LR,
     DEFAULT_MU_X,
     DEFAULT_MU_Y,
+    DEFAULT_STATE_DTYPE,
     DEFAULT_WEIGHT_DECAY,
     EPS,
-    EXP_AVG,
-    EXP_AVG_SQ,
     FOREACH,
     FUSED,
-    HALF_DTYPES,
-    HALF_STATE,
     LR,
     MAXIMIZE,
     MU_X,
     MU_Y,
+    STATE_DTYPE,
     STEP,
+    TRAIN_MODE,
     WEIGHT_DECAY,
     WEIGHT_SUM,
-    Y_FP32,
-    Y_LO,
-    Z_LO,
     Z,
-    state_dtype_for,
 )
 from .averaging import averaging_mu_x
-from .kernels import FORCE, default_to_fused_or_foreach, kernel_module
+from .kernels import FORCE, default_to_fused_or_foreach, fused_buckets, kernel_module
 
-__all__ = ["GPAAdamW", "gpa_adamw"]
+__all__ = ["AdamWHyper", "GPAAdamW", "bias_corrections", "gpa_adamw"]
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    """One group's hyper-parameters for one step, resolved once per group and step (``_begin_group_step``)."""
+
+    lr: float | torch.Tensor  # a float, or the group's one-element tensor (read by float(), or by the Triton kernel)
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    mu_x: float  # this step's weight on the old average (`averaging.averaging_mu_x`)
+    mu_y: float
+    maximize: bool
+
+
+def bias_corrections(beta1: float, beta2: float, step: float) -> tuple[float, float]:
+    """AdamW's bias corrections after ``step`` steps: (1 - beta1^t, sqrt(1 - beta2^t)); every path takes them here."""
+    return 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
 
 
 class GPAAdamW(GPASwitch):
@@ -87,13 +116,18 @@ class GPAAdamW(GPASwitch):
     bytes for fp32 parameters. y and z of bf16/fp16 parameters need more than their 8 (or 11) bits: rounding y to
     bf16 at every step would accumulate in x, amplified by 1 / mu_y. By default (``state_dtype="compact"``) bf16
     parameters keep y and z as 24-bit values, the parameter (y's high word) or z's bf16 high word and an int8 low
-    word each (``y_lo``, ``z_lo``; see ``_compact``), and m and v in bf16: 8 bytes of state per weight, with the
+    word each (``y_lo``, ``z_lo``; see ``_state_layout``), and m and v in bf16: 8 bytes of state per weight, with the
     accuracy of float32 state (docs/memory.md). ``state_dtype="float32"`` keeps z, m, v and a float32 copy of y
     (``y_fp32``, the parameter holds it rounded), x as exact as float32 allows, 16 bytes per weight; fp16 parameters
     keep this state under either mode. A parameter written by something else is taken: exactly where it no longer
     equals ``y_fp32`` rounded, with y's low word under ``"compact"`` (y then rounds to the written value).
     ``state_dtype="param"`` trades the accuracy for memory: z, m and v in the parameter's dtype and no copy of y, 6
-    bytes per bf16 weight (torch's AdamW: 4).
+    bytes per bf16 weight (torch's AdamW: 4). A parameter keeps the layout its state was created with; a state loaded
+    into parameters of another dtype is converted exactly by ``load_state_dict`` (one whose parameters are cast under
+    it, ``model.half()``, at the next step, ``eval()`` or ``train()``), the parameter receiving y in its own dtype, or
+    refused with a ``ValueError`` naming both dtypes before anything changes where that is not possible (a float64
+    state into narrower parameters). ``optimizer.state.clear()`` (or deleting
+    one parameter's state) starts the state afresh at the next step, as in torch.
     Weight decay is decoupled and acts on z, as in Algorithm 1 of the paper.
     ``mu_x = 0`` is AdamW; ``mu_y = 1`` is stochastic primal averaging. Call ``eval()`` before evaluating or saving
     (the parameters then hold x) and ``train()`` before the next step (y comes back bitwise).
@@ -114,7 +148,8 @@ class GPAAdamW(GPASwitch):
         mu_y: interpolation constant of the gradient point y in (0, 1] (default: 0.7).
         averaging: ``"gpa"`` (exponential average with ``mu_x``) or ``"schedule_free"`` (Schedule-Free's average
             weighted by lr_t^2, paper eq. 5; ``mu_x`` is then unused; it reads lr on the host) (default: "gpa").
-        foreach: use the foreach implementation; ``False`` (with ``fused`` unset) is the for-loop (default: None).
+        foreach: use the foreach implementation; ``False`` (with ``fused`` unset) is the for-loop, which runs eagerly
+            inside ``torch.compile`` (default: None).
         fused: use the fused kernel of the device: the single-pass C++ kernel on CPU (built once per environment),
             the multi-tensor Triton kernel on CUDA (fp32/bf16/fp16 parameters; needs ``triton``). As in torch:
             ``True`` raises a ``RuntimeError`` where no kernel takes a parameter's device and dtype, ``False`` never
@@ -146,7 +181,7 @@ class GPAAdamW(GPASwitch):
         foreach: bool | None = None,
         fused: bool | None = None,
         maximize: bool = False,
-        state_dtype: str = DEFAULT_HALF_STATE,
+        state_dtype: str = DEFAULT_STATE_DTYPE,
     ) -> None:
         defaults = {
             LR: lr,
@@ -160,8 +195,10 @@ class GPAAdamW(GPASwitch):
             FOREACH: foreach,
             FUSED: fused,
             MAXIMIZE: maximize,
-            HALF_STATE: state_dtype,
+            STATE_DTYPE: state_dtype,
         }
+        # Each group's cached step (`_plan`); before torch's constructor, which adds the groups.
+        self._plans: dict[Hashable, _Plan] = {}
         super().__init__(params, defaults)  # every group, these defaults filled in, passes `_check_group`
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -170,85 +207,127 @@ class GPAAdamW(GPASwitch):
         check_mu(group[MU_X], group[MU_Y])
         group[AVERAGING] = check_averaging(group[AVERAGING])
         check_implementation(group[FOREACH], group[FUSED])
-        check_state_dtype(group[HALF_STATE])
+        check_state_dtype(group[STATE_DTYPE])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._plans = {}  # unpickled, or loaded (torch's load_state_dict ends here): plans of the old state go
 
-    def _init_state(self, p: torch.Tensor, half_state: str = DEFAULT_HALF_STATE) -> dict[str, Any]:
-        """Create what is missing of ``p``'s state (z = y, m = v = 0, step 0; y's float32 copy for bf16/fp16
-        parameters whose state is float32, ``half_state`` deciding that for new state; the low words of y and z,
-        zero, for bf16 parameters under ``"compact"``)."""
+    # ---- the state ----
+
+    def _init_state(self, p: torch.Tensor, state_dtype: str = DEFAULT_STATE_DTYPE) -> dict[str, Any]:
+        """``p``'s state, created where it has none: step 0 and the layout `layout_for` gives ``p``'s dtype under
+        ``state_dtype`` (z = y, m = v = 0)."""
         state = self.state[p]
         if Z not in state:
             # Created lazily, after any wrapping (FSDP2 replaces parameters by DTensor shards in prepare()).
-            compact = half_state == "compact" and p.dtype == torch.bfloat16
-            dtype = p.dtype if half_state == "param" or compact else state_dtype_for(p)
-            z = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
             state[STEP] = torch.tensor(0.0, dtype=torch.float32)
-            state[Z] = z
-            state[EXP_AVG] = torch.zeros_like(z, memory_format=torch.preserve_format)
-            state[EXP_AVG_SQ] = torch.zeros_like(z, memory_format=torch.preserve_format)
-            if compact:  # y and z are then exactly the bf16 parameter's value: their low words are zero
-                state[Y_LO] = torch.zeros_like(z, dtype=torch.int8, memory_format=torch.preserve_format)
-                state[Z_LO] = torch.zeros_like(z, dtype=torch.int8, memory_format=torch.preserve_format)
-        if p.dtype in HALF_DTYPES and Y_FP32 not in state and state[Z].dtype == torch.float32:
-            # Also for state saved before this copy existed: the parameter holds y rounded, a fine start.
-            state[Y_FP32] = p.detach().to(dtype=torch.float32, copy=True, memory_format=torch.preserve_format)
+            state.update(layout_for(p.dtype, state_dtype).create(p))
         return state
 
     def _create_state(self) -> None:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    self._init_state(p, group[HALF_STATE])
+                    self._init_state(p, group[STATE_DTYPE])
+
+    def _fit_states(self, group: dict[str, Any], params: list[torch.Tensor], train_mode: bool) -> None:
+        """Convert the states of ``params`` that no longer fit their parameter's dtype (a cast model, a checkpoint
+        loaded into parameters of another dtype) exactly (`_state_layout.convert_`); or refuse, converting none."""
+        unfit = []
+        for p in params:
+            state = self.state.get(p)
+            if not state or Z not in state or layout_of(state).fits(p.dtype, state):
+                continue
+            reason = refusal(state, p.dtype)
+            if reason is not None:
+                raise ValueError(f"{self.optimizer_name}: the optimizer state of {self._where(p)} {reason}")
+            unfit.append(p)
+        mu_y = group[MU_Y]
+        for p in unfit:
+            state = self.state[p]
+            # y in the form the state was made for: the parameter cast back, and in eval mode train()'s y from it.
+            y_saved = local_tensor(p).to(saved_param_dtype(state, p), copy=True)
+            switched = not train_mode and mu_y != 1.0
+            if switched:
+                to_train_(y_saved, state, mu_y)
+            convert_(p, state, y_saved, train_mode=not switched)
+            if switched:
+                to_eval_(p, state, mu_y)
+
+    def _where(self, p: torch.Tensor) -> str:
+        for g, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return f"param_groups[{g}]['params'][{i}]"
+        return "a parameter"
+
+    def _check_loaded(self, param: torch.Tensor, saved: dict[str, Any], where: str) -> None:
+        reason = refusal(saved, param.dtype) if Z in saved else None
+        if reason is not None:
+            raise ValueError(f"{self.optimizer_name}.load_state_dict(): the saved state of {where} {reason}")
+
+    @torch.no_grad()
+    def _loaded(self) -> None:
+        # A state saved for parameters of another dtype (a bf16 run resumed into an fp16 or fp32 model) becomes theirs
+        # now, in the mode it was saved in (`_check_loaded` refused what cannot be converted, before the load).
+        for group in self.param_groups:
+            self._fit_states(group, group["params"], train_mode=group[TRAIN_MODE])
+
+    def _params_to_eval(self, group: dict[str, Any]) -> None:
+        self._fit_states(group, group["params"], train_mode=True)
+        super()._params_to_eval(group)
+
+    def _params_to_train(self, group: dict[str, Any]) -> None:
+        self._fit_states(group, group["params"], train_mode=False)
+        super()._params_to_train(group)
 
     def _adoptable_keys(self, saved_group: dict[str, Any]) -> set[str] | None:
         # An Adam/AdamW run (without amsgrad) continues as GPA-AdamW: z = y = the current weights, m, v, step kept.
-        return None if saved_group.get("amsgrad") else {STEP, EXP_AVG, EXP_AVG_SQ}
+        return None if saved_group.get("amsgrad") else {STEP, "exp_avg", "exp_avg_sq"}
 
     def _adopts(self) -> str:
         return "Adam/AdamW (per-parameter state ['exp_avg', 'exp_avg_sq', 'step'], no amsgrad)"
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        self._plans: dict[tuple, StepPlan] = {}  # a new group: every plan is rebuilt (torch's __init__ comes here)
 
     def _reset_state(self) -> None:
         super()._reset_state()
         self._plans.clear()
 
-    def _implementation(self, group: dict[str, Any], params: list[torch.Tensor]) -> str:
-        """The group's path: "forloop", "foreach" or "fused" (`kernels.default_to_fused_or_foreach`)."""
-        use_fused, use_foreach = default_to_fused_or_foreach(params, group[FOREACH], group[FUSED])
-        return "fused" if use_fused else "foreach" if use_foreach else "forloop"
+    # ---- the step ----
 
-    def _plan(self, group: dict[str, Any], params: list[torch.Tensor], rebuild: bool = False) -> StepPlan:
-        """The cached plan of these parameters (built, their state created, on first use; see `_step_plan`)."""
-        key = (FORCE["backend"], group[FOREACH], group[FUSED], *map(id, params))
+    def _plan(self, group: dict[str, Any], params: list[torch.Tensor]) -> _Plan:
+        """The cached step of ``params`` (every parameter of ``group`` with a gradient, or one of them, stepped from a
+        backward hook), built again, the states created or converted first, where it does not fit this step."""
+        key: Hashable = id(group) if len(params) > 1 else (id(group), id(params[0]))
+        inputs = (FORCE["backend"], group[FOREACH], group[FUSED])
         plan = self._plans.get(key)
-        if plan is not None and plan.valid() and not rebuild:
+        if plan is not None and plan.fits(self.state, params, inputs):
             return plan
         _check_dense_grads(params)
-        for p in params:
-            state = self.state[p]
-            if Y_FP32 not in state and (Z not in state or p.dtype in HALF_DTYPES):
-                self._init_state(p, group[HALF_STATE])
-        locals_ = [real_view(local_tensor(p)) for p in params]
-        bind_steps = len(params) > 1  # one parameter from a backward hook: its own counter, the group's plan kept
-        # Built rarely, so pruned here: plans holding a parameter no group holds any more (they would keep it and its
-        # state alive), and, where this plan binds the counters as views of its own tensor, every other binding plan.
+        self._fit_states(group, params, train_mode=True)
+        states = [self._init_state(p, group[STATE_DTYPE]) for p in params]
+        # Built rarely, so pruned here: plans of groups or parameters the optimizer no longer has (they would keep
+        # them and their state alive).
+        groups = {id(g) for g in self.param_groups}
         current = {id(q) for g in self.param_groups for q in g["params"]}
-        stale = [
-            k
-            for k, v in self._plans.items()
-            if not all(id(q) in current for q in v.params) or (bind_steps and v.flat_steps is not None)
-        ]
-        for k in stale:  # in place: torch.compile before torch 2.13 refuses to rebind an optimizer's attribute
-            del self._plans[k]
-        impl = self._implementation(group, locals_)
-        plan = StepPlan(list(params), [self.state[p] for p in params], impl, bind_steps)
+        for k in [k for k, v in self._plans.items() if id(v.group) not in groups or not current.issuperset(v.ids)]:
+            del self._plans[k]  # in place: torch.compile before torch 2.13 refuses to rebind an optimizer's attribute
+        use_fused, use_foreach = default_to_fused_or_foreach(
+            [real_view(local_tensor(p)) for p in params], group[FOREACH], group[FUSED]
+        )
+        impl = "fused" if use_fused else "foreach" if use_foreach else "forloop"
+        layouts = [layout_of(s) for s in states]
+        plan = _Plan(
+            params,
+            [p.grad for p in params],
+            layouts,
+            [tuple(s[k] for k in layout.keys) for s, layout in zip(states, layouts)],
+            [s[STEP] for s in states],
+            impl,
+            states=states,
+            group=group,
+            inputs=inputs,
+        )
         self._plans[key] = plan
         return plan
 
@@ -256,33 +335,27 @@ class GPAAdamW(GPASwitch):
         """What is done once per group and training step: this step's mu_x (advancing Schedule-Free's weight sum)
         and the resolved hyper-parameters."""
         mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], group[LR], group[WEIGHT_SUM])
-        lr = group[LR]
-        if torch.is_tensor(lr):
-            lr = lr.squeeze()  # a one-element lr of any shape is its 0-d value (torch's AdamW does the same)
         beta1, beta2 = group[BETAS]
-        return AdamWHyper(lr, beta1, beta2, group[EPS], group[WEIGHT_DECAY], mu_x, group[MU_Y], group[MAXIMIZE])
+        return AdamWHyper(group[LR], beta1, beta2, group[EPS], group[WEIGHT_DECAY], mu_x, group[MU_Y], group[MAXIMIZE])
 
     @torch.no_grad()
     def _step_params(self, group: dict[str, Any], params: list[torch.Tensor], hyper: AdamWHyper) -> None:
         """Update exactly ``params`` (some of ``group``'s, each with a gradient), creating missing state and advancing
         their step counts; bitwise what `step` computes for them."""
         plan = self._plan(group, params)
-        grads = plan.grads()
-        if not plan.fits(grads):  # new storage or a gradient of another layout: decided again
-            plan = self._plan(group, params, rebuild=True)
-            grads = plan.grads()
-        gpa_adamw(plan, grads, hyper)
+        _run(plan, plan.grads(), hyper)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step; ``closure`` re-evaluates the loss at y (optional)."""
         loss = self._closure_loss(closure)
         work = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
+        work = [(group, params) for group, params in work if params]
         for _, params in work:  # before any work: a step that raises changes nothing
             _check_dense_grads(params)
-        for group, params in work:
-            if params:
-                self._step_params(group, params, self._begin_group_step(group))
+        plans = [self._plan(group, params) for group, params in work]  # a refused conversion raises here
+        for (group, _), plan in zip(work, plans):
+            _run(plan, plan.grads(), self._begin_group_step(group))
         return loss
 
 
@@ -291,76 +364,239 @@ def _check_dense_grads(params: list[torch.Tensor]) -> None:
         raise RuntimeError("GPAAdamW does not support sparse gradients")
 
 
-def gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
-    """Functional API of GPA-AdamW's step (see `GPAAdamW`): the plan's parameters hold y, updated in place with
-    their state (z, m, v, y's float32 copy, the step counts); the plan names the implementation, torch's rule."""
+@dataclass
+class _Bucket:
+    """Tensors one call updates: ``kind`` is "cpu" or "triton" (a kernel), "foreach" or "forloop"; all of one
+    layout; ``idx`` their positions in the plan's parameter list; ``ys`` the parameters (views), ``cols`` their state
+    tensors, one list per key of the layout; ``whole``: ``idx`` is every position in order."""
+
+    kind: str
+    layout: StateLayout
+    idx: list[int]
+    ys: list[torch.Tensor]
+    cols: list[list[torch.Tensor]]
+    whole: bool
+
+
+class _Plan:
+    """A step over one list of parameters, decided once: the implementation, the buckets (which kernel call or
+    foreach group takes each tensor, per tensor, and their tensor lists; only the gradients are gathered per step) and
+    the step counters.
+
+    ``GPAAdamW`` keeps one per group (and one per parameter stepped from a backward hook) and checks at every step,
+    without an aten op, that it still fits (`fits`): the same parameters, in the same storage and dtype; the same
+    state (the very dicts of ``optimizer.state``, holding the very tensors: a cleared, replaced or loaded state is
+    created or read afresh); gradients of the same dtypes and memory layouts; the same implementation switches. A
+    plan for a whole group binds the per-parameter ``state["step"]`` (a 0-d float32 CPU tensor, what torch's AdamW
+    saves and loads) as views of one tensor of the group's counts: a step advances all of them with one ``add_`` and
+    reads them with one ``tolist()``. The state tensors are held as objects, never as addresses: the C++ kernel reads
+    each tensor's address when called and the Triton launcher keys its pointer tables by the addresses it reads at
+    each launch.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        layouts: list[StateLayout],
+        cols: list[tuple[torch.Tensor, ...]],
+        steps: list[torch.Tensor],
+        impl: str,
+        *,
+        states: list[dict[str, Any]] | None = None,
+        group: dict[str, Any] | None = None,
+        inputs: tuple = (),
+    ) -> None:
+        self.params, self.layouts, self.cols, self.impl = params, layouts, cols, impl
+        self.group, self.inputs, self.ids = group, inputs, [id(p) for p in params]
+        # DTensor shards and complex views are taken afresh at each step (to_local() and view_as_real() are views of
+        # whatever the parameter holds then); plain tensors are used as they are.
+        self.fresh_views = any(is_dtensor(p) or p.is_complex() for p in params)
+        ys, colv = self._views()
+        gs = self.views_of(grads)
+        if impl == "forloop":
+            by_layout: dict[StateLayout, list[int]] = defaultdict(list)
+            for i, layout in enumerate(layouts):
+                by_layout[layout].append(i)
+            buckets = [("forloop", layout, idx) for layout, idx in by_layout.items()]
+        else:
+            calls = [(layout, layout.kernel_dtypes(y.dtype)) for layout, y in zip(layouts, ys)]
+            kernel_buckets, foreach_buckets = fused_buckets(
+                ys, [(g, *c) for g, c in zip(gs, colv)], calls, use_kernels=impl == "fused"
+            )
+            buckets = [(key[0], key[1], idx) for key, idx in kernel_buckets.items()]
+            buckets += [("foreach", key[0], idx) for key, idx in foreach_buckets.items()]
+        everything = list(range(len(params)))
+        self.buckets = [
+            _Bucket(kind, layout, idx, *_gather(ys, colv, idx, layout), idx == everything)
+            for kind, layout, idx in buckets
+        ]
+        self.steps, self.flat_steps = steps, None
+        if states is not None and len(params) > 1:  # a whole group: its counters become views of one tensor
+            flat = torch.stack([t.detach().to(device="cpu", dtype=torch.float32).reshape(()) for t in steps])
+            for k, state in enumerate(states):
+                state[STEP] = flat[k]
+            self.steps, self.flat_steps = [state[STEP] for state in states], flat
+        self.states = states
+        if states is not None:
+            keys = [(STEP, *layout.keys) for layout in layouts]
+            self._watch = (
+                [state for state, ks in zip(states, keys) for _ in ks],
+                [key for ks in keys for key in ks],
+                [state[key] for state, ks in zip(states, keys) for key in ks],
+            )
+            self._signature = self._sig(grads)
+
+    def fits(self, state: dict[torch.Tensor, dict[str, Any]], params: list[torch.Tensor], inputs: tuple) -> bool:
+        """Whether this step's parameters, state, gradients and switches are what the plan was built on."""
+        dicts, keys, tensors = self._watch
+        return (
+            inputs == self.inputs
+            and len(params) == len(self.params)
+            and all(map(operator.is_, params, self.params))
+            and all(map(operator.is_, map(state.get, params), self.states))
+            and all(map(operator.is_, map(dict.get, dicts, keys), tensors))
+            and self._sig([p.grad for p in params]) == self._signature
+        )
+
+    def _sig(self, grads: list[torch.Tensor]) -> tuple:
+        """What the buckets were decided on and may change between steps, no aten op: the parameters' dtypes and
+        addresses (new storage, ``p.data = ...``, may have another layout), the gradients' dtypes and strides."""
+        gs = self.views_of(grads)
+        sig = (*map(_dtype, self.params), *map(_dtype, gs), *map(torch.Tensor.stride, gs))
+        if self.fresh_views:  # DTensor shards and complex views: their buckets are decided on the views' layouts
+            return sig
+        return (*sig, *map(torch.Tensor.data_ptr, self.params))
+
+    def _views(self) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, ...]]]:
+        def view(t: torch.Tensor) -> torch.Tensor:
+            return real_view(local_tensor(t))
+
+        return [view(p) for p in self.params], [tuple(view(t) for t in c) for c in self.cols]
+
+    def views_of(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients as the update takes them (local shards, real views)."""
+        return [real_view(local_tensor(g)) for g in grads] if self.fresh_views else grads
+
+    def grads(self) -> list[torch.Tensor]:
+        """This step's gradients of the parameters, in their order, as the update takes them."""
+        return self.views_of([p.grad for p in self.params])
+
+    def bucket_tensors(self, bucket: _Bucket) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """y and the state lists of a bucket as this step sees them (fresh views of DTensor shards and complex
+        tensors)."""
+        if not self.fresh_views:
+            return bucket.ys, bucket.cols
+        ys, cols = self._views()
+        return _gather(ys, cols, bucket.idx, bucket.layout)
+
+    def advance_steps(self) -> tuple[list[float], float | None]:
+        """Add one to every counter; return the counts and, where all are equal (nearly always), that count."""
+        if self.flat_steps is not None:
+            self.flat_steps.add_(1.0)
+            counts = self.flat_steps.tolist()
+        else:
+            torch._foreach_add_(self.steps, 1.0)
+            counts = [t.item() for t in self.steps]  # on the CPU: no device synchronization
+        uniform = counts[0] if counts and min(counts) == max(counts) else None
+        return counts, uniform
+
+
+def _dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype
+
+
+def _gather(
+    ys: list[torch.Tensor], cols: list[tuple[torch.Tensor, ...]], idx: list[int], layout: StateLayout
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """The parameters at ``idx`` and their state, one list per key of their layout."""
+    return [ys[i] for i in idx], [[cols[i][k] for i in idx] for k in range(len(layout.keys))]
+
+
+@torch.no_grad()
+def gpa_adamw(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    zs: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    y_fp32s: list[torch.Tensor | None] | None = None,
+    y_los: list[torch.Tensor | None] | None = None,
+    z_los: list[torch.Tensor | None] | None = None,
+    foreach: bool | None = None,
+    fused: bool | None = None,
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mu_x: float,
+    mu_y: float,
+    maximize: bool = False,
+) -> None:
+    """Functional API of GPA-AdamW's step (see `GPAAdamW`), in the shape of torch's ``adam(...)``.
+
+    ``params`` hold y and are updated in place with their state: z, m, v and, per parameter, its layout's own
+    tensors (``_state_layout``): ``y_los`` and ``z_los`` (the int8 low words of "compact"), or ``y_fp32s`` (y's
+    float32 copy of "float32"); a parameter with neither keeps z, m and v in its own dtype. ``state_steps`` are 0-d
+    float32 CPU tensors, advanced by one. ``mu_x`` is this step's (`averaging.averaging_mu_x`). The implementation is
+    torch's rule (`kernels.default_to_fused_or_foreach`): ``foreach=False`` the for-loop, ``fused=True`` the kernels.
+    Runs without autograd, as an optimizer's step does.
+    """
+    nones = [None] * len(params)
+    y_fp32s, y_los, z_los = y_fp32s or nones, y_los or nones, z_los or nones
+    if len({len(lst) for lst in (params, grads, zs, exp_avgs, exp_avg_sqs, state_steps, y_fp32s, y_los, z_los)}) != 1:
+        raise ValueError("gpa_adamw: every tensor list must have one entry per parameter")
+    layouts, cols = [], []
+    for z, m, v, y32, y_lo, z_lo in zip(zs, exp_avgs, exp_avg_sqs, y_fp32s, y_los, z_los):
+        if y_lo is not None:
+            layouts.append(COMPACT)
+            cols.append((z, m, v, y_lo, z_lo))
+        elif y32 is not None:
+            layouts.append(FLOAT32)
+            cols.append((z, m, v, y32))
+        else:
+            layouts.append(PARAM)
+            cols.append((z, m, v))
+    use_fused, use_foreach = default_to_fused_or_foreach([real_view(local_tensor(p)) for p in params], foreach, fused)
+    impl = "fused" if use_fused else "foreach" if use_foreach else "forloop"
+    plan = _Plan(params, grads, layouts, cols, list(state_steps), impl)
+    _run(plan, plan.views_of(grads), AdamWHyper(lr, beta1, beta2, eps, weight_decay, mu_x, mu_y, maximize))
+
+
+def _run(plan: _Plan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
+    """The plan's implementation, torch's rule having picked it."""
     func = {
         "fused": _fused_gpa_adamw, "foreach": _multi_tensor_gpa_adamw, "forloop": _single_tensor_gpa_adamw
     }[plan.impl]  # fmt: skip
     func(plan, grads, hyper)
 
 
-def _single_tensor_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
-    """The ground truth: one tensor at a time, plain ops, in the state dtype.
-
-    State kept in a half-precision dtype (``state_dtype="param"``) is computed in float32 and rounded once at the end;
-    so is the 24-bit y and z of ``state_dtype="compact"`` (`_compact`).
-    """
-    (bucket,) = plan.buckets
-    ys, zs, ms, vs, y32s = plan.bucket_tensors(bucket)
-    nones = [None] * len(ys)
-    y_los, z_los = bucket.lows or (nones, nones)
-    tensors = zip(ys, grads, zs, ms, vs, y32s or nones, y_los, z_los, plan.step_tensors())
-    for y, g, z, m, v, y32, y_lo, z_lo, step_t in tensors:
-        step_t += 1
-        step = step_t.item()  # step lives on the CPU: no device sync
-        if z.dtype not in HALF_DTYPES:
-            _single_tensor_update(y, g, z, m, v, y32, step, hyper)
-            continue
-        half = (y, z, m, v, y_lo, z_lo)
-        wide = _widened(half)
-        y_w, z_w, m_w, v_w = wide
-        _single_tensor_update(y_w, g, z_w, m_w, v_w, y32, step, hyper)
-        _narrow_(wide, half)
-
-
-#: A tensor's half-precision state as `_widened` and `_narrow_` take it: (y, z, m, v, y_lo, z_lo), the low words of y
-#: and z None except with ``state_dtype="compact"``.
-HalfState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-
-
-def _widened(state: HalfState) -> tuple[torch.Tensor, ...]:
-    """float32 working copies (y, z, m, v) of half-precision state: y and z joined with their low words
-    (``state_dtype="compact"``, `_compact`), or z, m and v widened with y left as it is (``"param"``); `_narrow_`
-    rounds them back once."""
-    y, z, m, v, y_lo, z_lo = state
-    if y_lo is None:
-        return y, z.float(), m.float(), v.float()
-    return join24(y, y_lo), join24(z, z_lo), m.float(), v.float()
-
-
-def _narrow_(wide: tuple[torch.Tensor, ...], state: HalfState) -> None:
-    """Round `_widened`'s working copies back into the state (and y's low word) once."""
-    y_w, z_w, m_w, v_w = wide
-    y, z, m, v, y_lo, z_lo = state
-    if y_lo is None:
-        torch._foreach_copy_([z, m, v], [z_w, m_w, v_w])
-        return
-    split24_(y_w, y, y_lo)
-    split24_(z_w, z, z_lo)
-    torch._foreach_copy_([m, v], [m_w, v_w])
+# Under torch.compile the for-loop runs eagerly: dynamo turns the step count it reads per tensor into a symbolic float
+# from the second step on, with which inductor (torch 2.13) computes addcdiv_'s value wrongly (a drift of 1e-3 in
+# 3 steps); run as it is, the compiled step is the eager one bitwise. The other paths read their counts once.
+@torch.compiler.disable(reason="GPAAdamW's for-loop reads each step count on the host; it runs eagerly")
+def _single_tensor_gpa_adamw(plan: _Plan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
+    """The ground truth: one tensor at a time, plain ops, on the layout's working copies (float32 for bf16/fp16
+    parameters, rounded back once per step)."""
+    for bucket in plan.buckets:
+        ys, cols = plan.bucket_tensors(bucket)
+        for k, i in enumerate(bucket.idx):
+            step_t = plan.steps[i]
+            step_t += 1
+            step = step_t.item()  # step lives on the CPU: no device sync
+            one = [[col[k]] for col in cols]
+            wide = bucket.layout.widen([ys[k]], one)
+            _single_tensor_update(*(w[0] for w in wide), grads[i], step, hyper)
+            bucket.layout.narrow_(wide, [ys[k]], one)
 
 
 def _single_tensor_update(
-    y: torch.Tensor,
-    g: torch.Tensor,
-    z: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    y32: torch.Tensor | None,
-    step: float,
-    h: AdamWHyper,
+    y: torch.Tensor, z: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, step: float, h: AdamWHyper
 ) -> None:
+    """One tensor's update in place, y, z, m, v in one dtype (g in any)."""
     lr = float(h.lr)
     bias_correction1, bias_correction2_sqrt = bias_corrections(h.beta1, h.beta2, step)
     g = g.to(z.dtype)
@@ -370,65 +606,48 @@ def _single_tensor_update(
     v.mul_(h.beta2).addcmul_(g, g, value=1.0 - h.beta2)
     denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps)
     delta = torch.mul(z, -lr * h.weight_decay).addcdiv_(m, denom, value=-lr / bias_correction1)  # z' - z
-    y_acc = authoritative_y(y, y32, z.dtype)
-    y_acc.add_(torch.sub(z, y_acc), alpha=1.0 - h.mu_x).add_(delta, alpha=1.0 - h.mu_x * h.mu_y)
+    y.add_(torch.sub(z, y), alpha=1.0 - h.mu_x).add_(delta, alpha=1.0 - h.mu_x * h.mu_y)
     z.add_(delta)
-    if y32 is not None:
-        y32.copy_(y_acc)
-    y.copy_(y_acc)
 
 
-def _multi_tensor_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
+def _multi_tensor_gpa_adamw(plan: _Plan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
     """The same update as `_single_tensor_gpa_adamw` with foreach ops, one call per foreach group of the plan."""
     counts, uniform = plan.advance_steps()
-    lr = float(hyper.lr)
     for bucket in plan.buckets:
-        _foreach_update(plan, bucket, grads, counts, uniform, lr, hyper)
-
-
-def _bucket_steps(bucket: Bucket, counts: list[float], uniform: float | None) -> float | list[float]:
-    """The bucket's step count where all are equal, else one per tensor."""
-    return uniform if uniform is not None else [counts[i] for i in bucket.idx]
+        _foreach_update(plan, bucket, grads, counts, uniform, hyper)
 
 
 def _foreach_update(
-    plan: StepPlan,
-    bucket: Bucket,
-    grads: list[torch.Tensor],
-    counts: list[float],
-    uniform: float | None,
-    lr: float,
-    h: AdamWHyper,
+    plan: _Plan, bucket: _Bucket, grads: list[torch.Tensor], counts: list[float], uniform: float | None, h: AdamWHyper
 ) -> None:
-    """One foreach group (one device, every tensor's dtype alike) with the step counts already advanced."""
-    y_b, z_b, m_b, v_b, y32_b = plan.bucket_tensors(bucket)
-    g_b = grads if bucket.whole else [grads[i] for i in bucket.idx]
-    steps = _bucket_steps(bucket, counts, uniform)
-    if z_b[0].dtype in HALF_DTYPES:
-        # state_dtype="compact" or "param": computed in float32 (`_widened`) and rounded once at the end, a piece at a
-        # time, so that the float32 copies are a few MB, not the whole bucket (up to 32 bytes per weight at once).
-        nones = [None] * len(y_b)
-        y_los, z_los = bucket.lows or (nones, nones)
-        for k in range(len(y_b)):
-            step = steps if uniform is not None else steps[k]
-            lows = () if y_los[k] is None else (y_los[k], z_los[k])
-            for _, (y, g, z, m, v, *lo) in chunks(y_b[k], g_b[k], z_b[k], m_b[k], v_b[k], *lows):
-                half = (y, z, m, v, *(lo or (None, None)))
-                wide = _widened(half)
-                y_w, z_w, m_w, v_w = wide
-                _foreach_math(([y_w], [g], [z_w], [m_w], [v_w], None), step, lr, h)
-                _narrow_(wide, half)
+    """One foreach group (one device and layout, every tensor's dtypes alike) with the step counts advanced."""
+    ys, cols = plan.bucket_tensors(bucket)
+    gs = grads if bucket.whole else [grads[i] for i in bucket.idx]
+    steps = uniform if uniform is not None else [counts[i] for i in bucket.idx]
+    layout, lr = bucket.layout, float(h.lr)
+    if not layout.widens(ys[0].dtype):
+        wide = layout.widen(ys, cols)
+        _foreach_math(wide, gs, steps, lr, h)
+        layout.narrow_(wide, ys, cols)
         return
-    _foreach_math((y_b, g_b, z_b, m_b, v_b, y32_b), steps, lr, h)
+    # Computed in float32 and rounded once at the end, a piece at a time, so that the float32 copies are a few MB,
+    # not the whole bucket (up to 32 bytes per weight at once).
+    for k in range(len(ys)):
+        step = steps if uniform is not None else steps[k]
+        for _, (y, g, *state) in chunks(ys[k], gs[k], *(col[k] for col in cols)):
+            one = [[t] for t in state]
+            wide = layout.widen([y], one)
+            _foreach_math(wide, [g], step, lr, h)
+            layout.narrow_(wide, [y], one)
 
 
 def _foreach_math(
-    tensors: tuple[list[torch.Tensor] | None, ...], steps: float | list[float], lr: float, h: AdamWHyper
+    wide: tuple[list[torch.Tensor], ...], gs: list[torch.Tensor], steps: float | list[float], lr: float, h: AdamWHyper
 ) -> None:
-    """The update over y, g, z, m, v and y32 (None: absent) lists of one device and dtypes, with foreach ops."""
-    y_b, g_b, z_b, m_b, v_b, y32_b = tensors
-    state_dtype = z_b[0].dtype
-    g_acc = g_b if g_b[0].dtype == state_dtype else [g.to(state_dtype) for g in g_b]
+    """The update in place over lists y, z, m, v of one device and dtype (gradients of one dtype), with foreach ops."""
+    ys, zs, ms, vs = wide
+    dtype = zs[0].dtype
+    g_acc = gs if gs[0].dtype == dtype else [g.to(dtype) for g in gs]
     if h.maximize:
         g_acc = torch._foreach_neg(g_acc)
     if isinstance(steps, list):
@@ -438,52 +657,40 @@ def _foreach_math(
     else:
         bc1, bc2_sqrt = bias_corrections(h.beta1, h.beta2, steps)
         step_size = -lr / bc1
-    torch._foreach_lerp_(m_b, g_acc, 1.0 - h.beta1)
-    torch._foreach_mul_(v_b, h.beta2)
-    torch._foreach_addcmul_(v_b, g_acc, g_acc, 1.0 - h.beta2)
-    denom = torch._foreach_sqrt(v_b)
+    torch._foreach_lerp_(ms, g_acc, 1.0 - h.beta1)
+    torch._foreach_mul_(vs, h.beta2)
+    torch._foreach_addcmul_(vs, g_acc, g_acc, 1.0 - h.beta2)
+    denom = torch._foreach_sqrt(vs)
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, h.eps)
-    delta = torch._foreach_mul(z_b, -lr * h.weight_decay)
-    torch._foreach_addcdiv_(delta, m_b, denom, step_size)
-    # fp32/fp64 parameters accumulate in place; bf16/fp16 ones in float32 (their float32 copy of y, if any).
-    in_place = y_b[0].dtype == state_dtype
-    y32_or_none = y32_b or [None] * len(y_b)
-    y_acc = y_b if in_place else [authoritative_y(y, y32, state_dtype) for y, y32 in zip(y_b, y32_or_none)]
-    torch._foreach_add_(y_acc, torch._foreach_sub(z_b, y_acc), alpha=1.0 - h.mu_x)
-    torch._foreach_add_(y_acc, delta, alpha=1.0 - h.mu_x * h.mu_y)
-    torch._foreach_add_(z_b, delta)
-    if y32_b is not None:
-        torch._foreach_copy_(y32_b, y_acc)
-    if not in_place:
-        torch._foreach_copy_(y_b, y_acc)
+    delta = torch._foreach_mul(zs, -lr * h.weight_decay)
+    torch._foreach_addcdiv_(delta, ms, denom, step_size)
+    torch._foreach_add_(ys, torch._foreach_sub(zs, ys), alpha=1.0 - h.mu_x)
+    torch._foreach_add_(ys, delta, alpha=1.0 - h.mu_x * h.mu_y)
+    torch._foreach_add_(zs, delta)
 
 
-def _fused_gpa_adamw(plan: StepPlan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
-    """The fused kernels on every tensor they take (one C++ call, one Triton launch per device, dtype and step
-    count), foreach on the rest (layouts or dtypes a kernel does not take)."""
+def _fused_gpa_adamw(plan: _Plan, grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
+    """The fused kernels on every tensor they take (one C++ call per layout, one Triton launch per device, dtype and
+    step count), foreach on the rest (memory layouts or dtypes a kernel does not take)."""
     counts, uniform = plan.advance_steps()
     for bucket in plan.buckets:
         if bucket.kind == "foreach":
-            _foreach_update(plan, bucket, grads, counts, uniform, float(hyper.lr), hyper)
+            _foreach_update(plan, bucket, grads, counts, uniform, hyper)
             continue
-        y_b, z_b, m_b, v_b, y32_b = plan.bucket_tensors(bucket)
-        g_b = grads if bucket.whole else [grads[i] for i in bucket.idx]
+        ys, cols = plan.bucket_tensors(bucket)
+        gs = grads if bucket.whole else [grads[i] for i in bucket.idx]
         if uniform is not None:
             bc1, bc2_sqrt = bias_corrections(hyper.beta1, hyper.beta2, uniform)
-            bc1s, bc2_sqrts = [bc1] * len(y_b), [bc2_sqrt] * len(y_b)
+            bc1s, bc2_sqrts = [bc1] * len(ys), [bc2_sqrt] * len(ys)
         else:
             bcs = [bias_corrections(hyper.beta1, hyper.beta2, counts[i]) for i in bucket.idx]
             bc1s, bc2_sqrts = [bc1 for bc1, _ in bcs], [bc2 for _, bc2 in bcs]
         lr = hyper.lr  # a tensor on the tensors' device is read by the Triton kernel itself
-        if bucket.kind == "cpu" or not (torch.is_tensor(lr) and lr.device == y_b[0].device):
+        if bucket.kind == "cpu" or not (torch.is_tensor(lr) and lr.device == ys[0].device):
             lr = float(lr)
-        kernel = kernel_module(bucket.kind)
-        if bucket.lows is not None:  # state_dtype="compact": the kernels' 24-bit update, with the low words
-            launch, extra = kernel.gpa_adamw_step_compact, bucket.lows
-        else:  # float32 state, with y's float32 copies where there are any
-            launch, extra = kernel.gpa_adamw_step, (y32_b or [],)
+        launch = getattr(kernel_module(bucket.kind), bucket.layout.kernel)
         launch(
-            y_b, g_b, z_b, m_b, v_b, *extra, bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
+            ys, gs, *bucket.layout.kernel_lists(cols), bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
             hyper.weight_decay, hyper.mu_x, hyper.mu_y, hyper.maximize,
         )  # fmt: skip

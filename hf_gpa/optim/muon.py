@@ -10,6 +10,8 @@ code) holds both kinds in one optimizer: each param group says ``use_muon=True``
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,8 +20,9 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._checks import CheckedGroups, check_muon_group, defaults_from_arguments
-from ._types import DEFAULT_ADJUST_LR_FN
+from ._checked_groups import CheckedGroups, defaults_from_arguments
+from ._checks import as_number, check_betas, check_eps, check_flag, check_lr, check_weight_decay
+from ._types import ADJUST_LR_FNS, DEFAULT_ADJUST_LR_FN
 
 __all__ = ["MuonWithAuxAdam", "muon_param_groups"]
 
@@ -93,8 +96,51 @@ class MuonWithAuxAdam(CheckedGroups):
 
     @staticmethod
     def check_group(group: dict[str, Any]) -> None:
-        """Every check of a group (constructor, ``add_param_group``, the wrappers): ``_checks.check_muon_group``."""
-        check_muon_group(group)
+        """Every check of a group (constructor, ``add_param_group``, the wrappers): ``use_muon``, Muon's and AdamW's
+        values, Muon's parameters (matrices)."""
+        use_muon = group.get("use_muon")
+        if not isinstance(use_muon, bool):
+            raise ValueError(
+                f"Invalid use_muon: {use_muon!r} (every param group of MuonWithAuxAdam must set use_muon=True (Muon: "
+                "hidden 2-D weight matrices) or use_muon=False (AdamW: embeddings, output head, norms, biases); "
+                "muon_param_groups(model) builds them)"
+            )
+        check_lr(group["lr"])
+        check_weight_decay(group["weight_decay"])
+        momentum = as_number(group["momentum"], "momentum", "in [0, 1)")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Invalid momentum: {group['momentum']!r} (must lie in [0, 1))")
+        check_flag(group["nesterov"], "nesterov")
+        coefficients = group["ns_coefficients"]
+        if not isinstance(coefficients, (tuple, list)) or len(coefficients) != 3:
+            raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (must be three finite numbers (a, b, c))")
+        for value in coefficients:
+            if not math.isfinite(as_number(value, "ns_coefficients", "(three finite numbers (a, b, c))")):
+                raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (must be three finite numbers (a, b, c))")
+        steps = group["ns_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps < 100:
+            raise ValueError(f"Invalid ns_steps: {steps!r} (must be an integer in [1, 100))")
+        ns_eps = as_number(group["ns_eps"], "ns_eps", "> 0")
+        if not (ns_eps > 0.0 and math.isfinite(ns_eps)):
+            raise ValueError(f"Invalid ns_eps: {group['ns_eps']!r} (must be finite and > 0)")
+        if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(
+                f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be one of {', '.join(ADJUST_LR_FNS)}, or None "
+                "for torch's default 'original')"
+            )
+        check_betas(group["betas"])
+        check_eps(group["eps"])
+        check_flag(group["foreach"], "foreach", optional=True)
+        if use_muon:
+            for p in group["params"]:
+                if p.ndim not in (2, 3):
+                    raise ValueError(
+                        "Invalid param group: use_muon=True takes only 2-D parameters (hidden weight matrices) and "
+                        "3-D ones (a stack of matrices, such as MoE experts), got a parameter of shape "
+                        f"{tuple(p.shape)}; put it in a use_muon=False (AdamW) group"
+                    )
+                if torch.is_complex(p):
+                    raise ValueError("Invalid param group: use_muon=True takes no complex parameters")
 
     def _init_muon_group(
         self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor]

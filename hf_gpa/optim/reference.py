@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ._checks import CheckedGroups, check_adam, check_averaging, check_flag, check_mu, defaults_from_arguments
+from ._checked_groups import CheckedGroups, defaults_from_arguments
+from ._checks import check_adam, check_averaging, check_flag, check_mu
 from ._types import (
     DEFAULT_AVERAGING,
     DEFAULT_BETAS,

@@ -4,21 +4,21 @@
 * ``triton_launch``: the multi-tensor Triton launcher (imports only torch), ``triton_source``: the kernels (triton).
 
 This module holds what GPAAdamW's step and the GPA wrapper's passes share, once: which implementation a call takes
-(`default_to_fused_or_foreach`, torch's rule), which kernel takes a tensor (`kernel_for`), which layouts a kernel
-takes (`same_dense_layout`), how the tensors are bucketed into kernel calls and foreach groups (`fused_buckets`),
-the one kernel caller (`kernel_module`: the C++ module and the Triton launcher take the same arguments), and the
-private test switch (`FORCE`).
+(`default_to_fused_or_foreach`, torch's rule), which kernel takes a tensor of a device and dtype (`kernel_for`),
+which memory layouts a kernel takes (`same_dense_layout`), how the tensors are bucketed into kernel calls and foreach
+groups (`fused_buckets`), the one kernel caller (`kernel_module`: the C++ module and the Triton launcher take the
+same arguments), and the private test switch (`FORCE`). Which dtypes a kernel takes a parameter's state in is not
+decided here: the caller says it per tensor (GPAAdamW asks the state's layout, ``_state_layout``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from types import ModuleType
 
 import torch
 
-from .._types import state_dtype_for
 from .cpu import load_cpu_kernel
 
 __all__ = ["FORCE", "default_to_fused_or_foreach", "fused_buckets", "kernel_for", "kernel_module", "same_dense_layout"]
@@ -28,12 +28,6 @@ __all__ = ["FORCE", "default_to_fused_or_foreach", "fused_buckets", "kernel_for"
 FORCE: dict[str, str | None] = {"backend": None}
 
 _CPU_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-#: What a companion tensor's dtype must be for a kernel: the parameter's own, its state dtype (`state_dtype_for`;
-#: the parameter's own for a tensor with low words), or int8 (the low words of ``state_dtype="compact"``).
-PARAM_DTYPE, STATE_DTYPE, LOW_WORD = "param", "state", "low"
-#: The kernels that take the 24-bit y and z of ``state_dtype="compact"`` (``gpa_adamw_step_compact``).
-_COMPACT_KERNELS = ("cpu", "triton")
 
 
 def kernel_for(t: torch.Tensor) -> str | None:
@@ -108,39 +102,40 @@ def same_dense_layout(ref: torch.Tensor, others: Sequence[torch.Tensor | None]) 
 
 def fused_buckets(
     ys: Sequence[torch.Tensor],
-    companions: Sequence[tuple[Sequence[torch.Tensor | None], str]],
+    others: Sequence[Sequence[torch.Tensor | None]],
+    calls: Sequence[tuple[Hashable, Sequence[torch.dtype | None] | None]],
     use_kernels: bool = True,
 ) -> tuple[dict[tuple, list[int]], dict[tuple, list[int]]]:
     """Bucket the indices of ``ys`` into kernel calls and foreach calls, deciding per tensor.
 
-    ``companions``: the other tensor lists of the update (gradients, z, moments, y's float32 copy), each with the dtype
-    a kernel needs it in (`PARAM_DTYPE`, `STATE_DTYPE` or `LOW_WORD`); a None entry is a tensor that this parameter
-    does not have (the y32 of an fp32 parameter). An index goes to a kernel when one takes ``ys[i]`` (`kernel_for`),
-    all its tensors share one dense layout and have the dtypes needed; a parameter with low words
-    (``state_dtype="compact"``: its state is in its own dtype) only to the kernels that take them. A kernel bucket is
-    one C++ call (which takes any mix of dtypes), keyed ``("cpu", None, None, absent)``, or one Triton launch per
-    device and dtype, keyed ``("triton", device, dtype, absent)``; ``absent`` tells which companions are missing. The
-    rest is grouped for foreach by ``(device, dtype of y, dtype of each companion or None)``: every tensor's own
-    dtypes, so one group never mixes, say, float32 state with state in the parameter's dtype. ``use_kernels=False``:
-    foreach groups only.
+    ``others[i]``: the other tensors one call reads and writes for ``ys[i]`` (its gradient, its state; None: one it
+    does not have, such as y's float32 copy of an fp32 parameter). ``calls[i]``: (what call it joins, a hashable such
+    as GPAAdamW's state layout; the dtype a kernel takes each of ``others[i]`` in, None where it is absent), the
+    dtypes being None where no kernel takes this tensor's state. An index goes to a kernel when one takes ``ys[i]``
+    (`kernel_for`), all its tensors share one dense layout and have the dtypes asked for. A kernel bucket is one C++
+    call (which takes any mix of parameter dtypes), keyed ``("cpu", call, absent)``, or one Triton launch per device
+    and dtype, keyed ``("triton", call, absent, device, dtype)``; ``absent`` tells which of the others are None. The
+    rest is grouped for foreach by ``(call, device, dtype of y, dtype of each other or None)``: every tensor's own
+    dtypes, so one group never mixes, say, a float32 gradient with bf16 ones. ``use_kernels=False``: foreach only.
     """
     kernel_buckets: dict[tuple, list[int]] = defaultdict(list)
     foreach_buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, y in enumerate(ys):
-        kernel = kernel_for(y) if use_kernels else None
-        tensors = [lst[i] for lst, _ in companions]
-        compact = any(t is not None and need == LOW_WORD for t, (_, need) in zip(tensors, companions))
-        ok = kernel is not None and same_dense_layout(y, tensors) and (not compact or kernel in _COMPACT_KERNELS)
-        if ok:
-            state_dtype = y.dtype if compact else state_dtype_for(y)
-            need_dtype = {PARAM_DTYPE: y.dtype, STATE_DTYPE: state_dtype, LOW_WORD: torch.int8}
-            ok = all(t is None or t.dtype == need_dtype[need] for t, (_, need) in zip(tensors, companions))
+        call, dtypes = calls[i]
+        tensors = others[i]
+        kernel = kernel_for(y) if use_kernels and dtypes is not None else None
+        ok = (
+            kernel is not None
+            and same_dense_layout(y, tensors)
+            and all((t is None) == (d is None) and (t is None or t.dtype == d) for t, d in zip(tensors, dtypes))
+        )
         if not ok:
-            foreach_buckets[(y.device, y.dtype, tuple(None if t is None else t.dtype for t in tensors))].append(i)
+            dtypes_now = tuple(None if t is None else t.dtype for t in tensors)
+            foreach_buckets[(call, y.device, y.dtype, dtypes_now)].append(i)
             continue
         absent = tuple(t is None for t in tensors)
         if kernel == "cpu":
-            kernel_buckets[("cpu", None, None, absent)].append(i)
+            kernel_buckets[("cpu", call, absent)].append(i)
         else:
-            kernel_buckets[("triton", y.device, y.dtype, absent)].append(i)
+            kernel_buckets[("triton", call, absent, y.device, y.dtype)].append(i)
     return kernel_buckets, foreach_buckets

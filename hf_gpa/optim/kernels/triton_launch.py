@@ -122,53 +122,32 @@ def _launches(n: int, keys: list[tuple[float, float]]) -> dict[tuple[float, floa
     return by_key
 
 
-def gpa_adamw_step(
-    ys: list[torch.Tensor],
-    gs: list[torch.Tensor],
-    zs: list[torch.Tensor],
-    ms: list[torch.Tensor],
-    vs: list[torch.Tensor],
-    y32s: list[torch.Tensor],
-    bc1s: list[float],
-    bc2_sqrts: list[float],
-    *hyper: Any,
-) -> None:
-    """One GPA-AdamW step over tensors of one device and parameter dtype (float32 state): the C++ kernel's
-    arguments (``y32s`` empty where absent; ``hyper``: lr, beta1, beta2, eps, weight_decay, mu_x, mu_y, maximize),
-    one launch pair per distinct bias correction.
+def gpa_adamw_step(*args: Any) -> None:
+    """One GPA-AdamW step over tensors of one device and parameter dtype (float32 state), with the C++ kernel's
+    arguments: the lists ys, gs, zs, ms, vs, y32s (empty where absent), bc1s, bc2_sqrts, then lr, beta1, beta2, eps,
+    weight_decay, mu_x, mu_y, maximize; one launch pair per distinct bias correction.
 
     ``lr`` is a float, or a 0-d tensor on the tensors' device that the kernel reads itself (no host sync).
     """
-    _step(ys, [ys, gs, zs, ms, vs, y32s], bc1s, bc2_sqrts, hyper, compact=False)
+    _step(list(args[:6]), *args[6:8], args[8:], compact=False)
 
 
-def gpa_adamw_step_compact(
-    ys: list[torch.Tensor],
-    gs: list[torch.Tensor],
-    zs: list[torch.Tensor],
-    ms: list[torch.Tensor],
-    vs: list[torch.Tensor],
-    y_los: list[torch.Tensor],
-    z_los: list[torch.Tensor],
-    bc1s: list[float],
-    bc2_sqrts: list[float],
-    *hyper: Any,
-) -> None:
-    """The step of ``state_dtype="compact"`` (bf16 y, g, z, m, v; int8 low words of y and z): the C++ kernel's
-    ``gpa_adamw_step_compact`` arguments."""
-    _step(ys, [ys, gs, zs, ms, vs, y_los, z_los], bc1s, bc2_sqrts, hyper, compact=True)
+def gpa_adamw_step_compact(*args: Any) -> None:
+    """The step of ``state_dtype="compact"`` (bf16 y, g, z, m, v; int8 low words of y and z), with the C++ kernel's
+    ``gpa_adamw_step_compact`` arguments: the lists ys, gs, zs, ms, vs, y_los, z_los, then as `gpa_adamw_step`."""
+    _step(list(args[:7]), *args[7:9], args[9:], compact=True)
 
 
 def _step(
-    ys: list[torch.Tensor],
     all_lists: list[list[torch.Tensor]],
     bc1s: list[float],
     bc2_sqrts: list[float],
     hyper: tuple[Any, ...],
     compact: bool,
 ) -> None:
-    """Launch the step kernel (``compact``: its 24-bit form) over the tensor lists, one launch pair per distinct bias
-    correction."""
+    """Launch the step kernel (``compact``: its 24-bit form) over the tensor lists (y's first), one launch pair per
+    distinct bias correction."""
+    ys = all_lists[0]
     if not ys:
         return
     lr, beta1, beta2, eps, weight_decay, mu_x, mu_y, maximize = hyper

@@ -141,18 +141,25 @@ def gpa_adamw_kernel(
 
 @triton.jit
 def join24(hi, lo):
-    """The float32 value of a bf16 high word and an int8 low word: (hi << 16) + (lo << 8) (see optim/_compact)."""
-    bits = (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16) + (lo.to(tl.int32).to(tl.uint32, bitcast=True) << 8)
+    """The float32 value of a bf16 high word and an int8 low word: (hi << 16) + (lo << 8), with lo ignored where
+    hi = +-0 and lo < 0 or hi = +-inf (see optim/_state_layout)."""
+    hi_bits = hi.to(tl.uint16, bitcast=True).to(tl.uint32)
+    magnitude = hi_bits & 0x7FFF
+    low = lo.to(tl.int32)
+    low = tl.where(((magnitude == 0) & (low < 0)) | (magnitude == 0x7F80), 0, low)
+    bits = (hi_bits << 16) + (low.to(tl.uint32, bitcast=True) << 8)
     return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def split24(u):
-    """float32 rounded to 24 bits (nearest even), as its bf16 high word (nearest, ties away) and int8 low word."""
+    """float32 rounded to 24 bits (nearest even), as its bf16 high word (nearest, ties away) and int8 low word; a NaN
+    as bf16's quiet NaN and 0."""
     bits = u.to(tl.uint32, bitcast=True)
     b24 = ((bits + 0x7F + ((bits >> 8) & 1)) >> 8) << 8
-    hi = ((b24 + 0x8000) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    lo = ((b24 >> 8) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True)
+    nan = u != u
+    hi = tl.where(nan, 0x7FC0, (b24 + 0x8000) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    lo = tl.where(nan, 0, (b24 >> 8) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True)
     return hi, lo
 
 

@@ -165,11 +165,16 @@ void gpa_adamw_step(std::vector<at::Tensor> ys, std::vector<at::Tensor> gs, std:
 }
 
 // state_dtype="compact" (bf16 parameters): y and z are 24-bit values, a bf16 high word (y's: the parameter) and an
-// int8 low word each (hf_gpa/optim/_compact.py defines them), m and v are bf16. Computed in float32 as above, then
-// u is rounded once to 24 bits (round to nearest even on the bit pattern), hi = the bf16 nearest to it (ties away),
-// lo = its bits 15..8 read as a signed byte, so that u24 = (hi << 16) + (lo << 8): integer ops only, vectorizable.
+// int8 low word each (hf_gpa/optim/_state_layout.py defines them), m and v are bf16. Computed in float32 as above,
+// then u is rounded once to 24 bits (round to nearest even on the bit pattern), hi = the bf16 nearest to it (ties
+// away), lo = its bits 15..8 read as a signed byte, so that u24 = (hi << 16) + (lo << 8): integer ops only,
+// vectorizable. A high word written from outside meets a stale low word; the two pairs that would leave the finite
+// numbers (hi = +-0 with lo < 0: a NaN; hi = +-inf) join to hi alone, and split writes a NaN as (0x7FC0, 0).
 inline float join24(uint16_t hi, int8_t lo) {
-  const uint32_t bits = (static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int32_t>(lo) * 256);
+  const uint32_t magnitude = hi & UINT32_C(0x7FFF);
+  const bool ignored = ((magnitude == 0) & (lo < 0)) | (magnitude == UINT32_C(0x7F80));
+  const int32_t low = ignored ? 0 : static_cast<int32_t>(lo);
+  const uint32_t bits = (static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(low * 256);
   float out;
   std::memcpy(&out, &bits, sizeof(out));
   return out;
@@ -194,8 +199,9 @@ inline void split24(float u, uint16_t& hi, int8_t& lo) {
   uint32_t bits;
   std::memcpy(&bits, &u, sizeof(bits));
   const uint32_t b24 = (bits + UINT32_C(0x7F) + ((bits >> 8) & 1)) & UINT32_C(0xFFFFFF00);
-  hi = static_cast<uint16_t>((b24 + UINT32_C(0x8000)) >> 16);
-  lo = static_cast<int8_t>(static_cast<uint8_t>(b24 >> 8));
+  const bool nan = u != u;
+  hi = nan ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((b24 + UINT32_C(0x8000)) >> 16);
+  lo = nan ? static_cast<int8_t>(0) : static_cast<int8_t>(static_cast<uint8_t>(b24 >> 8));
 }
 
 struct CompactConsts {
