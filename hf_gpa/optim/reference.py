@@ -13,18 +13,10 @@ from typing import Any
 
 import torch
 
+from . import _types
 from ._checked_groups import CheckedGroups, defaults_from_arguments
 from ._checks import check_adam, check_averaging, check_flag, check_mu
-from ._types import (
-    DEFAULT_AVERAGING,
-    DEFAULT_BETAS,
-    DEFAULT_EPS,
-    DEFAULT_LR,
-    DEFAULT_MU_X,
-    DEFAULT_MU_Y,
-    DEFAULT_WEIGHT_DECAY,
-    Averaging,
-)
+from ._types import Averaging
 
 __all__ = ["ReferenceGPA"]
 
@@ -39,15 +31,15 @@ class ReferenceGPA(CheckedGroups):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         base: str = "adamw",
-        lr: float = DEFAULT_LR,
-        betas: tuple[float, float] = DEFAULT_BETAS,
-        eps: float = DEFAULT_EPS,
-        weight_decay: float = DEFAULT_WEIGHT_DECAY,
+        lr: float = _types.DEFAULT_LR,
+        betas: tuple[float, float] = _types.DEFAULT_BETAS,
+        eps: float = _types.DEFAULT_EPS,
+        weight_decay: float = _types.DEFAULT_WEIGHT_DECAY,
         momentum: float = 0.0,
         nesterov: bool = False,
-        mu_x: float = DEFAULT_MU_X,
-        mu_y: float = DEFAULT_MU_Y,
-        averaging: str = DEFAULT_AVERAGING,
+        mu_x: float = _types.DEFAULT_MU_X,
+        mu_y: float = _types.DEFAULT_MU_Y,
+        averaging: str = _types.DEFAULT_AVERAGING,
     ) -> None:
         defaults = {**defaults_from_arguments(locals()), "weight_sum": 0.0}
         super().__init__(params, defaults)  # every group passes `_check_group`
