@@ -1,7 +1,7 @@
 """GPAAdamW's step plan: host work per step that does not grow with the number of tensors (also with the Trainer's
 two groups), a plan that never outlives what it was built on (loaded or replaced state, new groups, replaced
-parameters, gradients of another dtype; a cleared state: tests/test_state.py), a per-tensor choice of the state
-layout, and the two methods a step from a backward hook uses (``_begin_group_step``, ``_step_params``)."""
+parameters, gradients of another dtype; a cleared state: tests/test_state_lifecycle.py), a per-tensor choice of the
+state layout, and the two methods a step from a backward hook uses (``_begin_group_step``, ``_step_params``)."""
 
 from __future__ import annotations
 
