@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from tensors import random_params
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW, ReferenceGPA, inner_steps_from_mu_x, mu_x_from_inner_steps
 from hf_gpa.optim import _types
@@ -44,16 +45,13 @@ BAD_GROUP_VALUES = [
     ("fused", 1, r"fused", ("gpa_adamw",)),
 ]
 CASES = [(name, key, value, match) for key, value, match, names in BAD_GROUP_VALUES for name in names]
-
-
-def _params(n: int = 2) -> list[torch.nn.Parameter]:
-    return [torch.nn.Parameter(torch.randn(3, 2)) for _ in range(n)]
+SHAPES = ((3, 2), (3, 2))  # two parameters: one to build the optimizer with, one for add_param_group
 
 
 @pytest.mark.parametrize(("name", "key", "value", "match"), CASES, ids=lambda v: repr(v)[:20])
 def test_a_bad_group_value_is_refused_by_add_param_group(name: str, key: str, value: object, match: str) -> None:
     """add_param_group refuses a bad value with a ValueError naming it, and the group is not added."""
-    params = _params()
+    params = random_params(SHAPES)
     opt = FACTORIES[name](params[:1])
     with pytest.raises(ValueError, match=match):
         opt.add_param_group({"params": params[1:], key: value})
@@ -64,16 +62,18 @@ def test_a_bad_group_value_is_refused_by_add_param_group(name: str, key: str, va
 def test_a_bad_value_is_refused_by_the_constructor(name: str, key: str, value: object, match: str) -> None:
     """The same values, given to the constructor as a default or in a group, raise the same ValueError."""
     with pytest.raises(ValueError, match=match):
-        FACTORIES[name]([{"params": _params(), key: value}])
+        FACTORIES[name]([{"params": random_params(SHAPES), key: value}])
     if name != "diloco(adamw)" or key in ("lr", "weight_decay"):  # DiLoCo takes the base's values as kwargs
         with pytest.raises(ValueError, match=match):
-            FACTORIES[name](_params(), **{key: value})
+            FACTORIES[name](random_params(SHAPES), **{key: value})
 
 
 def test_good_values_pass_and_averaging_is_stored_as_a_string() -> None:
     """A one-element tensor lr of any shape, the Averaging enum (stored as its plain string) and 0-values pass."""
-    opt = GPAAdamW(_params(), lr=torch.tensor([[1e-3]]), weight_decay=0.0, eps=0.0, betas=[0.0, 0.0])
-    opt.add_param_group({"params": _params(1), "averaging": _types.Averaging.SCHEDULE_FREE, "mu_x": 0.0})
+    opt = GPAAdamW(random_params(SHAPES), lr=torch.tensor([[1e-3]]), weight_decay=0.0, eps=0.0, betas=[0.0, 0.0])
+    opt.add_param_group(
+        {"params": random_params(SHAPES[:1]), "averaging": _types.Averaging.SCHEDULE_FREE, "mu_x": 0.0}
+    )
     assert type(opt.param_groups[1]["averaging"]) is str and opt.param_groups[1]["averaging"] == "schedule_free"
 
 
@@ -82,7 +82,11 @@ def test_default_mu_x_is_derived_from_h_32() -> None:
     assert _types.DEFAULT_MU_X == mu_x_from_inner_steps(_types.DEFAULT_INNER_STEPS) == mu_x_from_inner_steps(32)
     assert round(_types.DEFAULT_MU_X, 4) == 0.9967  # as printed in Table 4
     assert math.isclose(inner_steps_from_mu_x(_types.DEFAULT_MU_X), 32.0, rel_tol=1e-12)
-    assert GPAAdamW(_params()).defaults["mu_x"] == GPA(_params()).defaults["mu_x"] == _types.DEFAULT_MU_X
+    assert (
+        GPAAdamW(random_params(SHAPES)).defaults["mu_x"]
+        == GPA(random_params(SHAPES)).defaults["mu_x"]
+        == _types.DEFAULT_MU_X
+    )
 
 
 def test_inner_steps_32_and_the_default_mu_x_do_not_conflict() -> None:

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensors import random_params
 
 from benchmarks.workloads import least_squares_problem, least_squares_x
 from hf_gpa.optim import GPAAdamW
 from hf_gpa.optim._state_layout import join24, split24_
 
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "default": {}}
-
-
-def _params(dtype: torch.dtype = torch.bfloat16) -> list[torch.nn.Parameter]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape in [(16, 8), (8,)]]
+SHAPES = ((16, 8), (8,))
 
 
 def _run(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int, seed: int = 1) -> None:
@@ -65,7 +62,7 @@ def _split(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_state_is_eight_bytes_per_bf16_weight(impl: str) -> None:
     """z (bf16) + z's and y's low words (int8) + m, v (bf16): 8 bytes per weight beyond the parameter."""
-    params = _params()
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     opt = GPAAdamW(params, weight_decay=0.1, state_dtype="compact", **IMPLS[impl])
     _run(opt, params, 3)
     for p in params:
@@ -79,7 +76,7 @@ def test_state_is_eight_bytes_per_bf16_weight(impl: str) -> None:
 def test_fp16_and_fp32_parameters_keep_their_state() -> None:
     """state_dtype="compact" changes only bf16 parameters: fp16 keeps the float32 state and y's copy (fp16's 5-bit
     exponent has no 8-bit low word covering its range), fp32 its fp32 state."""
-    half, single = _params(torch.float16), _params(torch.float32)
+    half, single = random_params(SHAPES, torch.float16, draw_dtype=torch.float32), random_params(SHAPES)
     opt = GPAAdamW([{"params": half}, {"params": single}], state_dtype="compact")
     _run(opt, half + single, 2)
     assert all(opt.state[p]["z"].dtype == torch.float32 and "y_fp32" in opt.state[p] for p in half)
@@ -88,7 +85,7 @@ def test_fp16_and_fp32_parameters_keep_their_state() -> None:
 
 def test_bad_state_dtype_names_the_allowed_values() -> None:
     with pytest.raises(ValueError, match="Invalid state_dtype: 'bf24' \\(must be one of float32, param, compact\\)"):
-        GPAAdamW(_params(), state_dtype="bf24")
+        GPAAdamW(random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32), state_dtype="bf24")
 
 
 def test_accuracy_against_the_fp32_run() -> None:
@@ -111,7 +108,7 @@ def test_accuracy_against_the_fp32_run() -> None:
 def test_eval_computes_x_from_the_24_bit_values_and_train_restores_y_bitwise(impl: str) -> None:
     """eval(): x = z + (y - z) / mu_y from the joined y and z, rounded once to bf16; train(): the parameter and
     both low words bitwise as before."""
-    params = _params()
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     opt = GPAAdamW(params, lr=0.1, weight_decay=0.1, mu_x=0.9, state_dtype="compact", **IMPLS[impl])
     _run(opt, params, 5)
     before = {p: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params}
@@ -131,7 +128,7 @@ def test_x_written_in_eval_mode_wins() -> None:
     """A weight of x written while in eval mode (a load, a re-initialized head) wins: train() gives a y whose x is
     the written value (y = mu_y x + (1 - mu_y) z within half a bf16 unit), the next eval() gives it back bitwise;
     every other weight of y comes back bitwise."""
-    params = _params()
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     opt = GPAAdamW(params, lr=0.1, mu_x=0.9, state_dtype="compact")
     _run(opt, params, 5)
     p = params[0]
@@ -153,11 +150,11 @@ def test_x_written_in_eval_mode_wins() -> None:
 def test_resume_from_a_state_dict_is_exact(eval_mode: bool) -> None:
     """Saved after 4 steps (in train or eval mode) and loaded into a new optimizer, 3 more steps equal the
     uninterrupted run's bitwise."""
-    ref = _params()
+    ref = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     ref_opt = GPAAdamW(ref, weight_decay=0.1, mu_x=0.9, state_dtype="compact")
     _run(ref_opt, ref, 4)
     _run(ref_opt, ref, 3, seed=2)
-    params = _params()
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     opt = GPAAdamW(params, weight_decay=0.1, mu_x=0.9, state_dtype="compact")
     _run(opt, params, 4)
     if eval_mode:
@@ -179,7 +176,7 @@ def test_resume_from_a_state_dict_is_exact(eval_mode: bool) -> None:
 
 def test_init_state_creates_the_compact_state() -> None:
     """init_state(): the state a first step finds (z = y, zero low words and moments), in the mode's dtypes."""
-    params = _params()
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     opt = GPAAdamW(params, state_dtype="compact")
     opt.init_state()
     for p in params:
@@ -190,7 +187,7 @@ def test_init_state_creates_the_compact_state() -> None:
 
 def test_adopting_an_adamw_state_keeps_the_compact_dtypes() -> None:
     """An AdamW run's state loaded into GPAAdamW(state_dtype="compact"): m, v and step taken, in bf16, z = y."""
-    params = _params()
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     adamw = torch.optim.AdamW(params, lr=1e-3)
     _run(adamw, params, 2)
     saved = adamw.state_dict()

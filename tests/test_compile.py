@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensors import random_params
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW, ReferenceGPA
 from hf_gpa.optim.kernels import cpu as _kernels
@@ -23,15 +24,11 @@ FACTORIES = {
     "diloco(adamw)": lambda ps: DiLoCo(ps, inner_steps=2, lr=1e-2),
     "reference": lambda ps: ReferenceGPA(ps, lr=1e-2, mu_x=0.9),
 }
-
-
-def _params() -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((4, 3), (5,))]
+SHAPES = ((4, 3), (5,))
 
 
 def _run(name: str, compiled: bool) -> list[torch.Tensor]:
-    params = _params()
+    params = random_params(SHAPES)
     opt = FACTORIES[name](params)
     step = torch.compile(opt.step, backend="eager") if compiled else opt.step
     for t in range(3):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from tensors import random_params
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW, ReferenceGPA
@@ -31,11 +32,6 @@ OPTIMIZERS: dict[str, Factory] = {
 }
 NAMES = list(OPTIMIZERS)
 SHAPES = ((4, 3), (5,), (2, 1, 3))
-
-
-def _params(dtype: torch.dtype = torch.float64, shapes: tuple = SHAPES, seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)) for s in shapes]
 
 
 def _clone(params: list[torch.Tensor]) -> list[torch.nn.Parameter]:
@@ -71,7 +67,7 @@ def _state_equal(a: object, b: object) -> bool:
 @pytest.mark.parametrize("name", NAMES)
 def test_state_dict_round_trip_through_weights_only_load(name: str) -> None:
     """state_dict() -> torch.save -> torch.load(weights_only=True) -> load_state_dict continues bitwise."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     opt = OPTIMIZERS[name](params)
     _steps(opt, params, 0, 3)
     buffer = io.BytesIO()
@@ -90,7 +86,7 @@ def test_state_dict_round_trip_through_weights_only_load(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_copies_step_like_the_original_on_their_own_tensors(name: str, how: str) -> None:
     """A deepcopy / pickle round trip steps exactly like the original, and only moves the copy's own tensors."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     opt = OPTIMIZERS[name](params)
     _steps(opt, params, 0, 3)
     twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
@@ -105,7 +101,7 @@ def test_copies_step_like_the_original_on_their_own_tensors(name: str, how: str)
 @pytest.mark.parametrize("name", NAMES)
 def test_groups_added_later_step_like_separate_optimizers(name: str) -> None:
     """add_param_group after some steps: the new group moves, and each group equals an optimizer of its own."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     first, later = params[:1], params[1:]
     opt = OPTIMIZERS[name](first)
     solo_first, solo_later = _clone(first), _clone(later)
@@ -125,7 +121,7 @@ def test_groups_added_later_step_like_separate_optimizers(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_step_hooks_fire_once_per_step(name: str) -> None:
     """Global and per-instance step pre/post hooks each fire once per step(), with the optimizer stepped."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     opt = OPTIMIZERS[name](params)
     calls: list[tuple[str, object]] = []
     handles = [
@@ -146,8 +142,8 @@ def test_step_hooks_fire_once_per_step(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_closure_loss_is_returned_and_its_gradient_used(name: str) -> None:
     """step(closure) returns the closure's loss at the current point and equals step() after the same backward."""
-    target = _params(seed=1)
-    params, twin_params = _params(), _params()
+    target = random_params(SHAPES, torch.float64, seed=1)
+    params, twin_params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     opt, twin = OPTIMIZERS[name](params), OPTIMIZERS[name](twin_params)
 
     def loss_at(ps: list[torch.Tensor]) -> torch.Tensor:
@@ -174,7 +170,7 @@ def test_closure_loss_is_returned_and_its_gradient_used(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_lr_schedulers_drive_the_update(name: str, scheduler: str) -> None:
     """LambdaLR / CosineAnnealingLR set each step's lr: the run equals one with the same lrs written by hand."""
-    params, manual_params = _params(), _params()
+    params, manual_params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     opt, manual = OPTIMIZERS[name](params), OPTIMIZERS[name](manual_params)
     if scheduler == "lambda":
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
@@ -196,7 +192,7 @@ def test_lr_schedulers_drive_the_update(name: str, scheduler: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_tensor_lr_equals_float_lr(name: str) -> None:
     """lr=torch.tensor(1e-2) gives the float lr's trajectory (float64, 1e-12)."""
-    params, tensor_params = _params(), _params()
+    params, tensor_params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     opt = OPTIMIZERS[name](params, lr=1e-2)
     tensor_opt = OPTIMIZERS[name](tensor_params, lr=torch.tensor(1e-2, dtype=torch.float64))
     _steps(opt, params, 0, 4)
@@ -208,7 +204,7 @@ def test_tensor_lr_equals_float_lr(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_zero_size_parameters(name: str) -> None:
     """Zero-size parameters beside normal ones: steps, eval/train and a state_dict round trip work."""
-    params = _params(shapes=((0,), (3, 0), (4, 3)))
+    params = random_params(((0,), (3, 0), (4, 3)), torch.float64)
     opt = OPTIMIZERS[name](params)
     _steps(opt, params, 0, 3)
     if hasattr(opt, "eval"):
@@ -226,7 +222,7 @@ def test_zero_size_parameters(name: str) -> None:
 def test_params_without_grads_are_untouched_and_stateless(name: str) -> None:
     """A parameter that never has a gradient is never changed (eval() included) and gets no state; the others
     step as they would alone."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     frozen = params[1].detach().clone()
     solo = _clone([params[0], params[2]])
     opt, ref = OPTIMIZERS[name](params), OPTIMIZERS[name](solo)
@@ -246,7 +242,7 @@ def test_params_without_grads_are_untouched_and_stateless(name: str) -> None:
 def test_a_step_that_raises_changes_nothing(name: str) -> None:
     """A step rejected for a sparse gradient leaves parameters and state as they were (exactly; GPA's fp64 y, which
     its first pass scales in place, within a rounding); training goes on as if it had never been tried."""
-    params, twin_params = _params(), _params()
+    params, twin_params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     opt, twin = OPTIMIZERS[name](params), OPTIMIZERS[name](twin_params)
     _steps(opt, params, 0, 2)
     _steps(twin, twin_params, 0, 2)
@@ -273,7 +269,9 @@ def test_a_step_that_raises_changes_nothing(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_complex_parameters_behave_as_their_real_views(name: str) -> None:
     """Complex parameters follow torch's optimizers (view_as_real): the run equals the one on the real views."""
-    complex_params = [torch.nn.Parameter(torch.view_as_complex(p.detach())) for p in _params(shapes=((4, 2), (3, 2)))]
+    complex_params = [
+        torch.nn.Parameter(torch.view_as_complex(p.detach())) for p in random_params(((4, 2), (3, 2)), torch.float64)
+    ]
     real_params = [torch.nn.Parameter(torch.view_as_real(p.detach()).clone()) for p in complex_params]
     opt, ref = OPTIMIZERS[name](complex_params), OPTIMIZERS[name](real_params)
     _steps(opt, complex_params, 0, 4)
@@ -291,8 +289,8 @@ def test_complex_parameters_behave_as_their_real_views(name: str) -> None:
 def test_bad_learning_rates_raise_value_errors(name: str) -> None:
     """A negative lr raises ValueError at construction, and in a group added later (which is then not added)."""
     with pytest.raises(ValueError, match="learning rate"):
-        OPTIMIZERS[name](_params(), lr=-1e-3)
-    params = _params()
+        OPTIMIZERS[name](random_params(SHAPES, torch.float64), lr=-1e-3)
+    params = random_params(SHAPES, torch.float64)
     opt = OPTIMIZERS[name](params[:1])
     with pytest.raises(ValueError, match="learning rate"):
         opt.add_param_group({"params": params[1:], "lr": -1.0})

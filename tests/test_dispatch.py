@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensors import random_params
 
 import hf_gpa.optim.gpa_adamw as gpa_adamw_module
 from hf_gpa import GPAAdamW
 from hf_gpa.optim import kernels
 from hf_gpa.optim.kernels import cpu as _kernels
 
-
-def _params(seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((33, 17), (129,), (5, 3, 2))]
+SHAPES = ((33, 17), (129,), (5, 3, 2))
 
 
 def _run(params: list[torch.nn.Parameter], steps: int = 5, **kwargs) -> GPAAdamW:
@@ -48,12 +46,12 @@ def test_fused_and_foreach_pick_the_implementation_as_in_torch(
     for name in ("_fused_gpa_adamw", "_multi_tensor_gpa_adamw", "_single_tensor_gpa_adamw"):
         impl = getattr(gpa_adamw_module, name)
         monkeypatch.setattr(gpa_adamw_module, name, lambda *a, _n=name, _f=impl, **k: (called.append(_n), _f(*a, **k)))
-    params = _params()
+    params = random_params(SHAPES)
     _run(params, foreach=foreach, fused=fused)
     assert set(called) == {expected}
     if fused is False and foreach is None:
         monkeypatch.undo()
-        reference = _params()
+        reference = random_params(SHAPES)
         _run(reference, foreach=True)
         assert all(torch.equal(p, r) for p, r in zip(params, reference))
 
@@ -62,7 +60,7 @@ def test_fused_false_never_runs_the_kernel() -> None:
     """GPAAdamW(fused=False) is the foreach path bitwise, not the fused kernel (whose rounding differs)."""
     if _kernels.load_cpu_kernel() is None:
         pytest.skip("the C++ kernel cannot be built here")
-    unfused, foreach, fused = _params(), _params(), _params()
+    unfused, foreach, fused = random_params(SHAPES), random_params(SHAPES), random_params(SHAPES)
     _run(unfused, fused=False)
     _run(foreach, foreach=True)
     _run(fused, fused=True)
@@ -84,11 +82,11 @@ def test_fused_true_without_a_kernel_raises_like_torch() -> None:
 def test_one_switch_sends_both_the_step_and_the_passes_to_foreach(monkeypatch: pytest.MonkeyPatch) -> None:
     """kernels.FORCE["backend"] = "foreach" sends GPAAdamW's default step and the wrapper's passes to foreach."""
     monkeypatch.setitem(kernels.FORCE, "backend", "foreach")
-    params = _params()
+    params = random_params(SHAPES)
     opt = _run(params)
     assert {plan.impl for plan in opt._plans.values()} == {"foreach"}
     assert kernels.kernel_for(params[0]) is None
-    reference = _params()
+    reference = random_params(SHAPES)
     _run(reference, foreach=True)
     assert all(torch.equal(p, r) for p, r in zip(params, reference))
 

@@ -10,18 +10,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from tensors import random_params
 
 from benchmarks.workloads import least_squares_x
 from hf_gpa import GPA, DiLoCo, GPAAdamW, ReferenceGPA
 from hf_gpa.optim.kernels import cpu as _kernels
 
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-
-
-def _params(dtype: torch.dtype = torch.float64, seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(7, 5), (5,), (3, 4, 2), (11,)]
-    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)) for s in shapes]
+SHAPES = ((7, 5), (5,), (3, 4, 2), (11,))
+COMPLEX_SHAPES = ((5, 3), (7,))
 
 
 def _groups(params: list[torch.nn.Parameter]) -> list[dict]:
@@ -80,7 +77,7 @@ def _assert_follows_reference(
 def test_gpa_adamw_matches_three_sequence_reference(impl: str, averaging: str) -> None:
     """Every GPAAdamW path equals Algorithm 1 (explicit x, y, z) in float64 over many steps, at y and at x."""
     kwargs = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, mu_x=0.95, mu_y=0.7, averaging=averaging)
-    ref_params, params = _params(), _params()
+    ref_params, params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     ref = ReferenceGPA(_groups(ref_params), base="adamw", **kwargs)
     opt = GPAAdamW(_groups(params), **kwargs, **IMPLS[impl])
     _assert_follows_reference(opt, params, ref, ref_params)
@@ -98,7 +95,7 @@ def test_gpa_adamw_matches_three_sequence_reference(impl: str, averaging: str) -
 def test_wrapper_matches_three_sequence_reference(base, ref_base: str, base_kwargs: dict, averaging: str) -> None:
     """GPA(base=AdamW/SGD) equals Algorithm 1 in float64; the base's own weight decay acts on z."""
     mu = dict(mu_x=0.95, mu_y=0.7, averaging=averaging)
-    ref_params, params = _params(), _params()
+    ref_params, params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     ref = ReferenceGPA(_groups(ref_params), base=ref_base, lr=1e-2, **mu, **base_kwargs)
     opt = GPA(_groups(params), base=base, lr=1e-2, **mu, **base_kwargs)
     _assert_follows_reference(opt, params, ref, ref_params)
@@ -108,7 +105,7 @@ def test_wrapper_matches_three_sequence_reference(base, ref_base: str, base_kwar
 def test_mu_x_zero_is_adamw(impl: str) -> None:
     """mu_x = 0 makes x = y = z: GPAAdamW's y equals torch.optim.AdamW's iterate (float64, 1e-12)."""
     kwargs = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    ref_params, params = _params(), _params()
+    ref_params, params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     ref = torch.optim.AdamW(ref_params, **kwargs, foreach=False)
     opt = GPAAdamW(params, **kwargs, mu_x=0.0, mu_y=0.7, **IMPLS[impl])
     _run(ref, ref_params, 40)
@@ -130,7 +127,8 @@ def test_mu_x_zero_is_adamw(impl: str) -> None:
 )
 def test_wrapper_with_mu_x_zero_is_the_base_bitwise(base, base_kwargs: dict) -> None:
     """GPA(base, mu_x=0) reproduces the base optimizer bit for bit (y = 0 * (...) + 1 * z')."""
-    ref_params, params = _params(torch.float32), _params(torch.float32)
+    ref_params = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
+    params = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
     ref = base(ref_params, **base_kwargs)
     opt = GPA(params, base=base, mu_x=0.0, mu_y=0.7, **base_kwargs)
     _steps(ref, ref_params, 10)
@@ -144,8 +142,7 @@ def test_wrapper_with_muon_on_matrices() -> None:
     muon = getattr(torch.optim, "Muon", None)
     if muon is None:
         pytest.skip("torch.optim.Muon is not in this torch")
-    gen = torch.Generator().manual_seed(0)
-    ref_params = [torch.nn.Parameter(torch.randn(8, 6, generator=gen)) for _ in range(2)]
+    ref_params = random_params(((8, 6), (8, 6)))
     params = [torch.nn.Parameter(p.detach().clone()) for p in ref_params]
     ref, opt = muon(ref_params, lr=1e-2), GPA(params, base=muon, mu_x=0.0, lr=1e-2)
     _steps(ref, ref_params, 5)
@@ -157,7 +154,7 @@ def test_wrapper_with_muon_on_matrices() -> None:
 def test_proposition_1_nesterov() -> None:
     """SGD base, constant lr, mu_x = mu_y = mu: y is PyTorch's Nesterov SGD iterate with lr (1 - mu) lr."""
     mu, lr = 0.9, 0.05
-    ref_params, params = _params(), _params()
+    ref_params, params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     ref = torch.optim.SGD(ref_params, lr=(1 - mu) * lr, momentum=mu, nesterov=True)
     opt = GPA(params, base=torch.optim.SGD, lr=lr, mu_x=mu, mu_y=mu)
     _steps(ref, ref_params, 100)
@@ -171,7 +168,8 @@ def test_fused_matches_forloop_in_fp32_and_bf16() -> None:
     if _kernels.load_cpu_kernel() is None:
         pytest.skip("the C++ kernel cannot be built here")
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.0)):
-        a, b = _params(dtype), _params(dtype)
+        a = random_params(SHAPES, dtype, draw_dtype=torch.float64)
+        b = random_params(SHAPES, dtype, draw_dtype=torch.float64)
         opt_a = GPAAdamW(_groups(a), weight_decay=0.1, foreach=False)
         opt_b = GPAAdamW(_groups(b), weight_decay=0.1, fused=True)
         _run(opt_a, a, 30)
@@ -182,7 +180,8 @@ def test_fused_matches_forloop_in_fp32_and_bf16() -> None:
 
 def test_foreach_matches_forloop_bitwise() -> None:
     """The foreach path performs the for-loop's operations in the same order: fp32 results are torch.equal."""
-    a, b = _params(torch.float32), _params(torch.float32)
+    a = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
+    b = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
     opt_a, opt_b = GPAAdamW(_groups(a), weight_decay=0.1, foreach=False), GPAAdamW(_groups(b), weight_decay=0.1)
     opt_b.param_groups[0]["foreach"] = opt_b.param_groups[1]["foreach"] = opt_b.param_groups[2]["foreach"] = True
     _run(opt_a, a, 20)
@@ -193,7 +192,7 @@ def test_foreach_matches_forloop_bitwise() -> None:
 def test_bf16_state_is_float32_and_survives_loading() -> None:
     """With state_dtype="float32" bf16 parameters keep z, m, v in float32, and load_state_dict does not cast that
     state to bf16 (also into an optimizer whose state_dtype is the default)."""
-    params = _params(torch.bfloat16)
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float64)
     opt = GPAAdamW(params, weight_decay=0.1, state_dtype="float32")
     _run(opt, params, 3)
     state = opt.state[params[0]]
@@ -208,7 +207,7 @@ def test_bf16_state_is_float32_and_survives_loading() -> None:
 
 def test_state_is_three_parameter_copies() -> None:
     """GPAAdamW keeps exactly z, m, v (plus a scalar step): 3.0x the parameter bytes."""
-    params = _params(torch.float32)
+    params = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
     opt = GPAAdamW(params)
     _run(opt, params, 1)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -219,7 +218,7 @@ def test_state_is_three_parameter_copies() -> None:
 
 def test_params_without_grads_and_empty_groups() -> None:
     """Parameters without gradients are untouched and get no state; empty groups are allowed."""
-    params = _params(torch.float32)
+    params = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
     frozen = params[1].detach().clone()
     opt = GPAAdamW([{"params": params}, {"params": []}], weight_decay=0.1)
     for t in range(5):
@@ -230,7 +229,7 @@ def test_params_without_grads_and_empty_groups() -> None:
     assert params[1] not in opt.state
     opt.eval()
     assert torch.equal(params[1], frozen)
-    wrapper_params = _params(torch.float32)
+    wrapper_params = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
     wrapper = GPA([{"params": wrapper_params}, {"params": []}], base=torch.optim.SGD, lr=0.1)
     frozen = wrapper_params[1].detach().clone()
     for t in range(3):
@@ -242,7 +241,7 @@ def test_params_without_grads_and_empty_groups() -> None:
 
 def test_schedule_free_tolerates_zero_lr_warmup_start() -> None:
     """Schedule-Free averaging with a warm-up that starts at lr = 0 stays finite and keeps x where it was."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     start = [p.detach().clone() for p in params]
     opt = GPAAdamW(params, lr=0.0, averaging="schedule_free")
     _fake_grads(params, 0)
@@ -255,7 +254,7 @@ def test_schedule_free_tolerates_zero_lr_warmup_start() -> None:
 def test_maximize_flips_the_gradient() -> None:
     """maximize=True equals minimizing with negated gradients, on every path."""
     for impl in IMPLS.values():
-        a, b = _params(), _params()
+        a, b = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
         opt_a, opt_b = GPAAdamW(a, maximize=True, **impl), GPAAdamW(b, **impl)
         for t in range(5):
             _fake_grads(a, t)
@@ -301,7 +300,7 @@ def test_closure_is_evaluated_at_y() -> None:
 def test_gpa_adamw_rejects_bad_arguments(kwargs: dict, match: str) -> None:
     """Every out-of-range argument raises ValueError naming the argument, before any state exists."""
     with pytest.raises(ValueError, match=match):
-        GPAAdamW(_params(), **kwargs)
+        GPAAdamW(random_params(SHAPES, torch.float64), **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -317,7 +316,7 @@ def test_gpa_adamw_rejects_bad_arguments(kwargs: dict, match: str) -> None:
 )
 def test_wrapper_rejects_bad_arguments(kwargs: dict, match: str) -> None:
     """GPA(base=...) checks its own and the base's arguments (also per group) with a ValueError."""
-    params: list = _params()
+    params: list = random_params(SHAPES, torch.float64)
     if kwargs.pop("group_mu", False):
         params = [{"params": params, "mu_y": 2.0}]
     with pytest.raises(ValueError, match=match):
@@ -327,7 +326,7 @@ def test_wrapper_rejects_bad_arguments(kwargs: dict, match: str) -> None:
 def test_per_group_values_are_checked() -> None:
     """A per-group mu_x outside [0, 1) is rejected like the default one."""
     with pytest.raises(ValueError, match="mu_x"):
-        GPAAdamW([{"params": _params(), "mu_x": 1.2}])
+        GPAAdamW([{"params": random_params(SHAPES, torch.float64), "mu_x": 1.2}])
 
 
 def test_converges_on_least_squares() -> None:
@@ -354,7 +353,8 @@ def test_kernel_fallback_warns_once_and_matches_foreach(monkeypatch: pytest.Monk
     """Without a buildable kernel the default path warns once and gives the foreach results."""
     monkeypatch.setattr(_kernels, "_state", {"module": None, "failed": False})
     monkeypatch.setenv("HF_GPA_DISABLE_CPU_KERNEL", "1")
-    a, b = _params(torch.float32), _params(torch.float32)
+    a = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
+    b = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
     opt_a, opt_b = GPAAdamW(a, weight_decay=0.1), GPAAdamW(b, weight_decay=0.1, foreach=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -386,7 +386,7 @@ def test_wrapper_low_precision_x_tracks_the_fp32_run(base_kwargs: dict, dtype: t
 def test_bf16_state_holds_y_in_float32() -> None:
     """With state_dtype="float32" bf16 parameters keep y_fp32 (the parameter holds it rounded): state = 8x the bf16
     parameter bytes; eval() and train() go through it exactly, without a residual."""
-    params = _params(torch.bfloat16)
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float64)
     opt = GPAAdamW(_groups(params), weight_decay=0.1, state_dtype="float32")
     _run(opt, params, 3)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -410,7 +410,7 @@ def test_written_parameter_wins_over_its_float32_copy(impl: str) -> None:
     (state_dtype="float32"; "compact" takes it with y's low word, test_modes.py)."""
     import copy
 
-    params = _params(torch.bfloat16)
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float64)
     opt = GPAAdamW(params, weight_decay=0.1, state_dtype="float32", **IMPLS[impl])
     _run(opt, params, 3)
     with torch.no_grad():
@@ -429,7 +429,7 @@ def test_written_parameter_wins_over_its_float32_copy(impl: str) -> None:
 def test_zero_lr_from_x_equal_z_leaves_y_bitwise(impl: str) -> None:
     """Steps with lr = 0 from a fresh start (x = y = z) leave y and z bitwise unchanged, on every path."""
     for dtype in (torch.float32, torch.bfloat16):
-        params = _params(dtype)
+        params = random_params(SHAPES, dtype, draw_dtype=torch.float64)
         start = [p.detach().clone() for p in params]
         opt = GPAAdamW(_groups(params), weight_decay=0.1, **IMPLS[impl])
         for t in range(100):
@@ -475,11 +475,11 @@ def test_non_contiguous_tensors_on_the_default_path() -> None:
 def test_tensor_learning_rates_behave_as_torch(impl: str) -> None:
     """A 0-d and a one-element 1-D or 2-D tensor lr give the float lr's result on every path (torch's AdamW takes
     all three)."""
-    reference = _params(torch.float32)
+    reference = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
     opt = GPAAdamW(reference, lr=1e-2, weight_decay=0.1, **IMPLS[impl])
     _steps(opt, reference, 3)
     for lr in (torch.tensor(1e-2), torch.tensor([1e-2]), torch.tensor([[1e-2]])):
-        params = _params(torch.float32)
+        params = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
         opt = GPAAdamW(params, lr=lr, weight_decay=0.1, **IMPLS[impl])
         _steps(opt, params, 3)
         for p, r in zip(params, reference):
@@ -489,14 +489,9 @@ def test_tensor_learning_rates_behave_as_torch(impl: str) -> None:
 def test_multi_element_lr_is_rejected() -> None:
     """A learning rate tensor with more than one element raises a ValueError naming the learning rate."""
     with pytest.raises(ValueError, match="learning rate"):
-        GPAAdamW(_params(), lr=torch.tensor([1e-3, 1e-3]))
+        GPAAdamW(random_params(SHAPES, torch.float64), lr=torch.tensor([1e-3, 1e-3]))
     with pytest.raises(ValueError, match="learning rate"):
-        GPAAdamW([{"params": _params(), "lr": torch.tensor([1e-3, 1e-3])}])
-
-
-def _complex_params() -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(4)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.complex128)) for s in [(5, 3), (7,)]]
+        GPAAdamW([{"params": random_params(SHAPES, torch.float64), "lr": torch.tensor([1e-3, 1e-3])}])
 
 
 def _complex_grads(params: list[torch.Tensor], t: int) -> None:
@@ -509,14 +504,15 @@ def _complex_grads(params: list[torch.Tensor], t: int) -> None:
 def test_complex_parameters_follow_torch_adamw(impl: str) -> None:
     """Complex parameters are optimized as pairs of reals: mu_x = 0 equals torch's AdamW (view_as_real), and
     eval()/train() restore y bitwise."""
-    ref_params, params = _complex_params(), _complex_params()
+    ref_params = random_params(COMPLEX_SHAPES, torch.complex128, seed=4)
+    params = random_params(COMPLEX_SHAPES, torch.complex128, seed=4)
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=False)
     opt = GPAAdamW(params, lr=1e-2, weight_decay=0.1, mu_x=0.0, **IMPLS[impl])
     _steps(ref, ref_params, 3, _complex_grads)
     _steps(opt, params, 3, _complex_grads)
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
-    averaged = _complex_params()
+    averaged = random_params(COMPLEX_SHAPES, torch.complex128, seed=4)
     opt = GPAAdamW(averaged, lr=1e-2, mu_x=0.9, **IMPLS[impl])
     _steps(opt, averaged, 3, _complex_grads)
     ys = [p.detach().clone() for p in averaged]
@@ -527,7 +523,8 @@ def test_complex_parameters_follow_torch_adamw(impl: str) -> None:
 
 def test_wrapper_takes_complex_parameters() -> None:
     """GPA(base=AdamW, mu_x=0) on complex parameters equals torch's AdamW (the passes see pairs of reals)."""
-    ref_params, params = _complex_params(), _complex_params()
+    ref_params = random_params(COMPLEX_SHAPES, torch.complex128, seed=4)
+    params = random_params(COMPLEX_SHAPES, torch.complex128, seed=4)
     ref = torch.optim.AdamW(ref_params, lr=1e-2, foreach=False)
     opt = GPA(params, base=torch.optim.AdamW, mu_x=0.0, lr=1e-2, foreach=False)
     _steps(ref, ref_params, 3, _complex_grads)
@@ -552,7 +549,8 @@ def test_wrapper_step_whose_base_raises_changes_nothing(
     }[wrapper]
     inexact = wrapper == "gpa" and failing_step > 0  # y was scaled in place before the base raised
     close = dict(rtol=0, atol=4 * torch.finfo(torch.float32 if dtype == torch.bfloat16 else dtype).eps)
-    params, twin_params = _params(dtype), _params(dtype)
+    params = random_params(SHAPES, dtype, draw_dtype=torch.float64)
+    twin_params = random_params(SHAPES, dtype, draw_dtype=torch.float64)
     opt, twin = make(params), make(twin_params)
     _run(opt, params, failing_step)
     _run(twin, twin_params, failing_step)
@@ -591,14 +589,14 @@ def test_wrapper_step_whose_base_raises_changes_nothing(
 def test_wrapper_at_zero_lr_moves_y_towards_z_and_rests_where_x_equals_z() -> None:
     """lr = 0 (z fixed): from a fresh start (x = y = z) y stays within one rounding per step of where it was (100
     steps, fp32); after training, y moves with x towards z exactly as Algorithm 1 says."""
-    params = _params(torch.float32)
+    params = random_params(SHAPES, torch.float32, draw_dtype=torch.float64)
     start = [p.detach().clone() for p in params]
     opt = GPA(params, lr=0.0, mu_x=0.9967, mu_y=0.7)
     _steps(opt, params, 100)
     for p, s in zip(params, start):
         bound = 100 * torch.finfo(torch.float32).eps
         torch.testing.assert_close(p.detach(), s, rtol=bound, atol=bound)
-    ref_params, params = _params(), _params()
+    ref_params, params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     ref = ReferenceGPA(ref_params, lr=1e-2, mu_x=0.9, mu_y=0.7)
     opt = GPA(params, lr=1e-2, mu_x=0.9, mu_y=0.7, weight_decay=0.0)
     _run(ref, ref_params, 5)

@@ -23,6 +23,7 @@ import pytest
 import torch
 from launching import launch_env, run_logged
 from safetensors.torch import load_file
+from tensors import random_params
 
 from hf_gpa import GPA, GPAAdamW
 
@@ -50,11 +51,6 @@ CANDIDATES: dict[str, Callable[[list[dict]], torch.optim.Optimizer]] = {
     "gpa_adamw_fused_base": lambda groups: GPA(groups, base=torch.optim.AdamW, **KW, fused=True),
     "gpa_foreach_base": lambda groups: GPA(groups, base=torch.optim.AdamW, **KW, foreach=True),
 }
-
-
-def _params(dtype: torch.dtype, device: str) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in SHAPES]
 
 
 def _groups(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
@@ -93,7 +89,8 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _compare_with_forloop(name: str, dtype: torch.dtype, device: str) -> None:
     """``name`` against the for-loop on ``device``, 5 steps from the same weights and gradients, at y and x."""
     grads = _grads(dtype, device)
-    ref_params, params = _params(dtype, device), _params(dtype, device)
+    ref_params = random_params(SHAPES, dtype, draw_dtype=torch.float32, device=device)
+    params = random_params(SHAPES, dtype, draw_dtype=torch.float32, device=device)
     # GPA's wrapper keeps y and z of bf16 parameters in float32: its for-loop twin is GPAAdamW(state_dtype="float32")
     state = {"state_dtype": "float32"} if name.endswith("_base") else {}
     ref = GPAAdamW(_groups(ref_params), **KW, foreach=False, **state)
@@ -129,7 +126,7 @@ def test_cuda_step_matches_forloop(name: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("lr", ["float", "cpu_tensor", "cuda_tensor"])
 def test_cuda_default_step_never_synchronizes(lr: str) -> None:
     """GPAAdamW's default CUDA step makes no host synchronisation (no .item(), .cpu() or blocking copy), any lr."""
-    params = _params(torch.float32, "cuda")
+    params = random_params(SHAPES, device="cuda")
     lr_value = {"float": 1e-2, "cpu_tensor": torch.tensor(1e-2), "cuda_tensor": torch.tensor(1e-2, device="cuda")}[lr]
     opt = GPAAdamW(_groups(params), **{**KW, "lr": lr_value})
     grads = _grads(torch.float32, "cuda")

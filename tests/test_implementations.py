@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+from tensors import random_params
 
 from hf_gpa import GPAAdamW
 from hf_gpa.optim import _wrapper_passes as _passes
@@ -30,11 +31,6 @@ def _impl_kwargs(impl: str) -> dict:
     return kwargs.get(impl, {"fused": True})
 
 
-def _params(dtype: torch.dtype) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)) for s in SIZES]
-
-
 def _groups(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[dict]:
     """Groups with their own lr (float, 0-d and one-element 1-D tensors), weight decay, mu_x, mu_y, maximize and
     averaging."""
@@ -50,7 +46,7 @@ def _groups(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[dict]:
 def _train(
     impl: str, dtype: torch.dtype, steps: int = 4, state_dtype: str = "float32"
 ) -> tuple[list[torch.Tensor], GPAAdamW]:
-    params = _params(dtype)
+    params = random_params(SIZES, dtype, draw_dtype=torch.float64)
     kwargs = _impl_kwargs(impl)
     opt = GPAAdamW(_groups(params, dtype), lr=1e-2, mu_x=0.9, mu_y=0.7, state_dtype=state_dtype, **kwargs)
     with mock.patch.dict(kernels.FORCE, backend="triton" if impl.startswith("triton") else None):

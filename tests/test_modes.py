@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from tensors import random_params
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
 from hf_gpa.optim._residual import bits_differ, bits_equal, decode_residual, decode_residual_, encode_residual
@@ -19,11 +20,7 @@ FACTORIES = {
     "gpa_sgd": lambda ps: GPA(ps, base=torch.optim.SGD, lr=1e-2, momentum=0.9, mu_x=0.99, mu_y=0.8),
     "diloco": lambda ps: DiLoCo(ps, base=torch.optim.AdamW, inner_steps=4, lr=1e-2, weight_decay=0.1),
 }
-
-
-def _params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in ((64, 33), (33,), (5, 7))]
+SHAPES = ((64, 33), (33,), (5, 7))
 
 
 def _steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], start: int, stop: int) -> None:
@@ -37,9 +34,9 @@ def _steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], start: int, s
 def _stepped(
     make, steps: int, dtype: torch.dtype = torch.float32
 ) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
-    """Fresh parameters (`_params`) and the optimizer ``make(params)`` (a `FACTORIES` or `WRITERS` entry) after
-    ``steps`` steps (`_steps`)."""
-    params = _params(dtype)
+    """Fresh parameters (`random_params` of `SHAPES`) and the optimizer ``make(params)`` (a `FACTORIES` or `WRITERS`
+    entry) after ``steps`` steps (`_steps`)."""
+    params = random_params(SHAPES, dtype, draw_dtype=torch.float32)
     opt = make(params)
     _steps(opt, params, 0, steps)
     return params, opt
@@ -147,11 +144,11 @@ def test_bits_equal_is_bits_differ_nowhere(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_eval_and_train_are_idempotent_and_start_in_train(name: str) -> None:
     """A new optimizer is in train mode; repeated eval() or train() calls change nothing further."""
-    params = _params()
+    params = random_params(SHAPES)
     opt = FACTORIES[name](params)
     assert opt.train_mode
     opt.eval()  # before any step: x = y, nothing to do
-    assert all(torch.equal(p, q) for p, q in zip(params, _params()))
+    assert all(torch.equal(p, q) for p, q in zip(params, random_params(SHAPES)))
     opt.train()
     _steps(opt, params, 0, 9)
     opt.eval()
@@ -177,7 +174,7 @@ def test_step_in_eval_mode_raises(name: str) -> None:
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_state_dict_round_trip_continues_bitwise(name: str, eval_mode_save: bool) -> None:
     """Saving mid-run (in train or eval mode) and loading into a fresh model + optimizer continues bitwise."""
-    ref_params = _params()
+    ref_params = random_params(SHAPES)
     ref = FACTORIES[name](ref_params)
     _steps(ref, ref_params, 0, 14)
 
@@ -219,7 +216,7 @@ def test_init_state_gives_an_eval_mode_template(name: str) -> None:
     params, opt = _stepped(FACTORIES[name], 3)
     opt.eval()
     saved = opt.state_dict()
-    fresh = FACTORIES[name](_params())
+    fresh = FACTORIES[name](random_params(SHAPES))
     fresh.init_state(eval_mode=True)
     template = fresh.state_dict()
     assert not fresh.train_mode
@@ -230,7 +227,7 @@ def test_init_state_gives_an_eval_mode_template(name: str) -> None:
 
 def test_init_state_after_an_early_eval_is_consistent() -> None:
     """eval() before any step, then init_state(eval_mode=True): the state really is in eval mode, with its residual."""
-    params = _params()
+    params = random_params(SHAPES)
     opt = FACTORIES["gpa_adamw"](params)
     opt.eval()  # nothing to switch yet
     opt.init_state(eval_mode=True)

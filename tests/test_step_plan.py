@@ -1,7 +1,7 @@
 """GPAAdamW's step plan: host work per step that does not grow with the number of tensors (also with the Trainer's
 two groups), a plan that never outlives what it was built on (loaded or replaced state, new groups, replaced
-parameters, gradients of another dtype; a cleared state: tests/test_state.py), a per-tensor choice of the state
-layout, and the two methods a step from a backward hook uses (``_begin_group_step``, ``_step_params``)."""
+parameters, gradients of another dtype; a cleared state: tests/test_state_lifecycle.py), a per-tensor choice of the
+state layout, and the two methods a step from a backward hook uses (``_begin_group_step``, ``_step_params``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+from tensors import random_params
 from torch.profiler import ProfilerActivity, profile
 
 from hf_gpa import GPAAdamW
@@ -23,6 +24,7 @@ from hf_gpa.optim.kernels import triton_launch as _triton
 # Triton's interpreter on CPU tensors). torch's foreach ops loop over the tensors on CPU (their per-tensor fallback),
 # so the foreach path's count grows there as torch's foreach AdamW's does.
 PATHS = ["cpu_kernel", "triton"]
+SHAPES = ((33, 17), (129,), (5, 3, 2))
 
 
 @contextmanager
@@ -84,11 +86,6 @@ def _train(params: list[torch.nn.Parameter], opt: GPAAdamW, start: int, stop: in
         opt.step()
 
 
-def _params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in ((33, 17), (129,), (5, 3, 2))]
-
-
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "cpu_kernel": {"fused": True}}
 
 
@@ -112,7 +109,7 @@ def test_loading_state_drops_the_plan(impl: str) -> None:
     """After load_state_dict the step updates the loaded tensors (not those the plan was built on): a run that
     loads its own earlier state continues exactly as a fresh optimizer given that state."""
     kwargs = _impl(impl)
-    params = _params()
+    params = random_params(SHAPES)
     opt = GPAAdamW(params, lr=1e-2, mu_x=0.9, **kwargs)
     _train(params, opt, 0, 2)
     saved, saved_params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
@@ -137,7 +134,7 @@ def test_new_groups_and_replaced_parameters_get_a_new_plan(impl: str) -> None:
     """A group added after steps and a parameter replaced in its group (or given new storage) are stepped, with
     fresh state, exactly as by an optimizer that had them from the start."""
     kwargs = _impl(impl)
-    params, extra = _params(0), _params(1)
+    params, extra = random_params(SHAPES, seed=0), random_params(SHAPES, seed=1)
     opt = GPAAdamW(params[:2], lr=1e-2, mu_x=0.9, **kwargs)
     _train(params[:2], opt, 0, 2)
     opt.add_param_group({"params": extra})
@@ -145,16 +142,16 @@ def test_new_groups_and_replaced_parameters_get_a_new_plan(impl: str) -> None:
     opt.param_groups[0]["params"][1] = new  # replaced: its old state stays behind, unused
     params[0].data = params[0].data.clone()  # new storage, same Parameter
     _train([params[0], new, *extra], opt, 2, 4)
-    ref_new, ref_extra = torch.nn.Parameter(params[2].detach().clone()), _params(1)
+    ref_new, ref_extra = torch.nn.Parameter(params[2].detach().clone()), random_params(SHAPES, seed=1)
     ref = GPAAdamW([{"params": [ref_new]}, {"params": ref_extra}], lr=1e-2, mu_x=0.9, **kwargs)
     _train([ref_new, *ref_extra], ref, 2, 4)
     for p, q in zip([new, *extra], [ref_new, *ref_extra]):
         assert torch.equal(p, q)
-    ref0 = _params(0)[0]
+    ref0 = random_params(SHAPES, seed=0)[0]
     ref0_opt = GPAAdamW([ref0], lr=1e-2, mu_x=0.9, **kwargs)
     _train([ref0], ref0_opt, 0, 4)
     assert torch.equal(params[0], ref0)
-    single = _params(2)[:1]
+    single = random_params(SHAPES, seed=2)[:1]
     opt.add_param_group({"params": single})
     _train(single, opt, 0, 1)  # a one-parameter plan, which binds no counters
     opt.param_groups[-1]["params"][0] = torch.nn.Parameter(single[0].detach().clone())
@@ -169,7 +166,7 @@ def test_a_group_mixing_state_layouts_steps_each_as_alone(impl: str) -> None:
     float32 copy and one with 24-bit y and z ("compact"), step exactly as each would in a group of its own (the
     layout is decided per tensor)."""
     kwargs = _impl(impl)
-    param_state, f32_state, compact_state = _params(0, torch.bfloat16)
+    param_state, f32_state, compact_state = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     opt = GPAAdamW([param_state, f32_state, compact_state], lr=1e-2, mu_x=0.9, state_dtype="param", **kwargs)
     _train([param_state], opt, 0, 1)  # its state: z, m, v in bf16
     opt.param_groups[0]["state_dtype"] = "compact"
@@ -179,7 +176,7 @@ def test_a_group_mixing_state_layouts_steps_each_as_alone(impl: str) -> None:
     assert opt.state[param_state]["z"].dtype == torch.bfloat16 and "y_fp32" not in opt.state[param_state]
     assert opt.state[f32_state]["y_fp32"].dtype == torch.float32
     assert opt.state[compact_state]["z_lo"].dtype == torch.int8 and "y_fp32" not in opt.state[compact_state]
-    alone_param, alone_f32, alone_compact = _params(0, torch.bfloat16)
+    alone_param, alone_f32, alone_compact = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     opt_param = GPAAdamW([alone_param], lr=1e-2, mu_x=0.9, state_dtype="param", **kwargs)
     _train([alone_param], opt_param, 0, 5)
     opt_f32 = GPAAdamW([alone_f32], lr=1e-2, mu_x=0.9, state_dtype="float32", **kwargs)
@@ -204,7 +201,7 @@ def test_one_parameter_at_a_time_equals_the_step(impl: str) -> None:
         return GPAAdamW(groups, lr=1e-2, weight_decay=0.1, mu_x=0.9, **kwargs)
 
     with mock.patch.dict(kernels.FORCE, backend=force):
-        params, hooked = _params(), _params()
+        params, hooked = random_params(SHAPES), random_params(SHAPES)
         opt, hooked_opt = build(params), build(hooked)
         _train(params, opt, 0, 4)
         _train(hooked, hooked_opt, 0, 1)  # the group's plan exists and must survive the one-parameter calls
@@ -276,7 +273,7 @@ def test_a_gradient_of_another_dtype_is_planned_again(impl: str, state_dtype: st
     kwargs, force = _impl_and_switch(impl)
 
     def run(kwargs: dict, force: str | None) -> tuple[list[torch.nn.Parameter], GPAAdamW]:
-        params = _params(0, torch.bfloat16)
+        params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
         for p in params:
             p.grad_dtype = None  # any dtype may be assigned
         opt = GPAAdamW(params, lr=1e-2, mu_x=0.9, state_dtype=state_dtype, **kwargs)

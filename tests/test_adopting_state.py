@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from tensors import random_params
 from torch import nn
 from transformers import TrainerCallback
 
@@ -27,11 +28,7 @@ ADOPTERS = {
     "gpa_adamw_fused": lambda ps, **kw: GPAAdamW(ps, fused=True, **kw),
     "gpa(adamw)": lambda ps, **kw: GPA(ps, base=torch.optim.AdamW, **kw),
 }
-
-
-def _params(seed: int = 0) -> list[nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in ((6, 4), (4,), (3,))]
+SHAPES = ((6, 4), (4,), (3,))
 
 
 def _clone(params: list[torch.Tensor]) -> list[nn.Parameter]:
@@ -46,7 +43,7 @@ def _steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], start: int, s
 
 
 def _adamw_run(lr: float = 1e-2) -> tuple[list[nn.Parameter], torch.optim.AdamW]:
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     adamw = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=lr)
     _steps(adamw, params, 0, 5)
     return params, adamw
@@ -119,7 +116,7 @@ MISMATCHES = {
 def test_another_optimizers_state_is_refused_before_anything_changes(case: str) -> None:
     """Any other mismatch raises a ValueError naming both optimizers and what to do; the loader is unchanged."""
     make_saver, make_loader = MISMATCHES[case]
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     saver = make_saver(params)
     _steps(saver, params, 0, 2)
     loader_params = _clone(params)
@@ -136,7 +133,7 @@ def test_another_optimizers_state_is_refused_before_anything_changes(case: str) 
 
 def test_state_dicts_name_the_optimizer_that_saved_them() -> None:
     """Every hf_gpa state dict names its optimizer (and base); a stock one names none."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     names = [
         saved_optimizer_name(opt.state_dict())
         for opt in (
@@ -271,7 +268,7 @@ def test_another_kind_with_another_grouping_is_refused_by_kind() -> None:
     is checked before the layout (muon resumed with gpa_adamw, adamw resumed with gpa + muon)."""
     from hf_gpa import MuonWithAuxAdam
 
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     muon = MuonWithAuxAdam([{"params": params[:1], "use_muon": True}, {"params": params[1:], "use_muon": False}])
     _steps(muon, params, 0, 2)
     with pytest.raises(ValueError, match=r"saved by MuonWithAuxAdam .*not by GPAAdamW"):
@@ -296,7 +293,7 @@ def test_a_muon_with_aux_adam_run_continues_under_a_wrapper(wrapper: type, group
             return [{"params": ps, "use_muon": False}]
         return [{"params": ps[:1], "use_muon": True}, {"params": ps[1:], "use_muon": False}]
 
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     muon = MuonWithAuxAdam(grouping(params), lr=1e-2)
     _steps(muon, params, 0, 3)
     loader_params = _clone(params)
@@ -326,7 +323,7 @@ def _state_bytes_per_weight(optimizer: torch.optim.Optimizer, params: list[torch
 def test_an_adopted_adamw_state_keeps_state_dtype_param() -> None:
     """GPAAdamW(state_dtype="param") adopting a bf16 AdamW run keeps z, m, v in bf16 and no y_fp32: 6 bytes per
     weight, as a fresh run in that mode (not 16), and it continues as that fresh mode would from the same state."""
-    params = [nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float64)
     adamw = torch.optim.AdamW(params, lr=1e-2)
     _steps(adamw, params, 0, 3)
     loader_params = _clone(params)

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tensors import random_params
 
 from benchmarks.workloads import least_squares_x
 from hf_gpa.optim import GPAAdamW
 
 IMPLS = {"forloop": {"foreach": False}, "foreach": {"foreach": True}, "default": {}}
-
-
-def _params(dtype: torch.dtype = torch.bfloat16) -> list[torch.nn.Parameter]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(shape, generator=g).to(dtype)) for shape in [(16, 8), (8,)]]
+SHAPES = ((16, 8), (8,))
 
 
 def _run(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: int) -> None:
@@ -30,7 +27,7 @@ def _run(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], steps: in
 
 def test_state_in_the_parameter_dtype_is_six_bytes_per_bf16_weight() -> None:
     """z, m and v in bf16 and no y_fp32: 6 bytes per weight (the default keeps 16)."""
-    params = _params()
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     opt = GPAAdamW(params, weight_decay=0.1, state_dtype="param")
     _run(opt, params, 2)
     for p in params:
@@ -47,7 +44,7 @@ def test_implementations_agree(dtype: torch.dtype) -> None:
     """for-loop (the ground truth), foreach and the default path (which routes half state to foreach) agree bitwise."""
     results = {}
     for name, impl in IMPLS.items():
-        params = _params(dtype)
+        params = random_params(SHAPES, dtype, draw_dtype=torch.float32)
         opt = GPAAdamW(params, weight_decay=0.1, mu_x=0.9, state_dtype="param", **impl)
         _run(opt, params, 4)
         results[name] = [p.detach().clone() for p in params] + [opt.state[p]["z"] for p in params]
@@ -58,7 +55,7 @@ def test_implementations_agree(dtype: torch.dtype) -> None:
 
 def test_fp32_parameters_are_not_affected() -> None:
     """state_dtype="param" changes nothing for fp32 parameters (their state is fp32 either way)."""
-    a, b = _params(torch.float32), _params(torch.float32)
+    a, b = random_params(SHAPES), random_params(SHAPES)
     opt_a, opt_b = GPAAdamW(a, weight_decay=0.1), GPAAdamW(b, weight_decay=0.1, state_dtype="param")
     _run(opt_a, a, 3)
     _run(opt_b, b, 3)
@@ -67,7 +64,7 @@ def test_fp32_parameters_are_not_affected() -> None:
 
 def test_eval_train_round_trip_is_exact() -> None:
     """eval() puts x in the bf16 parameters and train() gives y back bitwise (through the residual)."""
-    params = _params()
+    params = random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32)
     opt = GPAAdamW(params, weight_decay=0.1, mu_x=0.9, state_dtype="param")
     _run(opt, params, 3)
     y = [p.detach().clone() for p in params]
@@ -80,9 +77,9 @@ def test_eval_train_round_trip_is_exact() -> None:
 def test_bad_state_dtype_is_rejected() -> None:
     """Only "float32" and "param" are accepted, per group too."""
     with pytest.raises(ValueError, match="state_dtype"):
-        GPAAdamW(_params(), state_dtype="bfloat16")
+        GPAAdamW(random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32), state_dtype="bfloat16")
     with pytest.raises(ValueError, match="state_dtype"):
-        GPAAdamW([{"params": _params(), "state_dtype": "int8"}])
+        GPAAdamW([{"params": random_params(SHAPES, torch.bfloat16, draw_dtype=torch.float32), "state_dtype": "int8"}])
 
 
 def test_accuracy_cost_against_the_fp32_run() -> None:

@@ -10,13 +10,11 @@ from collections import defaultdict
 
 import pytest
 import torch
+from tensors import random_params
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
 
-
-def _params(seed: int = 0) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in ((4, 3), (5,))]
+SHAPES = ((4, 3), (5,))
 
 
 def _steps(opt: torch.optim.Optimizer, params: list[torch.Tensor], start: int, stop: int) -> None:
@@ -38,7 +36,7 @@ FACTORIES = {
 def test_init_state_takes_no_step(name: str) -> None:
     """init_state() creates the state (z, the base's moments, step counts at 0) without stepping: the parameters are
     bitwise unchanged and the next steps equal a fresh optimizer's, GPAAdamW and the wrappers alike."""
-    params, fresh_params = _params(), _params()
+    params, fresh_params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
     opt = FACTORIES[name](params)
     opt.init_state()
     assert all(torch.equal(p, q) for p, q in zip(params, fresh_params))
@@ -53,7 +51,7 @@ def test_init_state_takes_no_step(name: str) -> None:
 
 def test_init_state_keeps_existing_state() -> None:
     """init_state() after steps creates only what is missing: the state of a stepped parameter is left as it was."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     opt = GPA(params[:1], lr=1e-2, mu_x=0.9)
     _steps(opt, params[:1], 0, 2)
     opt.add_param_group({"params": params[1:]})
@@ -66,7 +64,7 @@ def test_init_state_keeps_existing_state() -> None:
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_a_state_dict_resumes_bitwise(name: str) -> None:
     """Three steps, the state dict loaded by a new optimizer: its next two steps equal the original run's."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     opt = FACTORIES[name](params)
     _steps(opt, params, 0, 3)
     saved, saved_params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
@@ -99,10 +97,10 @@ def test_nameless_state_of_another_family_is_refused_by_its_keys(saver: str, loa
     """A state dict of GPAAdamW without its name is not loaded into GPA(SGD) and the reverse: its per-parameter
     state is not the keys of a run they continue, and nothing changes before the ValueError."""
     factories = {**FACTORIES, "gpa(sgd)": lambda ps: GPA(ps, base=torch.optim.SGD, lr=1e-2, momentum=0.9, mu_x=0.9)}
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     opt = factories[saver](params)
     _steps(opt, params, 0, 2)
-    target_params = _params(1)
+    target_params = random_params(SHAPES, torch.float64, seed=1)
     target = factories[loader](target_params)
     _steps(target, target_params, 0, 1)
     before = copy.deepcopy(target.state_dict())
@@ -123,7 +121,7 @@ ADAGRAD = {
 def test_a_base_that_makes_its_state_in_its_constructor_resumes_bitwise(name: str, how: str) -> None:
     """torch's Adagrad creates its state when constructed; the base rebuilt after a load, a deepcopy or a pickle round
     trip keeps the state the wrapper holds, so the run goes on bitwise (a fresh Adagrad state used to replace it)."""
-    params = _params()
+    params = random_params(SHAPES, torch.float64)
     opt = ADAGRAD[name](params)
     _steps(opt, params, 0, 3)
     saved, saved_params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
@@ -144,7 +142,7 @@ def test_a_base_that_makes_its_state_in_its_constructor_resumes_bitwise(name: st
 def test_a_first_gradient_keeps_the_state_of_a_base_that_makes_it_in_its_constructor(name: str) -> None:
     """A parameter's first gradient after 3 steps rebuilds the base; the other parameter's Adagrad state goes on (its
     steps as in an optimizer of it alone, bitwise)."""
-    params, alone = _params(), _params()[:1]
+    params, alone = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)[:1]
     opt, alone_opt = ADAGRAD[name](params), ADAGRAD[name](alone)
     for t in range(6):
         for p in params if t >= 3 else params[:1]:
@@ -177,7 +175,7 @@ def test_cleared_state_is_created_afresh(name: str, how: str) -> None:
     counters, and ``state_dict()`` and ``eval()`` see it (GPAAdamW's plan went on updating the orphaned tensors, GPA
     raised a KeyError, DiLoCo's base went on with the old moments)."""
     factory, dtype = CLEARED[name]
-    params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
+    params = random_params(SHAPES, dtype, draw_dtype=torch.float64)
     opt = factory(params)
     _steps(opt, params, 0, 3)
     if how == "clear":
