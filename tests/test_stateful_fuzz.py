@@ -1,0 +1,835 @@
+"""A stateful differential fuzzer of the optimizers' state: random sequences of what a training loop, a Trainer and
+their users do to an optimizer, applied in lockstep to an optimizer under test and to its for-loop twin.
+
+The example-based tests pin one path or one operation at a time; the defects that reached users lay in sequences of
+them (a bias zeroed under the compact state, a checkpoint of a bf16 run resumed in fp16, a state cleared then stepped,
+a base optimizer rebuilt after a load, a gradient whose dtype changed between steps). Here a hypothesis
+``RuleBasedStateMachine`` drives one configuration (GPAAdamW on the for-loop, foreach, C++ kernel or Triton
+interpreter path, in each state layout; GPA around AdamW, SGD and Adagrad; DiLoCo around AdamW and Adagrad) and the
+same optimizer on its for-loop (``foreach=False``, the wrappers' passes on foreach ops) over identical copies of a
+small model with the Trainer's two groups (decay, no decay), through steps with random, missing, strided and
+other-dtype gradients, eval()/train(), writes into the weights, hyper-parameter changes, added groups, state dict,
+deepcopy and pickle round trips (of the optimizer under test only: its twin runs on uninterrupted), cleared state and
+casts of the model to another dtype.
+
+What is compared, after every rule:
+
+* the weights and every state tensor, bitwise: the foreach path is the for-loop bitwise, and so is every operation but
+  a step; after a step of a path held to the for-loop within a bound (the fused kernels' fused multiply-adds, torch's
+  foreach AdamW inside the wrappers) the values are checked against that bound (``tests/test_implementations.py``'s:
+  1e-6 of the largest value for float32, one unit for bf16/fp16 tensors, 2^-15 of the largest value for the 24-bit y
+  and z of ``"compact"``), then the twin's values are copied into the optimizer under test, so that rounding does not
+  accumulate into a false alarm and every later comparison is bitwise again;
+* x, from ``eval()`` on copies of both optimizers, and the absence of NaN in x and y;
+* a model of what the state must hold: each parameter's step count (the wrapper's base's, where it keeps one) counts
+  the steps in which it had a gradient since its state was last cleared, and ``state_dict()`` holds them;
+* after a cast of the model (bf16 to fp16 or fp32, fp32 to bf16, fp16 to fp32), an oracle built here from the exact
+  values of the twin's state before the cast: y, z, m and v widened without rounding into the new dtype's state, which
+  the optimizer under test must hold bitwise after its conversion (at eval()/train(), at the next step, or by
+  ``load_state_dict`` into a cast copy of the model). One defect it found is left out of the runs (`KNOWN_DEFECTS`)
+  and pinned by a strict xfail, `test_float32_state_cast_to_fp16_keeps_y`.
+
+The default run (derandomized: 30 sequences of up to 30 rules per configuration) takes under a minute for the whole
+file on two cores; ``test_stateful_fuzz_long`` (``-m slow``, not derandomized) searches longer, the environment
+variable ``HF_GPA_FUZZ_EXAMPLES`` sets its number of sequences (200).
+``test_compiled_step_equals_the_eager_step`` holds ``torch.compile(optimizer.step)`` to the eager step on random short
+sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from torch import nn
+
+from hf_gpa import GPA, DiLoCo, GPAAdamW
+from hf_gpa.optim import kernels
+from hf_gpa.optim.kernels import cpu as _kernels
+from hf_gpa.optim.kernels import triton_launch as _triton
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+HALF = (BF16, FP16)
+
+# ---- the configurations: the optimizer under test and its for-loop twin ----
+
+
+@dataclass(frozen=True)
+class Config:
+    """One optimizer under test: its family, the model's dtype, the keyword arguments of the optimizer under test and
+    of its twin, the kernels' test switch around each (``kernels.FORCE``), and whether the two step bitwise alike."""
+
+    name: str
+    family: str  # "adamw" (GPAAdamW), "gpa" or "diloco" (the wrappers)
+    dtype: torch.dtype
+    sut: dict[str, Any]
+    twin: dict[str, Any]
+    backend: str | None = None  # the kernels' switch around the optimizer under test ("triton": the interpreter)
+    twin_backend: str | None = None  # the wrappers' twin runs its passes on foreach ops
+    bitwise: bool = True  # the step equals the twin's bitwise (else within `_check_close_and_sync`'s bounds)
+    base: type[torch.optim.Optimizer] | None = None
+    needs: str | None = None  # "cpu_kernel" or "triton": skipped where it cannot run
+    base_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Gradient kinds left out (see the configurations that leave one out).
+    without: tuple[str, ...] = ()
+
+
+FORLOOP, FOREACH, FUSED = {"foreach": False}, {"foreach": True}, {"fused": True}
+NO_OTHER = ("other_dtype",)
+
+
+def _adamw(name: str, dtype: torch.dtype, impl: str, state_dtype: str = "compact") -> Config:
+    sut = {"forloop": FORLOOP, "foreach": FOREACH, "fused": FUSED, "triton": FUSED}[impl]
+    return Config(
+        name=name,
+        family="adamw",
+        dtype=dtype,
+        sut={**sut, "state_dtype": state_dtype},
+        twin={**FORLOOP, "state_dtype": state_dtype},
+        backend="triton" if impl == "triton" else None,
+        bitwise=impl in ("forloop", "foreach"),
+        needs={"fused": "cpu_kernel", "triton": "triton"}.get(impl),
+    )
+
+
+def _wrapper(name: str, family: str, base: type, sut: dict, without: tuple = (), dtype=FP32, **base_kw) -> Config:
+    return Config(
+        name=name,
+        family=family,
+        dtype=dtype,
+        sut=sut,
+        twin=FORLOOP,
+        backend="triton" if name.endswith("triton") else None,
+        twin_backend="foreach",
+        bitwise=False,
+        base=base,
+        needs="triton" if name.endswith("triton") else "cpu_kernel",
+        base_kwargs=base_kw,
+        without=without,
+    )
+
+
+CONFIGS = [
+    _adamw("adamw_fp32_forloop", FP32, "forloop"),
+    _adamw("adamw_fp32_foreach", FP32, "foreach"),
+    _adamw("adamw_fp32_fused", FP32, "fused"),
+    _adamw("adamw_fp32_triton", FP32, "triton"),
+    _adamw("adamw_bf16_compact_forloop", BF16, "forloop"),
+    _adamw("adamw_bf16_compact_foreach", BF16, "foreach"),
+    _adamw("adamw_bf16_compact_fused", BF16, "fused"),
+    _adamw("adamw_bf16_compact_triton", BF16, "triton"),
+    _adamw("adamw_bf16_float32_foreach", BF16, "foreach", "float32"),
+    _adamw("adamw_bf16_float32_fused", BF16, "fused", "float32"),
+    _adamw("adamw_bf16_float32_triton", BF16, "triton", "float32"),
+    _adamw("adamw_bf16_param_foreach", BF16, "foreach", "param"),
+    _adamw("adamw_bf16_param_fused", BF16, "fused", "param"),
+    _adamw("adamw_fp16_fused", FP16, "fused"),
+    _wrapper("gpa_adamw", "gpa", torch.optim.AdamW, FOREACH),
+    # torch's fused AdamW on CPU (torch 2.13) reads a non-contiguous gradient as if it were contiguous: no strided
+    # gradients for it (GPA hands the gradient to its base as it is).
+    _wrapper("gpa_adamw_fused", "gpa", torch.optim.AdamW, FUSED, ("strided",)),
+    _wrapper("gpa_adamw_bf16", "gpa", torch.optim.AdamW, FOREACH, dtype=BF16),
+    _wrapper("gpa_adamw_triton", "gpa", torch.optim.AdamW, FOREACH),
+    _wrapper("gpa_sgd", "gpa", torch.optim.SGD, FOREACH, momentum=0.9),
+    _wrapper("gpa_adagrad", "gpa", torch.optim.Adagrad, FOREACH, initial_accumulator_value=0.1),
+    # DiLoCo's base steps fp32 parameters themselves, with their gradients as they are: a bf16 gradient of an fp32
+    # parameter is the base's affair (torch's foreach AdamW raises on it, foreach Adagrad rounds it otherwise than its
+    # for-loop), so not drawn for them.
+    _wrapper("diloco_adamw", "diloco", torch.optim.AdamW, FOREACH, NO_OTHER),
+    _wrapper("diloco_adagrad", "diloco", torch.optim.Adagrad, FOREACH, NO_OTHER, initial_accumulator_value=0.1),
+]
+
+# ---- the values the rules draw from ----
+
+GRAD_KINDS = ("dense", "dense", "none", "strided", "other_dtype")
+SCALES = (1.0, 1e-3, 30.0)
+SEEDS = st.integers(0, 2**16)
+HYPERS = {
+    "lr": (1e-2, 0.0, 1e-3, 0.1),
+    "betas": ((0.9, 0.999), (0.85, 0.99), (0.95, 0.999), (0.0, 0.5)),  # OneCycleLR cycles beta1
+    "eps": (1e-8, 1e-6, 1e-3),
+    "weight_decay": (0.0, 0.01, 0.1),
+    "maximize": (False, True),
+    "mu_x": (0.9, 0.0, 0.5, 0.99),
+    "mu_y": (0.7, 0.3, 1.0, 0.9),
+    "momentum": (0.9, 0.0, 0.5),
+    "outer_lr": (0.7, 0.3, 1.0),
+}
+#: A FLOAT32 state (y's float32 copy) under a cast to the other half dtype is not converted: the cast parameter is
+#: taken for a write and y's float32 copy is lost (reported; `test_float32_state_cast_to_fp16_keeps_y`). Set
+#: HF_GPA_FUZZ_KNOWN_DEFECTS=1 to let the fuzzer find it.
+KNOWN_DEFECTS = os.environ.get("HF_GPA_FUZZ_KNOWN_DEFECTS") == "1"
+
+
+# ---- helpers ----
+
+
+class Holder(nn.Module):
+    """The model (two Linear layers with biases) and the parameters added as groups later on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        self.extra = nn.ParameterList()
+
+
+def _join24(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The 24-bit value of a bf16 high word and an int8 low word, as ``_state_layout`` defines it: (hi << 16) +
+    (lo << 8) in 32-bit integers, the low word ignored where it would leave the numbers (hi = +-0 with lo < 0, hi =
+    +-inf). Written here again, so that the oracle of a cast does not share the code under test."""
+    bits = hi.detach().contiguous().view(torch.int16).to(torch.int32)
+    magnitude = bits & 0x7FFF
+    ignored = ((magnitude == 0) & (lo < 0)) | (magnitude == 0x7F80)
+    low = lo.to(torch.int32).masked_fill(ignored, 0) << 8
+    return ((bits << 16) + low).view(torch.float32)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of a tensor (signed zeros and NaNs included), for bitwise comparisons."""
+    t = t.detach().contiguous()
+    if t.is_floating_point():
+        return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+    return t
+
+
+def _describe(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.is_floating_point() and a.numel():
+        diff = (a.double() - b.double()).abs().nan_to_num(float("inf"))
+        i = int(diff.argmax())
+        return f"max |diff| {diff.max().item():.3g} at {i}: {a.flatten()[i].item()!r} vs {b.flatten()[i].item()!r}"
+    return f"{a} vs {b}"
+
+
+def _walk(a: Any, b: Any, where: str, check: Callable[[torch.Tensor, torch.Tensor, str], None]) -> None:
+    """``a`` (under test) against ``b`` (the twin), nested dicts alike: the same keys, tensors of the same dtypes and
+    shapes whose values pass ``check``, other values equal."""
+    if isinstance(b, dict):
+        assert isinstance(a, dict) and set(a) == set(b), f"{where}: keys {sorted(a, key=str)} != {sorted(b, key=str)}"
+        for key in b:
+            _walk(a[key], b[key], f"{where}[{key!r}]", check)
+    elif torch.is_tensor(b):
+        assert torch.is_tensor(a), f"{where}: {type(a)} is not a tensor"
+        like = (a.dtype, a.shape) == (b.dtype, b.shape)
+        assert like, f"{where}: {a.dtype} {list(a.shape)}, the twin's {b.dtype} {list(b.shape)}"
+        check(a.detach(), b.detach(), where)
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+    assert torch.equal(_bits(a), _bits(b)), f"{where}: not bitwise the twin's: {_describe(a, b)}"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+    """Within the bounds of tests/test_implementations.py: float32 1e-6 (float64 1e-13) of the largest value (at least
+    1); bf16/fp16 one unit; integers and step counts exactly."""
+    if not a.is_floating_point() or a.dim() == 0:
+        assert torch.equal(a, b), f"{where}: {a} != {b}"
+        return
+    if a.dtype in HALF:
+        eps = torch.finfo(a.dtype).eps
+        torch.testing.assert_close(a.double(), b.double(), rtol=eps, atol=eps * 1e-3, msg=lambda m: f"{where}: {m}")
+        return
+    scale = b.double().abs().max().item() if b.numel() else 0.0
+    tol = (1e-13 if a.dtype == torch.float64 else 1e-6) * max(scale, 1.0)
+    torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=tol, msg=lambda m: f"{where}: {m}")
+
+
+def _close24(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], where: str) -> None:
+    """24-bit values (high word, low word) within two units of the 24-bit format of the largest value, 2^-15 of it."""
+    expected = _join24(*b).double()
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    atol = 2**-15 * max(scale, 1.0)
+    torch.testing.assert_close(_join24(*a).double(), expected, rtol=0, atol=atol, msg=lambda m: f"{where}: {m}")
+
+
+def _same(a: Any, b: Any, where: str) -> None:
+    """The same structure, dtypes, shapes and bits."""
+    _walk(a, b, where, _bitwise)
+
+
+def _copy_into(a: Any, b: Any) -> None:
+    """Copy the twin's values ``b`` into ``a`` in place (same structure, checked before)."""
+    if isinstance(b, dict):
+        for key in b:
+            if torch.is_tensor(b[key]) or isinstance(b[key], dict):
+                _copy_into(a[key], b[key])
+    elif torch.is_tensor(b):
+        a.copy_(b)
+
+
+def _flat(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def _count(config: Config, state: dict[str, Any]) -> float | None:
+    """The step count a state keeps (GPAAdamW's, or the wrapper's base's), None where it keeps none (SGD)."""
+    if config.family != "adamw":
+        state = state.get("base", {})
+    step = state.get("step")
+    return None if step is None else float(step)
+
+
+def _exact(opt: GPAAdamW, p: torch.Tensor) -> tuple | None:
+    """y, z, m, v of a GPAAdamW parameter's state (train mode), exactly, and whether the state carries y beyond the
+    parameter (compact: y's low word; float32: y's copy)."""
+    s = opt.state.get(p)
+    if not s or "z" not in s:
+        return None
+    y = p.detach()
+    if "y_lo" in s:
+        return _join24(y, s["y_lo"]), _join24(s["z"], s["z_lo"]), s["exp_avg"].float(), s["exp_avg_sq"].float(), True
+    if "y_fp32" in s:
+        y32 = s["y_fp32"]
+        y = torch.where(y32.to(y.dtype) == y, y32, y.float())  # a parameter written since wins (docs/memory.md)
+        return y, s["z"].clone(), s["exp_avg"].clone(), s["exp_avg_sq"].clone(), True
+    return y.clone(), s["z"].clone(), s["exp_avg"].clone(), s["exp_avg_sq"].clone(), False
+
+
+def _converted(values: tuple, step: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The parameter and the state a cast to ``dtype`` must give (docs/contract.md, "A parameter's state across casts
+    and loads"): bf16/fp16 parameters the float32 state with y's copy, fp32 ones z, m, v in fp32; y rounded once."""
+    y, z, m, v, keeps_y = values
+    p = y.to(dtype)
+    if dtype in HALF:
+        y32 = y.float() if keeps_y else p.float()
+        return p, {"step": step.clone(), "z": z.float(), "exp_avg": m.float(), "exp_avg_sq": v.float(), "y_fp32": y32}
+    return p, {"step": step.clone(), "z": z.to(dtype), "exp_avg": m.to(dtype), "exp_avg_sq": v.to(dtype)}
+
+
+# ---- the machine ----
+
+# The rules' preconditions, named functions (hypothesis describes a lambda by parsing this file's source, each time).
+
+
+def _in_train_mode(machine: OptimizerMachine) -> bool:
+    return machine.train_mode
+
+
+def _in_eval_mode(machine: OptimizerMachine) -> bool:
+    return not machine.train_mode
+
+
+def _room_for_a_group(machine: OptimizerMachine) -> bool:
+    return len(machine.sut.param_groups) < 4
+
+
+def _casts_its_state(machine: OptimizerMachine) -> bool:
+    return machine.config.family == "adamw"  # GPAAdamW converts its state to the parameters' dtype
+
+
+class OptimizerMachine(RuleBasedStateMachine):
+    """An optimizer under test and its for-loop twin, driven alike (subclassed per `Config`: ``config``)."""
+
+    config: Config
+
+    # ---- building ----
+
+    @initialize(
+        seed=SEEDS,
+        mu_x=st.sampled_from(HYPERS["mu_x"]),
+        mu_y=st.sampled_from(HYPERS["mu_y"]),
+        lr=st.sampled_from((1e-2, 1e-3, 0.1)),
+        weight_decay=st.sampled_from((0.1, 0.0)),
+        averaging=st.sampled_from(("gpa", "schedule_free")),
+    )
+    def build(self, seed: int, mu_x: float, mu_y: float, lr: float, weight_decay: float, averaging: str) -> None:
+        """A model with the Trainer's two groups (weights with decay, biases without), and the two optimizers."""
+        cfg = self.config
+        self.dtype = cfg.dtype
+        torch.manual_seed(seed)
+        self.sut_h = Holder().to(self.dtype)
+        self.twin_h = copy.deepcopy(self.sut_h)
+        if cfg.family == "adamw":
+            self.ctor = dict(lr=lr, mu_x=mu_x, mu_y=mu_y, averaging=averaging, betas=(0.9, 0.999), eps=1e-8)
+        elif cfg.family == "gpa":
+            self.ctor = dict(base=cfg.base, lr=lr, mu_x=mu_x, mu_y=mu_y, averaging=averaging, **cfg.base_kwargs)
+        else:
+            self.ctor = dict(base=cfg.base, lr=lr, inner_steps=3, outer_lr=0.7, **cfg.base_kwargs)
+        self.sut = self._make(self._groups(self.sut_h, weight_decay), twin=False)
+        self.twin = self._make(self._groups(self.twin_h, weight_decay), twin=True)
+        self.train_mode = True
+        self.steps: dict[int, int] = defaultdict(int)  # flat index -> steps with a gradient since the state was made
+
+    @staticmethod
+    def _groups(holder: Holder, weight_decay: float) -> list[dict[str, Any]]:
+        net = holder.net
+        return [
+            {"params": [net[0].weight, net[2].weight], "weight_decay": weight_decay},
+            {"params": [net[0].bias, net[2].bias], "weight_decay": 0.0},
+        ]
+
+    def _make(self, groups: list[dict[str, Any]], twin: bool) -> torch.optim.Optimizer:
+        cfg = self.config
+        impl = cfg.twin if twin else cfg.sut
+        if cfg.family == "adamw":
+            return GPAAdamW(groups, **self.ctor, **impl)
+        return (GPA if cfg.family == "gpa" else DiLoCo)(groups, **self.ctor, **impl)
+
+    @contextmanager
+    def _on(self, twin: bool) -> Iterator[None]:
+        """The kernels' switch of the optimizer under test, or of the twin."""
+        with mock.patch.dict(kernels.FORCE, backend=self.config.twin_backend if twin else self.config.backend):
+            yield
+
+    def _both(self, action: str, *args: Any) -> None:
+        for twin, opt in ((False, self.sut), (True, self.twin)):
+            with self._on(twin):
+                getattr(opt, action)(*args)
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        sut, twin = _flat(self.sut), _flat(self.twin)
+        assert len(sut) == len(twin)
+        return list(zip(sut, twin))
+
+    # ---- steps ----
+
+    def _set_grads(self, kinds: list[str], scale: float, seed: int) -> list[int]:
+        """Gradients of one seed for both models: dense, none, strided (non-contiguous) or of another dtype (fp32 for
+        bf16/fp16 parameters, bf16 for fp32 ones); returns the flat indices that got one."""
+        gen = torch.Generator().manual_seed(seed)
+        stepped = []
+        for i, (p, q) in enumerate(self._pairs()):
+            kind = kinds[i % len(kinds)]
+            if kind in self.config.without:
+                kind = "dense"
+            values = torch.randn(p.shape, generator=gen) * scale
+            if kind == "none":
+                p.grad = q.grad = None
+                continue
+            stepped.append(i)
+            for t in (p, q):
+                if kind == "other_dtype" and hasattr(t, "grad_dtype"):
+                    t.grad_dtype = None  # any dtype may be assigned (gradients accumulated in float32)
+                    t.grad = values.to(torch.float32 if t.dtype in HALF else torch.bfloat16)
+                elif kind == "strided" and values.dim() == 2:
+                    t.grad = values.to(t.dtype).t().contiguous().t()
+                elif kind == "strided":
+                    t.grad = torch.zeros(2 * values.numel(), dtype=t.dtype)[::2]
+                    t.grad.copy_(values)
+                else:
+                    t.grad = values.to(t.dtype)
+        return stepped
+
+    def _step(self, stepped: list[int]) -> None:
+        """Step both, count the steps, and hold the optimizer under test to the twin (bitwise, or within the bounds,
+        then synchronized)."""
+        self._both("step")
+        for i in stepped:
+            self.steps[i] += 1
+        for p, q in self._pairs():
+            p.grad = q.grad = None
+        if not self._bitwise():
+            self._check_close_and_sync()
+
+    def _bitwise(self) -> bool:
+        """Whether this step equals the twin's bitwise: the foreach path always; "param" state of bf16/fp16 parameters
+        on the fused path too (no kernel takes it: it steps on foreach inside the fused path)."""
+        cfg = self.config
+        if cfg.bitwise:
+            return True
+        return cfg.sut.get("state_dtype") == "param" and all(
+            p.dtype in HALF and not {"y_lo", "y_fp32"} & set(self.sut.state.get(p, ())) for p in _flat(self.sut)
+        )
+
+    @torch.no_grad()
+    def _check_close_and_sync(self) -> None:
+        for i, (p, q) in enumerate(self._pairs()):
+            s, t = self.sut.state.get(p, {}), self.twin.state.get(q, {})
+            where = f"after a step: parameter {i}"
+            assert set(s) == set(t), f"{where}: state keys {sorted(s)} != {sorted(t)}"
+            if "y_lo" in t:  # compact: the 24-bit y and z, then m, v and the step count
+                _close24((p, s["y_lo"]), (q, t["y_lo"]), f"{where}: y")
+                _close24((s["z"], s["z_lo"]), (t["z"], t["z_lo"]), f"{where}: z")
+                for key in ("exp_avg", "exp_avg_sq", "step"):
+                    _walk(s[key], t[key], f"{where}[{key!r}]", _close)
+            else:
+                _walk(p, q, f"{where}: y", _close)
+                _walk(s, t, f"{where}: state", _close)
+            p.copy_(q)
+            _copy_into(s, t)
+
+    @precondition(_in_train_mode)
+    @rule(steps=st.lists(st.tuples(st.lists(st.sampled_from(GRAD_KINDS), min_size=4, max_size=4),
+                                   st.sampled_from(SCALES), SEEDS), min_size=1, max_size=3))  # fmt: skip
+    def step(self, steps: list[tuple[list[str], float, int]]) -> None:
+        """One to three steps with random gradients: dense, missing, strided or of another dtype, per parameter."""
+        for kinds, scale, seed in steps:
+            self._step(self._set_grads(kinds, scale, seed))
+
+    @precondition(_in_train_mode)
+    @rule(seed=SEEDS)
+    def step_backward(self, seed: int) -> None:
+        """A step with the gradients of a forward and backward pass of the model (the added parameters get none)."""
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed)).to(self.dtype)
+        for h in (self.sut_h, self.twin_h):
+            h.net(x).float().square().mean().backward()
+        self._step([i for i, (p, _) in enumerate(self._pairs()) if p.grad is not None])
+
+    @precondition(_in_eval_mode)
+    @rule()
+    def step_in_eval_mode_raises(self) -> None:
+        """A step in eval mode raises a RuntimeError and changes nothing."""
+        for twin, (opt, h) in ((False, (self.sut, self.sut_h)), (True, (self.twin, self.twin_h))):
+            for p in h.parameters():
+                p.grad = torch.ones_like(p)
+            with self._on(twin), pytest.raises(RuntimeError, match="eval mode"):
+                opt.step()
+            h.zero_grad(set_to_none=True)
+
+    @precondition(_in_eval_mode)
+    @rule(seed=SEEDS)
+    def train_and_step(self, seed: int) -> None:
+        """optimizer.train() after an evaluation, then a step with dense gradients."""
+        self.to_train()
+        self._step(self._set_grads(["dense"], 1.0, seed))
+
+    # ---- modes ----
+
+    @rule()
+    def to_eval(self) -> None:
+        """optimizer.eval(): x into the weights."""
+        self._both("eval")
+        self.train_mode = False
+
+    @rule()
+    def to_train(self) -> None:
+        """optimizer.train(): y back into the weights."""
+        self._both("train")
+        self.train_mode = True
+
+    # ---- writes into the weights ----
+
+    @rule(layer=st.sampled_from((0, 2)))
+    @torch.no_grad()
+    def zero_bias(self, layer: int) -> None:
+        """nn.init.zeros_ on a bias (a 0.0 written over y's stale low word under "compact")."""
+        for h in (self.sut_h, self.twin_h):
+            nn.init.zeros_(h.net[layer].bias)
+
+    @rule(index=st.integers(0, 7), seed=SEEDS)
+    @torch.no_grad()
+    def write_random(self, index: int, seed: int) -> None:
+        """Random values written into one parameter (a load of weights, clipping)."""
+        for p, q in [self._pairs()[index % len(self._pairs())]]:
+            values = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+            p.copy_(values)
+            q.copy_(values)
+
+    @rule(layer=st.sampled_from((0, 2)), seed=SEEDS)
+    def reinit_layer(self, layer: int, seed: int) -> None:
+        """A layer re-initialised (reset_parameters(), as a new head is)."""
+        for h in (self.sut_h, self.twin_h):
+            torch.manual_seed(seed)
+            h.net[layer].reset_parameters()
+
+    # ---- hyper-parameters ----
+
+    @rule(group=st.integers(0, 3), key=st.sampled_from(sorted(HYPERS)), choice=st.integers(0, 3))
+    def set_hyper(self, group: int, key: str, choice: int) -> None:
+        """A hyper-parameter of one group changed, as an LR scheduler (lr, betas) or a user does."""
+        values = HYPERS[key]
+        value = values[choice % len(values)]
+        for opt in (self.sut, self.twin):
+            g = opt.param_groups[group % len(opt.param_groups)]
+            if key in g:
+                g[key] = value
+
+    @precondition(_room_for_a_group)
+    @rule(shape=st.sampled_from(((3,), (2, 2))), seed=SEEDS, lr=st.sampled_from((1e-2, 1e-3)))
+    def add_param_group(self, shape: tuple[int, ...], seed: int, lr: float) -> None:
+        """A group with a new small parameter added (as a frozen part unfrozen)."""
+        values = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(self.dtype)
+        for opt, h in ((self.sut, self.sut_h), (self.twin, self.twin_h)):
+            p = nn.Parameter(values.clone())
+            h.extra.append(p)
+            opt.add_param_group({"params": [p], "lr": lr, "weight_decay": 0.0})
+
+    # ---- the state: round trips (of the optimizer under test only), clearing ----
+
+    def _fresh_sut(self, params_of: dict[int, torch.Tensor] | None = None) -> torch.optim.Optimizer:
+        params_of = params_of or {}
+        groups = [{"params": [params_of.get(id(p), p) for p in g["params"]]} for g in self.sut.param_groups]
+        return self._make(groups, twin=False)
+
+    @rule(how=st.sampled_from(("load", "torch_save", "deepcopy", "pickle")))
+    def round_trip(self, how: str) -> None:
+        """The optimizer under test replaced by its state dict loaded into a fresh one over the same parameters
+        (directly or through torch.save/torch.load(weights_only=True)), or by a deepcopy or pickle of it and the
+        model; its twin runs on as it was."""
+        with self._on(False):
+            if how in ("load", "torch_save"):
+                saved = copy.deepcopy(self.sut.state_dict())
+                if how == "torch_save":
+                    buffer = io.BytesIO()
+                    torch.save(saved, buffer)
+                    buffer.seek(0)
+                    saved = torch.load(buffer, weights_only=True)
+                fresh = self._fresh_sut()
+                fresh.load_state_dict(saved)
+                self.sut = fresh
+            elif how == "deepcopy":
+                self.sut_h, self.sut = copy.deepcopy((self.sut_h, self.sut))
+            else:
+                self.sut_h, self.sut = pickle.loads(pickle.dumps((self.sut_h, self.sut)))
+
+    @rule(how=st.sampled_from(("clear", "del", "new_dict")), index=st.integers(0, 7))
+    def clear_state(self, how: str, index: int) -> None:
+        """optimizer.state.clear(), del optimizer.state[p] or a new dict: the next step starts that state afresh."""
+        if how == "del":
+            i = index % len(self._pairs())
+            for opt, p in zip((self.sut, self.twin), self._pairs()[i]):
+                opt.state.pop(p, None)
+            self.steps[i] = 0
+            return
+        for opt in (self.sut, self.twin):
+            if how == "clear":
+                opt.state.clear()
+            else:
+                opt.state = defaultdict(dict)
+        self.steps.clear()
+
+    # ---- casts of the model (GPAAdamW) ----
+
+    def _cast_allowed(self, dtype: torch.dtype, how: str) -> bool:
+        if self.config.family != "adamw" or dtype == self.dtype:
+            return False
+        allowed = {BF16: (FP16, FP32), FP32: (BF16,), FP16: (FP32,)}
+        if dtype not in allowed[self.dtype]:
+            return False
+        if not self.train_mode and (self.dtype != BF16 or how == "live_step"):
+            return False  # x in a narrower dtype is a write; a step needs train mode
+        if not KNOWN_DEFECTS and dtype in HALF:  # a float32 state into the other half dtype (see KNOWN_DEFECTS)
+            return not any("y_fp32" in self.twin.state.get(q, {}) for _, q in self._pairs())
+        return True
+
+    @precondition(_casts_its_state)
+    @rule(dtype=st.sampled_from((FP16, FP32, BF16)), how=st.sampled_from(("checkpoint", "live_switch", "live_step")),
+          seed=SEEDS)  # fmt: skip
+    def cast(self, dtype: torch.dtype, how: str, seed: int) -> None:
+        """The model cast to another dtype with its optimizer state: a checkpoint loaded into a cast copy of the model
+        and a fresh optimizer, or the model cast under the live optimizer (model.half(), model.float()), converted at
+        eval()/train() or at the next step; the twin is rebuilt from the exact values of its state (the oracle)."""
+        if not self._cast_allowed(dtype, how):
+            return
+        self._cast_twin(dtype)
+        with self._on(False):
+            if how == "checkpoint":
+                saved = copy.deepcopy(self.sut.state_dict())
+                holder = copy.deepcopy(self.sut_h).to(dtype)
+                params_of = {id(p): q for p, q in zip(self.sut_h.parameters(), holder.parameters())}
+                fresh = self._fresh_sut(params_of)
+                fresh.load_state_dict(saved)
+                self.sut_h, self.sut = holder, fresh
+            else:
+                self.sut_h.to(dtype)
+                if how == "live_switch" and self.train_mode:
+                    self.sut.eval()  # converts, then x
+                    self.sut.train()
+                elif how == "live_switch":
+                    self.sut.train()  # converts in eval mode, then y
+                    self.sut.eval()
+        self.dtype = dtype
+        if how == "live_step":
+            self._step(self._set_grads(["dense"], 1.0, seed))
+
+    @torch.no_grad()
+    def _cast_twin(self, dtype: torch.dtype) -> None:
+        """The twin after the cast, built from its exact values: a fresh for-loop GPAAdamW given the converted
+        state, in the mode the twin was in."""
+        holder, twin = copy.deepcopy((self.twin_h, self.twin))
+        twin.train()
+        params = _flat(twin)
+        exact = [(_exact(twin, p), twin.state[p]["step"] if p in twin.state else None) for p in params]
+        holder.to(dtype)
+        fresh = GPAAdamW([{"params": list(g["params"])} for g in twin.param_groups], **self.ctor, **self.config.twin)
+        for new_group, group in zip(fresh.param_groups, twin.param_groups):
+            new_group.update({k: copy.deepcopy(v) for k, v in group.items() if k != "params"})
+        for p, (values, step) in zip(params, exact):
+            if values is not None:
+                y, state = _converted(values, step, dtype)
+                p.copy_(y)
+                fresh.state[p] = state
+        if not self.train_mode:
+            fresh.eval()
+        self.twin_h, self.twin = holder, fresh
+
+    # ---- what must hold after every rule ----
+
+    @invariant()
+    def equal_to_the_twin(self) -> None:
+        """The weights and every state tensor bitwise the twin's; the modes alike."""
+        assert self.sut.train_mode == self.twin.train_mode == self.train_mode
+        for i, (p, q) in enumerate(self._pairs()):
+            _same(p.detach(), q.detach(), f"parameter {i}")
+            _same(self.sut.state.get(p, {}), self.twin.state.get(q, {}), f"state of parameter {i}")
+
+    @invariant()
+    def steps_counted(self) -> None:
+        """Every parameter stepped since its state was made has that state, with its steps counted, in state_dict()."""
+        with self._on(False):
+            saved = self.sut.state_dict()["state"]
+        for opt, state_dict in ((self.sut, saved), (self.twin, None)):
+            for i, p in enumerate(_flat(opt)):
+                expected = self.steps.get(i, 0)
+                state = opt.state.get(p, {})
+                if expected == 0:
+                    continue
+                count = _count(self.config, state)
+                assert state, f"parameter {i}: stepped {expected} times, no state"
+                assert count in (None, expected), f"parameter {i}: step count {count}, stepped {expected} times"
+                if state_dict is not None:
+                    assert i in state_dict, f"parameter {i}: stepped {expected} times, not in state_dict()"
+
+    @invariant()
+    def x_and_y_are_numbers(self) -> None:
+        """No NaN in y or x (x from eval() on copies, the same as the twin's)."""
+        for i, p in enumerate(_flat(self.sut)):
+            assert not p.isnan().any(), f"parameter {i}: NaN in {'y' if self.train_mode else 'x'}: {p}"
+        if not self.train_mode:
+            return
+        copies = []
+        for twin, opt in ((False, self.sut), (True, self.twin)):
+            with self._on(twin):
+                c = copy.deepcopy(opt)
+                c.eval()
+            copies.append(_flat(c))
+        for i, (x, x_twin) in enumerate(zip(*copies)):
+            assert not x.isnan().any(), f"parameter {i}: NaN in x: {x}"
+            _same(x.detach(), x_twin.detach(), f"x of parameter {i}")
+
+
+# ---- the tests ----
+
+
+def _skip_unless_runnable(config: Config) -> None:
+    if config.needs == "cpu_kernel" and _kernels.load_cpu_kernel() is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    if config.needs == "triton" and not _triton.triton_available():
+        pytest.skip("triton is not installed")
+
+
+def _run(config: Config, profile: settings) -> None:
+    _skip_unless_runnable(config)
+    machine = type(f"Fuzz_{config.name}", (OptimizerMachine,), {"config": config})
+    run_state_machine_as_test(machine, settings=profile)
+
+
+_COMMON = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=False)
+#: The CI run: fixed examples, about a minute for all configurations on two cores.
+CI = settings(max_examples=30, stateful_step_count=30, derandomize=True, **_COMMON)
+#: The long search (-m slow).
+SLOW = settings(max_examples=int(os.environ.get("HF_GPA_FUZZ_EXAMPLES", "200")), stateful_step_count=40, **_COMMON)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_stateful_fuzz(config: Config) -> None:
+    """Random sequences of steps, modes, writes, hyper-parameter changes, added groups, round trips, cleared state and
+    casts: the optimizer under test stays its for-loop twin (bitwise, or within the documented bound at a step)."""
+    _run(config, CI)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_stateful_fuzz_long(config: Config) -> None:
+    """The same search, longer and not derandomized."""
+    _run(config, SLOW)
+
+
+@pytest.mark.xfail(strict=True, reason="a float32 state is not converted on a cast bf16 -> fp16: y's copy is lost")
+@pytest.mark.parametrize("how", ["live", "checkpoint"])
+def test_float32_state_cast_to_fp16_keeps_y(how: str) -> None:
+    """The defect the fuzzer found (left out of its runs, `KNOWN_DEFECTS`): bf16 parameters with ``state_dtype=
+    "float32"`` cast to fp16 (``model.half()``, or a checkpoint loaded into an fp16 copy of the model) keep their state
+    as it is, since it fits fp16 parameters too, and the next step or eval() takes the cast parameter (y rounded to
+    bf16, then widened) for a write: y's float32 copy becomes y rounded to bf16, where the contract says the parameter
+    receives y in its own dtype (y rounded to fp16) and the state keeps y exactly."""
+    gen = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(64, generator=gen).to(BF16))
+    opt = GPAAdamW([p], lr=1e-2, mu_x=0.9, state_dtype="float32")
+    for _ in range(3):
+        p.grad = torch.randn(64, generator=gen).to(BF16)
+        opt.step()
+    y = opt.state[p]["y_fp32"].clone()
+    if how == "live":
+        p.data = p.data.half()
+    else:
+        saved = copy.deepcopy(opt.state_dict())
+        p = nn.Parameter(p.detach().half())
+        opt = GPAAdamW([p], lr=1e-2, mu_x=0.9, state_dtype="float32")
+        opt.load_state_dict(saved)
+    opt.eval()
+    opt.train()
+    assert torch.equal(opt.state[p]["y_fp32"], y)
+    assert torch.equal(p.detach(), y.to(FP16))
+
+
+# ---- torch.compile ----
+
+COMPILED = {
+    "forloop": (FORLOOP, FP32),
+    "forloop_bf16_compact": (FORLOOP, BF16),
+    "fused": (FUSED, FP32),
+    "fused_bf16_compact": (FUSED, BF16),
+}
+
+
+@pytest.mark.parametrize("impl", list(COMPILED))
+@settings(max_examples=2, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(
+    steps=st.lists(st.tuples(SEEDS, st.sampled_from(((True, True), (True, False), (False, True)))), min_size=3,
+                   max_size=5),
+    lr=st.sampled_from((1e-2, 0.1)),
+    mu_x=st.sampled_from((0.9, 0.5)),
+)  # fmt: skip
+def test_compiled_step_equals_the_eager_step(impl: str, steps: list[tuple[int, tuple[bool, bool]]], lr: float,
+                                             mu_x: float) -> None:  # fmt: skip
+    """``torch.compile(optimizer.step)`` (inductor) over a random short sequence of steps, some parameters without a
+    gradient at some steps: the for-loop and the C++ kernel equal the eager step bitwise after every step (the
+    for-loop drifted by 1e-3 in 3 steps: dynamo made its step count a symbolic float), and so does x."""
+    kwargs, dtype = COMPILED[impl]
+    if "fused" in kwargs and _kernels.load_cpu_kernel() is None:
+        pytest.skip("the C++ kernel cannot be built here")
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(s, generator=gen).to(dtype) for s in ((4, 3), (5,))]
+    runs = []
+    for compiled in (True, False):
+        params = [nn.Parameter(v.clone()) for v in values]
+        opt = GPAAdamW(params, lr=lr, weight_decay=0.1, mu_x=mu_x, **kwargs)
+        runs.append((params, opt, torch.compile(opt.step) if compiled else opt.step))
+    torch._dynamo.reset()
+    try:
+        for t, (seed, mask) in enumerate(steps):
+            for params, _, step in runs:
+                g = torch.Generator().manual_seed(seed)
+                for p, has_grad in zip(params, mask):
+                    p.grad = torch.randn(p.shape, generator=g).to(dtype) if has_grad else None
+                step()
+            for i, (c, e) in enumerate(zip(runs[0][0], runs[1][0])):
+                _same(c.detach(), e.detach(), f"step {t}: parameter {i}")
+    finally:
+        torch._dynamo.reset()
+    for _, opt, _ in runs:
+        opt.eval()
+    for i, (c, e) in enumerate(zip(runs[0][0], runs[1][0])):
+        _same(c.detach(), e.detach(), f"x of parameter {i}")
