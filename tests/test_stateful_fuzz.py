@@ -26,8 +26,8 @@ What is compared, after every rule:
 * after a cast of the model (bf16 to fp16 or fp32, fp32 to bf16, fp16 to fp32), an oracle built here from the exact
   values of the twin's state before the cast: y, z, m and v widened without rounding into the new dtype's state, which
   the optimizer under test must hold bitwise after its conversion (at eval()/train(), at the next step, or by
-  ``load_state_dict`` into a cast copy of the model). One defect it found is left out of the runs (`KNOWN_DEFECTS`)
-  and pinned by a strict xfail, `test_float32_state_cast_to_fp16_keeps_y`.
+  ``load_state_dict`` into a cast copy of the model). The one defect it found in the new state layouts (a float32
+  state under a cast between bf16 and fp16 lost y's copy) is pinned by `test_float32_state_cast_to_fp16_keeps_y`.
 
 The default run (derandomized: 30 sequences of up to 30 rules per configuration) takes under a minute for the whole
 file on two cores; ``test_stateful_fuzz_long`` (``-m slow``, not derandomized) searches longer, the environment
@@ -175,10 +175,6 @@ HYPERS = {
     "momentum": (0.9, 0.0, 0.5),
     "outer_lr": (0.7, 0.3, 1.0),
 }
-#: A FLOAT32 state (y's float32 copy) under a cast to the other half dtype is not converted: the cast parameter is
-#: taken for a write and y's float32 copy is lost (reported; `test_float32_state_cast_to_fp16_keeps_y`). Set
-#: HF_GPA_FUZZ_KNOWN_DEFECTS=1 to let the fuzzer find it.
-KNOWN_DEFECTS = os.environ.get("HF_GPA_FUZZ_KNOWN_DEFECTS") == "1"
 
 
 # ---- helpers ----
@@ -619,8 +615,6 @@ class OptimizerMachine(RuleBasedStateMachine):
             return False
         if not self.train_mode and (self.dtype != BF16 or how == "live_step"):
             return False  # x in a narrower dtype is a write; a step needs train mode
-        if not KNOWN_DEFECTS and dtype in HALF:  # a float32 state into the other half dtype (see KNOWN_DEFECTS)
-            return not any("y_fp32" in self.twin.state.get(q, {}) for _, q in self._pairs())
         return True
 
     @precondition(_casts_its_state)
@@ -661,6 +655,14 @@ class OptimizerMachine(RuleBasedStateMachine):
         twin.train()
         params = _flat(twin)
         exact = [(_exact(twin, p), twin.state[p]["step"] if p in twin.state else None) for p in params]
+        # Between bf16 and fp16 a float32 state fits both and is kept as it is: a tensor written since the last step
+        # keeps its values (in the new dtype) and y's copy stays as it was, for the next step to take the write.
+        kept = {}
+        if self.dtype in HALF and dtype in HALF:
+            for p in params:
+                y32 = twin.state.get(p, {}).get("y_fp32")
+                if y32 is not None and not torch.equal(_bits(y32.to(p.dtype)), _bits(p.detach())):
+                    kept[p] = (y32.clone(), p.detach().clone())
         holder.to(dtype)
         fresh = GPAAdamW([{"params": list(g["params"])} for g in twin.param_groups], **self.ctor, **self.config.twin)
         for new_group, group in zip(fresh.param_groups, twin.param_groups):
@@ -668,6 +670,9 @@ class OptimizerMachine(RuleBasedStateMachine):
         for p, (values, step) in zip(params, exact):
             if values is not None:
                 y, state = _converted(values, step, dtype)
+                if p in kept:
+                    state["y_fp32"], p_old = kept[p]
+                    y = p_old.to(dtype)
                 p.copy_(y)
                 fresh.state[p] = state
         if not self.train_mode:
@@ -756,14 +761,13 @@ def test_stateful_fuzz_long(config: Config) -> None:
     _run(config, SLOW)
 
 
-@pytest.mark.xfail(strict=True, reason="a float32 state is not converted on a cast bf16 -> fp16: y's copy is lost")
 @pytest.mark.parametrize("how", ["live", "checkpoint"])
 def test_float32_state_cast_to_fp16_keeps_y(how: str) -> None:
-    """The defect the fuzzer found (left out of its runs, `KNOWN_DEFECTS`): bf16 parameters with ``state_dtype=
-    "float32"`` cast to fp16 (``model.half()``, or a checkpoint loaded into an fp16 copy of the model) keep their state
-    as it is, since it fits fp16 parameters too, and the next step or eval() takes the cast parameter (y rounded to
-    bf16, then widened) for a write: y's float32 copy becomes y rounded to bf16, where the contract says the parameter
-    receives y in its own dtype (y rounded to fp16) and the state keeps y exactly."""
+    """The defect the fuzzer found in the new layouts: bf16 parameters with ``state_dtype="float32"`` cast to fp16
+    (``model.half()``, or a checkpoint loaded into an fp16 copy of the model) kept their state as it was, since it
+    fits fp16 parameters too, and the next step or eval() took the cast parameter (y rounded to bf16) for a write:
+    y's float32 copy became y rounded to bf16. The parameter receives y in its own dtype (y rounded to fp16) and the
+    state keeps y exactly."""
     gen = torch.Generator().manual_seed(0)
     p = nn.Parameter(torch.randn(64, generator=gen).to(BF16))
     opt = GPAAdamW([p], lr=1e-2, mu_x=0.9, state_dtype="float32")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ._residual import bits_differ, bits_equal, decode_residual_, encode_residual, residual_dtype
-from ._state_layout import FLOAT32, layout_of
+from ._state_layout import FLOAT32, HALF_DTYPES, layout_of
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
 from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
@@ -78,6 +78,32 @@ class GPASwitch(TrainEvalOptimizer):
         if group[MU_Y] == 1.0:
             return []
         return [(p, self.state[p]) for p in group["params"] if Z in self.state.get(p, ())]
+
+
+def follow_half_cast_(p: torch.Tensor, state: dict[str, Any], mu_y: float, *, train_mode: bool) -> None:
+    """A float32 state (y's float32 copy) fits bf16 and fp16 parameters alike, so a cast between the two
+    (``model.half()`` on a bf16 model, a bf16 checkpoint loaded into an fp16 copy) leaves it as it is, while the
+    parameter holds y (x in eval mode) rounded to the old dtype, which would read as a write and cost y's float32
+    copy. Where the whole tensor holds exactly that (the state's value rounded through the other half dtype, and not
+    to its own), it receives the value rounded to its own dtype, as if the run had been in it. A tensor written since
+    (clipped, re-initialised, loaded: not every element the state's value through the other dtype) stays written."""
+    layout = layout_of(state)
+    local = local_tensor(p)
+    if layout is not FLOAT32 or local.dtype not in HALF_DTYPES:
+        return
+    other = torch.float16 if local.dtype == torch.bfloat16 else torch.bfloat16
+    param, z, y32 = real_view(local), real_view(local_tensor(state[Z])), real_view(local_tensor(state[Y_FP32]))
+    pieces = chunks(param, z, y32)
+    wides, cast = [], False
+    for _, (pc, zc, y32c) in pieces:
+        wide = y32c if train_mode else _x_from_y(y32c, zc, mu_y)
+        if bool(bits_differ(pc, wide.to(other).to(pc.dtype)).any()):
+            return  # written (or never of the other dtype): the parameter's values are its own
+        cast = cast or bool(bits_differ(pc, wide.to(pc.dtype)).any())
+        wides.append(wide)
+    if cast:
+        for (_, (pc, _, _)), wide in zip(pieces, wides):
+            pc.copy_(wide)
 
 
 def to_eval_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
-from ._gpa_switch import GPASwitch, to_eval_, to_train_
+from ._gpa_switch import GPASwitch, follow_half_cast_, to_eval_, to_train_
 from ._state_layout import (
     COMPACT,
     FLOAT32,
@@ -237,7 +237,10 @@ class GPAAdamW(GPASwitch):
         unfit = []
         for p in params:
             state = self.state.get(p)
-            if not state or Z not in state or layout_of(state).fits(p.dtype, state):
+            if not state or Z not in state:
+                continue
+            if layout_of(state).fits(p.dtype, state):
+                follow_half_cast_(p, state, group[MU_Y], train_mode=train_mode)
                 continue
             reason = refusal(state, p.dtype)
             if reason is not None:
