@@ -215,6 +215,7 @@ def main(scenario: str, out: str, rank: str, world_size: str) -> None:
     )
     try:
         SCENARIOS[scenario](out_dir, int(rank))
+        dist.barrier()  # every rank done before any tears its connections down (gloo can abort at exit otherwise)
     finally:
         dist.destroy_process_group()
 
