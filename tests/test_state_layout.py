@@ -67,6 +67,11 @@ def test_kernels_join_and_split_as_the_forloop(impl: str) -> None:
     """Every (high word, low word) pair through a step that keeps y and z (lr = 0, zero gradient, z = y): each path
     writes bitwise the words the for-loop writes, NaNs included."""
     kwargs, force = _impl(impl)
+    if impl == "triton":
+        import triton
+
+        if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
+            pytest.skip(f"triton {triton.__version__}'s interpreter writes other bits than 3.9's (the pinned) here")
     hi = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     lows = torch.tensor([-128, -1, 0, 1, 127], dtype=torch.int8)
 
