@@ -94,16 +94,19 @@ def follow_half_cast_(p: torch.Tensor, state: dict[str, Any], mu_y: float, *, tr
     other = torch.float16 if local.dtype == torch.bfloat16 else torch.bfloat16
     param, z, y32 = real_view(local), real_view(local_tensor(state[Z])), real_view(local_tensor(state[Y_FP32]))
     pieces = chunks(param, z, y32)
-    wides, cast = [], False
+
+    def wide_of(zc: torch.Tensor, y32c: torch.Tensor) -> torch.Tensor:
+        return y32c if train_mode else _x_from_y(y32c, zc, mu_y)
+
+    cast = False
     for _, (pc, zc, y32c) in pieces:
-        wide = y32c if train_mode else _x_from_y(y32c, zc, mu_y)
+        wide = wide_of(zc, y32c)
         if bool(bits_differ(pc, wide.to(other).to(pc.dtype)).any()):
             return  # written (or never of the other dtype): the parameter's values are its own
         cast = cast or bool(bits_differ(pc, wide.to(pc.dtype)).any())
-        wides.append(wide)
-    if cast:
-        for (_, (pc, _, _)), wide in zip(pieces, wides):
-            pc.copy_(wide)
+    if cast:  # recomputed piece by piece, not held: in eval mode each piece's x is a float32 temporary
+        for _, (pc, zc, y32c) in pieces:
+            pc.copy_(wide_of(zc, y32c))
 
 
 def to_eval_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:
