@@ -297,6 +297,36 @@ def test_weights_written_in_eval_mode_are_kept_by_train(name: str, dtype: torch.
     assert all(torch.equal(p, b) for p, b in zip(params[1:], y_before[1:]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(WRITERS))
+@pytest.mark.parametrize("new_mu_y", [1.0, 0.3])
+def test_mu_y_changed_in_eval_mode_applies_from_the_next_step(name: str, dtype: torch.dtype, new_mu_y: float) -> None:
+    """mu_y changed while in eval mode (to 1.0 as well: x = y): train() still gives y back bitwise, with no residual
+    left in the state, also through a state dict saved in eval mode; the next step uses the new mu_y. (train()
+    inverted x with the new mu_y: y off, and at mu_y = 1 the residual stayed in the state.)"""
+    params, opt = _stepped(WRITERS[name], 5, dtype)
+    y = [p.detach().clone() for p in params]
+    opt.eval()
+    for group in opt.param_groups:
+        group["mu_y"] = new_mu_y
+    twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    twin = WRITERS[name](twin_params)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))  # saved in eval mode, after the change
+    for o, ps in ((opt, params), (twin, twin_params)):
+        o.train()
+        assert all(torch.equal(p, b) for p, b in zip(ps, y))
+        assert not any(k.startswith("y_residual") for p in ps for k in o.state[p])
+        assert all("eval_mu_y" not in g for g in o.param_groups)
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = WRITERS[name](fresh_params)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))  # saved in train mode with the new mu_y
+    for o, ps in ((opt, params), (fresh, fresh_params)):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, fresh_params))
+
+
 SWITCHERS = {
     "gpa_adamw": lambda ps: GPAAdamW(ps, lr=1e-2, mu_x=0.9, mu_y=0.3),
     "gpa(sgd)": lambda ps: GPA(ps, base=torch.optim.SGD, lr=1e-2, mu_x=0.9, mu_y=0.3),

@@ -26,8 +26,12 @@ What is compared, after every rule:
 * after a cast of the model (bf16 to fp16 or fp32, fp32 to bf16, fp16 to fp32), an oracle built here from the exact
   values of the twin's state before the cast: y, z, m and v widened without rounding into the new dtype's state, which
   the optimizer under test must hold bitwise after its conversion (at eval()/train(), at the next step, or by
-  ``load_state_dict`` into a cast copy of the model). The one defect it found in the new state layouts (a float32
-  state under a cast between bf16 and fp16 lost y's copy) is pinned by `test_float32_state_cast_to_fp16_keeps_y`.
+  ``load_state_dict`` into a cast copy of the model); in eval mode x as eval() computed it (with eval()'s mu_y, which
+  a later change of mu_y leaves alone), and between bf16 and fp16 a tensor written since the last step (or eval())
+  keeps its written values beside y's old copy. The defects it found in the new state layouts are pinned by
+  `test_float32_state_cast_to_fp16_keeps_y` (a float32 state under a cast between bf16 and fp16 lost y's copy) and
+  ``tests/test_modes.py``'s `test_mu_y_changed_in_eval_mode_applies_from_the_next_step` (train() inverted x with a
+  mu_y changed in eval mode; at mu_y = 1 it left the residual in the state).
 
 The default run (derandomized: 30 sequences of up to 30 rules per configuration) takes under a minute for the whole
 file on two cores; ``test_stateful_fuzz_long`` (``-m slow``, not derandomized) searches longer, the environment
@@ -626,6 +630,11 @@ class OptimizerMachine(RuleBasedStateMachine):
         eval()/train() or at the next step; the twin is rebuilt from the exact values of its state (the oracle)."""
         if not self._cast_allowed(dtype, how):
             return
+        if how == "live_switch":  # the optimizer under test goes through eval() and train() (or back): the twin too
+            order = ("eval", "train") if self.train_mode else ("train", "eval")
+            for action in order:
+                with self._on(True):
+                    getattr(self.twin, action)()
         self._cast_twin(dtype)
         with self._on(False):
             if how == "checkpoint":
@@ -652,17 +661,25 @@ class OptimizerMachine(RuleBasedStateMachine):
         """The twin after the cast, built from its exact values: a fresh for-loop GPAAdamW given the converted
         state, in the mode the twin was in."""
         holder, twin = copy.deepcopy((self.twin_h, self.twin))
+        # eval()'s mu_y, which x was computed with (mu_y may have been changed in eval mode since)
+        x_mu_y = [g.get("eval_mu_y", g["mu_y"]) for g in twin.param_groups]
+        # Between bf16 and fp16 a float32 state fits both and is kept as it is: a tensor written since the last step
+        # (in eval mode: since eval()) keeps its values (in the new dtype) and y's copy stays as it was, for the next
+        # step (train()) to take the write.
+        kept = {}
+        if self.dtype in HALF and dtype in HALF:
+            for group, mu_y in zip(twin.param_groups, x_mu_y):
+                for p in group["params"]:
+                    s = twin.state.get(p, {})
+                    y32 = s.get("y_fp32")
+                    if y32 is None:
+                        continue
+                    held = y32 if self.train_mode else s["z"] + (y32 - s["z"]) / mu_y  # x = (y - (1 - mu_y) z) / mu_y
+                    if not torch.equal(_bits(held.to(p.dtype)), _bits(p.detach())):
+                        kept[p] = (y32.clone(), p.detach().clone())
         twin.train()
         params = _flat(twin)
         exact = [(_exact(twin, p), twin.state[p]["step"] if p in twin.state else None) for p in params]
-        # Between bf16 and fp16 a float32 state fits both and is kept as it is: a tensor written since the last step
-        # keeps its values (in the new dtype) and y's copy stays as it was, for the next step to take the write.
-        kept = {}
-        if self.dtype in HALF and dtype in HALF:
-            for p in params:
-                y32 = twin.state.get(p, {}).get("y_fp32")
-                if y32 is not None and not torch.equal(_bits(y32.to(p.dtype)), _bits(p.detach())):
-                    kept[p] = (y32.clone(), p.detach().clone())
         holder.to(dtype)
         fresh = GPAAdamW([{"params": list(g["params"])} for g in twin.param_groups], **self.ctor, **self.config.twin)
         for new_group, group in zip(fresh.param_groups, twin.param_groups):
@@ -670,13 +687,20 @@ class OptimizerMachine(RuleBasedStateMachine):
         for p, (values, step) in zip(params, exact):
             if values is not None:
                 y, state = _converted(values, step, dtype)
-                if p in kept:
-                    state["y_fp32"], p_old = kept[p]
-                    y = p_old.to(dtype)
+                if p in kept:  # y's copy as it was; in eval mode the written x goes in after eval()
+                    state["y_fp32"] = kept[p][0]
+                    y = kept[p][1].to(dtype) if self.train_mode else kept[p][0].to(dtype)
                 p.copy_(y)
                 fresh.state[p] = state
         if not self.train_mode:
+            current = [g["mu_y"] for g in fresh.param_groups]
+            for group, mu_y in zip(fresh.param_groups, x_mu_y):  # x as eval() computed it
+                group["mu_y"] = mu_y
             fresh.eval()
+            for group, mu_y in zip(fresh.param_groups, current):
+                group["mu_y"] = mu_y
+            for p, (_, x_written) in kept.items():
+                p.copy_(x_written.to(dtype))
         self.twin_h, self.twin = holder, fresh
 
     # ---- what must hold after every rule ----
@@ -747,11 +771,6 @@ CI = settings(max_examples=30, stateful_step_count=30, derandomize=True, **_COMM
 SLOW = settings(max_examples=int(os.environ.get("HF_GPA_FUZZ_EXAMPLES", "200")), stateful_step_count=40, **_COMMON)
 
 
-# Out of CI for now: in the whole suite (the same derandomized budget) it found three sequences that fail on GPAAdamW
-# with fp32 parameters and the C++ kernel (mu_y changed in eval mode, then a cast to bf16: the residual's keys stay
-# beside the new float32 state; a bias zeroed in eval mode, then a bf16 -> fp16 checkpoint: x's sign of zero), which
-# run alone it does not reach; it goes back into CI with their fixes.
-@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_stateful_fuzz(config: Config) -> None:
     """Random sequences of steps, modes, writes, hyper-parameter changes, added groups, round trips, cleared state and

@@ -26,10 +26,10 @@ from ._residual import bits_differ, bits_equal, decode_residual_, encode_residua
 from ._state_layout import FLOAT32, HALF_DTYPES, layout_of
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
-from ._types import MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
+from ._types import EVAL_MU_Y, MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
 from .kernels import kernel_for, kernel_module, same_dense_layout
 
-__all__ = ["GPASwitch", "to_eval_", "to_train_"]
+__all__ = ["GPASwitch", "follow_half_cast_", "to_eval_", "to_train_", "x_mu_y"]
 
 #: The dtypes whose train() the C++ kernel takes (``gpa_train_residual``); bf16/fp16 with state in their own dtype
 #: round every operation to 16 bits, which the torch ops below do.
@@ -61,21 +61,31 @@ def _kernel_takes(x: torch.Tensor, z: torch.Tensor, approx: torch.Tensor, residu
     )
 
 
+def x_mu_y(group: dict[str, Any]) -> float:
+    """The mu_y that relates the group's parameters to y: in eval mode the one eval() computed x with (recorded in
+    the group, so that a mu_y changed in eval mode applies from the next step and train() still restores y bitwise),
+    else the group's."""
+    return group.get(EVAL_MU_Y, group[MU_Y])
+
+
 class GPASwitch(TrainEvalOptimizer):
     """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
 
     def _params_to_eval(self, group: dict[str, Any]) -> None:
-        for p, state in self._switched(group):
-            to_eval_(p, state, group[MU_Y])
+        mu_y = group[EVAL_MU_Y] = group[MU_Y]
+        for p, state in self._switched(group, mu_y):
+            to_eval_(p, state, mu_y)
 
     def _params_to_train(self, group: dict[str, Any]) -> None:
-        for p, state in self._switched(group):
-            to_train_(p, state, group[MU_Y])
+        mu_y = x_mu_y(group)
+        for p, state in self._switched(group, mu_y):
+            to_train_(p, state, mu_y)
+        group.pop(EVAL_MU_Y, None)
 
-    def _switched(self, group: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    def _switched(self, group: dict[str, Any], mu_y: float) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """The group's parameters that have a state and whose x and y differ (never stepped: x = y = z; mu_y = 1:
         x = y)."""
-        if group[MU_Y] == 1.0:
+        if mu_y == 1.0:
             return []
         return [(p, self.state[p]) for p in group["params"] if Z in self.state.get(p, ())]
 

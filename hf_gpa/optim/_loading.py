@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ._types import INITIAL_LR, LR, OPTIMIZER, STEP, TRAIN_MODE
+from ._types import EVAL_MU_Y, INITIAL_LR, LR, OPTIMIZER, STEP, TRAIN_MODE
 
 __all__ = ["Loadable", "saved_optimizer_name", "load_checked"]
 
@@ -183,3 +183,4 @@ def _adopt(optimizer: Loadable, state_dict: dict[str, Any]) -> None:
             else:
                 group[key] = saved_group[key]
         group[TRAIN_MODE] = True
+        group.pop(EVAL_MU_Y, None)

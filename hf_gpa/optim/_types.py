@@ -102,6 +102,9 @@ MAXIMIZE = "maximize"
 STATE_DTYPE = "state_dtype"
 INITIAL_LR = "initial_lr"  # written by torch's LR schedulers
 TRAIN_MODE = "train_mode"  # True while the parameters hold the training iterate
+#: GPA, in eval mode only: the mu_y with which eval() computed x, which train() and casts invert (mu_y may be changed
+#: in eval mode; the new value applies from the next step).
+EVAL_MU_Y = "eval_mu_y"
 OPTIMIZER = "optimizer"  # the name of the optimizer that wrote a state dict ("GPAAdamW", "GPA(AdamW)", ...)
 INNER_STEPS = "inner_steps"
 OUTER_LR = "outer_lr"

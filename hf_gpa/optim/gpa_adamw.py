@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
-from ._gpa_switch import GPASwitch, follow_half_cast_, to_eval_, to_train_
+from ._gpa_switch import GPASwitch, follow_half_cast_, to_eval_, to_train_, x_mu_y
 from ._state_layout import (
     COMPACT,
     FLOAT32,
@@ -240,13 +240,13 @@ class GPAAdamW(GPASwitch):
             if not state or Z not in state:
                 continue
             if layout_of(state).fits(p.dtype, state):
-                follow_half_cast_(p, state, group[MU_Y], train_mode=train_mode)
+                follow_half_cast_(p, state, x_mu_y(group), train_mode=train_mode)
                 continue
             reason = refusal(state, p.dtype)
             if reason is not None:
                 raise ValueError(f"{self.optimizer_name}: the optimizer state of {self._where(p)} {reason}")
             unfit.append(p)
-        mu_y = group[MU_Y]
+        mu_y = x_mu_y(group)
         for p in unfit:
             state = self.state[p]
             # y in the form the state was made for: the parameter cast back, and in eval mode train()'s y from it.
