@@ -669,7 +669,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    finished = False
     try:
         main()
+        finished = True
     finally:
-        end_process_group()  # under accelerate launch / torchrun, also when main() raises
+        end_process_group(finished=finished)  # under accelerate launch / torchrun, also when main() raises

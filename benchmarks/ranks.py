@@ -171,6 +171,7 @@ def _rank_main(
     dist.init_process_group(METERED_GLOO, init_method=rendezvous, rank=rank, world_size=world_size, timeout=timeout)
     try:
         fn(rank, meter, *args)
+        dist.barrier()  # every rank done before any tears its connections down (gloo can abort at exit otherwise)
     finally:
         dist.destroy_process_group()
 

@@ -319,14 +319,18 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
     return checkpoint
 
 
-def end_process_group() -> None:
+def end_process_group(*, finished: bool) -> None:
     """Destroy torch.distributed's default process group, where one was started (as accelerate's ``end_training``
     does). A multi-process run that leaves it to the interpreter's exit may abort after its work is done (gloo's
-    teardown: "terminate called without an active exception"). `GPATrainer`, like `Trainer`, leaves this to the
-    script that runs it."""
+    teardown: "terminate called without an active exception"), and so may one whose processes tear their connections
+    down while another still uses them: ``finished`` (the run ended without an error) waits for every process first,
+    within the group's timeout; after an error nothing waits, since the others may never arrive. `GPATrainer`, like
+    `Trainer`, leaves this to the script that runs it."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -200,6 +200,7 @@ def main(scenario: str, out: str) -> None:
     try:
         facts = SCENARIOS[scenario](out_dir)
         torch.save(facts, out_dir / f"{scenario}_rank{dist.get_rank()}.pt")
+        dist.barrier()  # every rank done before any tears its connections down (gloo can abort at exit otherwise)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -455,8 +455,33 @@ def test_the_script_ends_its_process_group(script: str, tmp_path: Path) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
-        with patch.object(sys, "argv", [f"{script}.py", "--gpa_mu_x", "1.5"]), pytest.raises(ValueError, match="mu_x"):
+        with (
+            patch.object(sys, "argv", [f"{script}.py", "--gpa_mu_x", "1.5"]),
+            patch.object(dist, "barrier", wraps=dist.barrier) as barrier,
+            pytest.raises(ValueError, match="mu_x"),
+        ):
             runpy.run_path(str(REPO / f"{script}.py"), run_name="__main__")
+        assert not dist.is_initialized()
+        assert barrier.call_count == 0  # after an error nothing waits: the other processes may never arrive
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_finished_run_waits_for_every_process_before_ending_the_group(finished: bool, tmp_path: Path) -> None:
+    """end_process_group(finished=True) (main() returned) waits for every process (a barrier) before destroying the
+    group, so that no process tears its connections down while another still uses them (gloo aborted a finished
+    4-process run at exit so); after an error it destroys the group without waiting."""
+    import torch.distributed as dist
+
+    from hf_gpa.example_args import end_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        with patch.object(dist, "barrier", wraps=dist.barrier) as barrier:
+            end_process_group(finished=finished)
+        assert barrier.call_count == int(finished)
         assert not dist.is_initialized()
     finally:
         if dist.is_initialized():
