@@ -65,13 +65,15 @@ def test_every_join_is_a_number_within_half_a_unit_of_its_high_word() -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_kernels_join_and_split_as_the_forloop(impl: str) -> None:
     """Every (high word, low word) pair through a step that keeps y and z (lr = 0, zero gradient, z = y): each path
-    writes bitwise the words the for-loop writes, NaNs included."""
+    writes bitwise the words the for-loop writes, NaNs included. Under triton < 3.9 (the lowest pass's 3.6) the
+    interpreter keeps z = -0.0 where the for-loop writes +0.0 (3 of the 327,680 pairs, high word -0.0): there the
+    sign of a zero is let go, every other word is still bitwise."""
     kwargs, force = _impl(impl)
+    zero_sign_free = False
     if impl == "triton":
         import triton
 
-        if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
-            pytest.skip(f"triton {triton.__version__}'s interpreter writes other bits than 3.9's (the pinned) here")
+        zero_sign_free = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9)
     hi = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     lows = torch.tensor([-128, -1, 0, 1, 127], dtype=torch.int8)
 
@@ -90,6 +92,10 @@ def test_kernels_join_and_split_as_the_forloop(impl: str) -> None:
 
     ref = words({"foreach": False}, None)
     for actual, expected in zip(words(kwargs, force), ref):
+        if zero_sign_free and expected.dtype == torch.int16:
+            zero = (expected & 0x7FFF) == 0
+            assert torch.equal(actual[zero] & 0x7FFF, expected[zero] & 0x7FFF)
+            actual, expected = actual[~zero], expected[~zero]
         assert torch.equal(actual, expected)
 
 
