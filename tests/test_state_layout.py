@@ -234,6 +234,24 @@ def test_a_float64_state_into_float32_parameters_is_refused_before_anything_chan
     assert torch.equal(wide[0].detach(), y)
 
 
+def test_a_refused_cast_leaves_the_other_parameters_of_the_group_as_they_are() -> None:
+    """A model cast to fp16 whose group holds a bf16 parameter with a float32 state (which a cast between bf16 and
+    fp16 would give y rounded to fp16) before a float64 one (refused): the step raises, and the fp16 parameter keeps
+    the values the cast gave it, y's copy untouched (the refusal came after the first had been rewritten)."""
+    gen = torch.Generator().manual_seed(0)
+    half = torch.nn.Parameter(torch.randn(64, generator=gen).to(torch.bfloat16))
+    wide = torch.nn.Parameter(torch.randn(5, generator=gen, dtype=torch.float64))
+    opt = GPAAdamW([half, wide], lr=1e-2, mu_x=0.9, state_dtype="float32")
+    _steps(opt, [half, wide], 0, 3)
+    assert not torch.equal(opt.state[half]["y_fp32"].half(), half.detach().half())  # the cast rounds otherwise
+    for p in (half, wide):
+        p.data = p.data.half()
+    cast, y32 = half.detach().clone(), opt.state[half]["y_fp32"].clone()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] .*float64.*float16"):
+        _steps(opt, [half, wide], 3, 4)
+    assert torch.equal(half.detach(), cast) and torch.equal(opt.state[half]["y_fp32"], y32)
+
+
 @pytest.mark.parametrize("state_dtype", ["float32", "param", "compact"])
 def test_every_bf16_layout_follows_a_cast_to_fp32_exactly(state_dtype: str) -> None:
     """bf16 parameters cast to fp32 under each layout: the state becomes the fp32 parameter's (z, m, v in float32,

@@ -233,20 +233,23 @@ class GPAAdamW(GPASwitch):
 
     def _fit_states(self, group: dict[str, Any], params: list[torch.Tensor], train_mode: bool) -> None:
         """Convert the states of ``params`` that no longer fit their parameter's dtype (a cast model, a checkpoint
-        loaded into parameters of another dtype) exactly (`_state_layout.convert_`); or refuse, converting none."""
-        unfit = []
+        loaded into parameters of another dtype) exactly (`_state_layout.convert_`), and let a float32 state's
+        parameter follow a cast between bf16 and fp16 (`follow_half_cast_`); or refuse, changing nothing."""
+        fitting, unfit = [], []
         for p in params:
             state = self.state.get(p)
             if not state or Z not in state:
                 continue
             if layout_of(state).fits(p.dtype, state):
-                follow_half_cast_(p, state, x_mu_y(group), train_mode=train_mode)
+                fitting.append(p)
                 continue
             reason = refusal(state, p.dtype)
             if reason is not None:
                 raise ValueError(f"{self.optimizer_name}: the optimizer state of {self._where(p)} {reason}")
             unfit.append(p)
         mu_y = x_mu_y(group)
+        for p in fitting:
+            follow_half_cast_(p, self.state[p], mu_y, train_mode=train_mode)
         for p in unfit:
             state = self.state[p]
             # y in the form the state was made for: the parameter cast back, and in eval mode train()'s y from it.
