@@ -79,8 +79,8 @@ try:  # the examples extra; without it, stop here with the pip command that inst
     from hf_gpa.data import load_digits_dataset
     from hf_gpa.example_args import (
         checkpoint_to_resume,
-        end_process_group,
         parse_with_defaults,
+        run_main,
         setup_logging,
         size_in_parameters,
     )
@@ -601,9 +601,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    finished = False
-    try:
-        main()
-        finished = True
-    finally:
-        end_process_group(finished=finished)  # under accelerate launch / torchrun, also when main() raises
+    run_main(main)  # ends the process group under accelerate launch / torchrun, also when main() raises

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ __all__ = [
     "setup_logging",
     "checkpoint_to_resume",
     "end_process_group",
+    "run_main",
     "size_in_parameters",
 ]
 
@@ -319,13 +320,24 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
     return checkpoint
 
 
+def run_main(main: Callable[[], object]) -> None:
+    """Run an example script's ``main()`` and then end torch.distributed's default process group, where one was
+    started (as accelerate's ``end_training`` does), also when ``main()`` raises. A multi-process run that leaves it
+    to the interpreter's exit may abort after its work is done (gloo's teardown: "terminate called without an active
+    exception"), and so may one whose processes tear their connections down while another still uses them: after
+    ``main()`` returned every process is waited for first, within the group's timeout; after an error nothing waits,
+    since the others may never arrive. `GPATrainer`, like `Trainer`, leaves this to the script that runs it."""
+    finished = False
+    try:
+        main()
+        finished = True
+    finally:
+        end_process_group(finished=finished)
+
+
 def end_process_group(*, finished: bool) -> None:
-    """Destroy torch.distributed's default process group, where one was started (as accelerate's ``end_training``
-    does). A multi-process run that leaves it to the interpreter's exit may abort after its work is done (gloo's
-    teardown: "terminate called without an active exception"), and so may one whose processes tear their connections
-    down while another still uses them: ``finished`` (the run ended without an error) waits for every process first,
-    within the group's timeout; after an error nothing waits, since the others may never arrive. `GPATrainer`, like
-    `Trainer`, leaves this to the script that runs it."""
+    """Destroy the default process group, where one was started; ``finished`` (the run ended without an error): wait
+    for every process first (see `run_main`)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -470,17 +470,25 @@ def test_the_script_ends_its_process_group(script: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("finished", [True, False])
 def test_a_finished_run_waits_for_every_process_before_ending_the_group(finished: bool, tmp_path: Path) -> None:
-    """end_process_group(finished=True) (main() returned) waits for every process (a barrier) before destroying the
-    group, so that no process tears its connections down while another still uses them (gloo aborted a finished
-    4-process run at exit so); after an error it destroys the group without waiting."""
+    """run_main: after main() returned it waits for every process (a barrier) before destroying the group, so that no
+    process tears its connections down while another still uses them (gloo aborted a finished 4-process run at exit
+    so); after main() raised it destroys the group without waiting and the error goes on."""
     import torch.distributed as dist
 
-    from hf_gpa.example_args import end_process_group
+    from hf_gpa.example_args import run_main
+
+    def main() -> None:
+        if not finished:
+            raise RuntimeError("main failed")
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         with patch.object(dist, "barrier", wraps=dist.barrier) as barrier:
-            end_process_group(finished=finished)
+            if finished:
+                run_main(main)
+            else:
+                with pytest.raises(RuntimeError, match="main failed"):
+                    run_main(main)
         assert barrier.call_count == int(finished)
         assert not dist.is_initialized()
     finally:
