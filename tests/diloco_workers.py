@@ -196,11 +196,68 @@ def one_rank_leaves(out: Path, rank: int) -> None:
     (out / "rank0_passed_the_outer_step").write_text("")  # must not happen
 
 
+def seams(out: Path, rank: int) -> None:
+    """M = W workers (2 or 4): the state cleared mid-period on every process, parameters unfrozen after construction
+    (each rank training its own head), a state dict taken in train mode (and, with one worker, where it is whole)."""
+    world_size = dist.get_world_size()
+    facts: dict[str, Any] = {}
+
+    # state.clear() after 2 of the 3 inner steps of the first period, on every process.
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model)
+    train(model, model, optimizer, range(INNER_STEPS - 1))
+    optimizer.state.clear()
+    facts["cleared"] = []
+    train(model, model, optimizer, range(INNER_STEPS - 1, STEPS), facts["cleared"])
+
+    # Two heads frozen when the optimizer is built, unfrozen on every process after it; rank r trains head r % 2 only
+    # (so each head first has a gradient on some ranks, not on others).
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleList([torch.nn.Linear(6, 1) for _ in range(2)]).requires_grad_(False)
+    optimizer = diloco(heads)
+    facts["unfrozen_start"] = [p.detach().clone() for p in heads.parameters()]
+    heads.requires_grad_(True)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        inputs, targets = rank_rows(step, rank, world_size, torch.float32)
+        torch.nn.functional.mse_loss(heads[rank % 2](inputs), targets).backward()
+        optimizer.step()
+    facts["unfrozen_outer"] = [optimizer.state[p].get("outer") for p in heads.parameters()]
+
+    # A state dict in train mode (the parameters hold this worker's inner weights): refused with M > 1; with one
+    # worker (M = 1, every process the same inner weights) it is whole, as under DDP.
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model)
+    train(model, model, optimizer, range(INNER_STEPS - 1))
+    facts["train_mode_state_dict"] = refusal_of(optimizer.state_dict)
+    optimizer.eval()
+    facts["eval_mode_state_dict"] = refusal_of(optimizer.state_dict)
+    optimizer.train()
+    model = build_mlp(torch.float32)
+    one_worker = diloco(model, num_workers=1)
+    facts["one_worker_train_mode_state_dict"] = refusal_of(one_worker.state_dict)
+    torch.save(facts, out / f"seams_rank{rank}.pt")
+
+
+def refusal_of(call: Any) -> str:
+    """The message of the ValueError or RuntimeError ``call()`` raises ("" if it raises none)."""
+    try:
+        call()
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return ""
+
+
 def _same(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> bool:
     return all(torch.equal(x, y) for key in a for x, y in zip(a[key], b[key]))
 
 
-SCENARIOS = {"two_ranks": two_ranks, "four_ranks": four_ranks, "one_rank_leaves": one_rank_leaves}
+SCENARIOS = {
+    "two_ranks": two_ranks,
+    "four_ranks": four_ranks,
+    "one_rank_leaves": one_rank_leaves,
+    "seams": seams,
+}
 
 
 def main(scenario: str, out: str, rank: str, world_size: str) -> None:

@@ -182,6 +182,21 @@ class DiLoCo(BaseOptimizerWrapper):
             if p.requires_grad:
                 self._init_outer(p)
 
+    def _agree_on_outer(self) -> None:
+        """Across processes: the parameters that take a gradient and have no outer state (unfrozen after construction,
+        or their state cleared: ``state.clear()`` on every process) get it on every process at once, from the first
+        process's weights, as the constructor's do. Which ones is decided from ``requires_grad`` and the state alone,
+        the same on every process, never from a gradient that some processes have and others not; each worker's own
+        weights would make outer weights that differ between processes."""
+        if self.layout.distributed:
+            missing = [p for p in self._all_params() if p.requires_grad and OUTER not in self.state.get(p, ())]
+            if missing:
+                self._distribute(missing)
+
+    def _create_state(self) -> None:
+        self._agree_on_outer()  # across processes, the outer weights of init_state() are agreed on too
+        super()._create_state()
+
     def _fragment_of_each(self) -> list[int]:
         """The fragment of each parameter, in the order of the groups (computed again once a group was added)."""
         if len(self._fragments) != len(self._all_params()):
@@ -216,6 +231,7 @@ class DiLoCo(BaseOptimizerWrapper):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner step; every ``inner_steps``-th call also takes the outer Nesterov step."""
         loss = self._closure_loss(closure)
+        self._agree_on_outer()
         copies = []  # (parameter, its float32 inner weights) of bf16/fp16 parameters with a gradient
         try:
             with self._rollback_on_error():
@@ -284,7 +300,19 @@ class DiLoCo(BaseOptimizerWrapper):
     # ---- the layout in the state dict ----
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``)."""
+        """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``).
+
+        Across M > 1 workers it is taken in eval mode only: in train mode the parameters hold this worker's inner
+        weights, which differ between workers and are in no state dict, so a checkpoint of the model from one process
+        and every process's optimizer state would resume the other workers from that process's weights."""
+        if self.layout.num_workers > 1 and self.train_mode and any(OUTER in s for s in self.state.values()):
+            raise RuntimeError(
+                f"{self.optimizer_name}.state_dict() in train mode across {self.layout.num_workers} workers: the "
+                "parameters hold this worker's inner weights, which differ between workers and are in no state "
+                "dict. Call optimizer.eval() first (the parameters then hold the outer weights, the same on every "
+                "process: save the model once; the state holds this worker's inner weights), save the model and "
+                "every process's optimizer.state_dict(), then optimizer.train()"
+            )
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group[DILOCO_LAYOUT] = self.layout.saved()
