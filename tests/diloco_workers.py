@@ -52,13 +52,18 @@ def snapshot(model: torch.nn.Module, optimizer: DiLoCo) -> dict[str, list[torch.
 
 
 def train(
-    forward: torch.nn.Module, plain: torch.nn.Module, optimizer: DiLoCo, steps: range, history: list | None = None
+    forward: torch.nn.Module,
+    plain: torch.nn.Module,
+    optimizer: DiLoCo,
+    steps: range,
+    history: list | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Inner steps on this rank's rows (``forward``: the model, or its DDP wrapper), a snapshot after each."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for step in steps:
         optimizer.zero_grad()
-        mse(forward, *rank_rows(step, rank, world_size, torch.float32)).backward()
+        mse(forward, *rank_rows(step, rank, world_size, dtype)).backward()
         optimizer.step()
         if history is not None:
             history.append(snapshot(plain, optimizer))
@@ -198,7 +203,7 @@ def one_rank_leaves(out: Path, rank: int) -> None:
 
 def seams(out: Path, rank: int) -> None:
     """M = W workers (2 or 4): the state cleared mid-period on every process, parameters unfrozen after construction
-    (each rank training its own head), a state dict taken in train mode (and, with one worker, where it is whole)."""
+    (each rank training its own head), a checkpoint taken in train mode."""
     world_size = dist.get_world_size()
     facts: dict[str, Any] = {}
 
@@ -224,28 +229,27 @@ def seams(out: Path, rank: int) -> None:
         optimizer.step()
     facts["unfrozen_outer"] = [optimizer.state[p].get("outer") for p in heads.parameters()]
 
-    # A state dict in train mode (the parameters hold this worker's inner weights): refused with M > 1; with one
-    # worker (M = 1, every process the same inner weights) it is whole, as under DDP.
-    model = build_mlp(torch.float32)
-    optimizer = diloco(model)
-    train(model, model, optimizer, range(INNER_STEPS - 1))
-    facts["train_mode_state_dict"] = refusal_of(optimizer.state_dict)
-    optimizer.eval()
-    facts["eval_mode_state_dict"] = refusal_of(optimizer.state_dict)
-    optimizer.train()
-    model = build_mlp(torch.float32)
-    one_worker = diloco(model, num_workers=1)
-    facts["one_worker_train_mode_state_dict"] = refusal_of(one_worker.state_dict)
+    # The DDP habit: in train mode (without eval()), the model saved by rank 0 and every rank's optimizer state, in the
+    # middle of a period (the parameters hold each worker's own inner weights); a resume from those files, then the
+    # outer steps at 3 and 6, against the uninterrupted run.
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        model = build_mlp(dtype)
+        optimizer = diloco(model)
+        train(model, model, optimizer, range(INNER_STEPS - 1), dtype=dtype)
+        if rank == 0:
+            torch.save(model.state_dict(), out / f"train_mode_model_{name}.pt")
+        torch.save(optimizer.state_dict(), out / f"train_mode_optimizer_{name}_rank{rank}.pt")
+        dist.barrier()  # rank 0's model file is written before any rank reads it
+        facts[f"uninterrupted_{name}"] = []
+        train(model, model, optimizer, range(INNER_STEPS - 1, STEPS), facts[f"uninterrupted_{name}"], dtype)
+        model = build_mlp(dtype)
+        optimizer = diloco(model)
+        model.load_state_dict(torch.load(out / f"train_mode_model_{name}.pt", weights_only=True))
+        optimizer.load_state_dict(torch.load(out / f"train_mode_optimizer_{name}_rank{rank}.pt", weights_only=True))
+        facts[f"resumed_{name}"] = []
+        train(model, model, optimizer, range(INNER_STEPS - 1, STEPS), facts[f"resumed_{name}"], dtype)
     torch.save(facts, out / f"seams_rank{rank}.pt")
-
-
-def refusal_of(call: Any) -> str:
-    """The message of the ValueError or RuntimeError ``call()`` raises ("" if it raises none)."""
-    try:
-        call()
-    except (ValueError, RuntimeError) as error:
-        return str(error)
-    return ""
 
 
 def _same(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> bool:

@@ -35,6 +35,7 @@ from ._types import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DILOCO_LAYOUT,
+    INNER,
     INNER_FP32,
     INNER_STEP,
     INNER_STEPS,
@@ -302,21 +303,23 @@ class DiLoCo(BaseOptimizerWrapper):
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``).
 
-        Across M > 1 workers it is taken in eval mode only: in train mode the parameters hold this worker's inner
-        weights, which differ between workers and are in no state dict, so a checkpoint of the model from one process
-        and every process's optimizer state would resume the other workers from that process's weights."""
-        if self.layout.num_workers > 1 and self.train_mode and any(OUTER in s for s in self.state.values()):
-            raise RuntimeError(
-                f"{self.optimizer_name}.state_dict() in train mode across {self.layout.num_workers} workers: the "
-                "parameters hold this worker's inner weights, which differ between workers and are in no state "
-                "dict. Call optimizer.eval() first (the parameters then hold the outer weights, the same on every "
-                "process: save the model once; the state holds this worker's inner weights), save the model and "
-                "every process's optimizer.state_dict(), then optimizer.train()"
-            )
+        Taken in train mode across M > 1 workers, it also holds this worker's inner weights (``"inner"``: the
+        parameters, which differ between workers; bf16/fp16 parameters have them in ``"inner_fp32"``), which its load
+        puts back into the parameters: the model saved by one process and every process's state resume every worker,
+        as under DDP."""
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group[DILOCO_LAYOUT] = self.layout.saved()
+        if self._own_inner_weights():
+            for index, p in enumerate(self._all_params()):
+                state = self.state.get(p)
+                if state and OUTER in state and INNER_FP32 not in state:
+                    state_dict["state"][index] = {**state_dict["state"][index], INNER: p.detach()}
         return state_dict
+
+    def _own_inner_weights(self) -> bool:
+        """Whether the parameters hold inner weights of this worker's own (train mode, M > 1 workers)."""
+        return self.layout.num_workers > 1 and self.train_mode
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved on this layout (world size, M, P, worker); another layout raises a ``ValueError`` naming
@@ -328,6 +331,13 @@ class DiLoCo(BaseOptimizerWrapper):
             self.layout.check_saved(saved, f"{self.optimizer_name}.load_state_dict()")
         groups = [{k: v for k, v in group.items() if k != DILOCO_LAYOUT} for group in state_dict["param_groups"]]
         super().load_state_dict({**state_dict, "param_groups": groups})
+        if self._own_inner_weights():  # a state taken in train mode: the parameters take this worker's inner weights
+            with torch.no_grad():
+                for p in self._all_params():
+                    state = self.state.get(p, {})
+                    inner = state.pop(INNER, state.get(INNER_FP32))
+                    if inner is not None:
+                        local_tensor(p).copy_(local_tensor(inner))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "layout": self.layout}
