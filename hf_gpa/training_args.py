@@ -236,6 +236,9 @@ class GPATrainingArguments(TrainingArguments):
             super().__post_init__()
         if self.diloco_distributed:
             self.accelerator_config.dispatch_batches = False
+            # The loss's token count is taken over the worker's island (GPATrainer), not all-gathered over every
+            # process at every step, which would hold every worker to the slowest one between outer steps.
+            self.average_tokens_across_devices = False
         self._warn_constant_schedule(optim)
 
     def _refuse_dispatched_batches(self) -> None:
