@@ -30,7 +30,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers.trainer import OPTIMIZER_NAME
 
-from hf_gpa.optim import WorkerLayout, saved_diloco_layout
+from hf_gpa.optim import DiLoCo, WorkerLayout, saved_diloco_layout
 from hf_gpa.optim._types import INNER_STEPS, OUTER_LR, OUTER_MOMENTUM
 from hf_gpa.optim._workers import broadcast_
 
@@ -182,18 +182,18 @@ def island_ddp(model: nn.Module, layout: WorkerLayout, device: torch.device, **d
 
 
 @torch.no_grad()
-def broadcast_unstepped(model: nn.Module, stepped: list[torch.Tensor], layout: WorkerLayout) -> None:
-    """Every process takes the first process's parameters of ``model`` that are not in ``stepped`` (the frozen ones)
-    and its buffers, as DDP does over its own group when it is built.
+def broadcast_unstepped(model: nn.Module, optimizer: DiLoCo) -> None:
+    """Every process takes the first process's parameters of ``model`` that ``optimizer`` (a DiLoCo across processes)
+    does not step (the frozen ones) and its buffers, as DDP does over its own group when it is built.
 
     DiLoCo broadcasts the parameters it steps, and an island's DDP reaches the island only: without this, a model
     initialised without a common seed would keep each worker's own frozen weights and buffers (rank 0's would be
     saved, and each process would evaluate a model of its own).
     """
-    ids = {id(p) for p in stepped}
-    tensors = [p.detach() for p in model.parameters() if id(p) not in ids] + list(model.buffers())
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    tensors = [p.detach() for p in model.parameters() if id(p) not in stepped] + list(model.buffers())
     if tensors:
-        broadcast_(tensors, layout.process_group)
+        broadcast_(tensors, optimizer.layout.process_group)
 
 
 def island_token_count(count: torch.Tensor, layout: WorkerLayout) -> torch.Tensor:

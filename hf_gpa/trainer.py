@@ -403,8 +403,7 @@ class GPATrainer(Trainer):
             return wrapped
         # Frozen parameters and buffers the same on every process (the island's DDP makes them so in the island only),
         # before any process's inner weights are loaded by a resume.
-        stepped = [p for group in unwrap_gpa_optimizer(self.optimizer).param_groups for p in group["params"]]
-        broadcast_unstepped(model, stepped, layout)
+        broadcast_unstepped(model, unwrap_gpa_optimizer(self.optimizer))
         prepared = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         handler = self.accelerator.ddp_handler
         ddp = island_ddp(prepared, layout, self.args.device, **(handler.to_kwargs() if handler is not None else {}))

@@ -88,7 +88,9 @@ class DiLoCo(BaseOptimizerWrapper):
     and every process takes the same Nesterov step, so the outer weights are the same bits everywhere. At
     construction the parameters are broadcast from the group's first process (every worker starts from the same
     outer weights) and the outer state is created for every parameter that requires a gradient, so that every
-    process takes part in every outer all-reduce. Every process must call ``step()`` equally often. DTensor
+    process takes part in every outer all-reduce; a parameter that requires a gradient and has none (unfrozen later,
+    or after ``state.clear()``, done alike on every process) gets it at the next step the same way, on every process.
+    Every process must call ``step()`` equally often. DTensor
     (FSDP2, tensor-parallel) parameters are refused in this mode.
 
     **Streaming** (``num_fragments`` = P > 1, Douillard et al. 2025): the parameters (in the order of the groups) are
@@ -99,7 +101,9 @@ class DiLoCo(BaseOptimizerWrapper):
     A state dict records the layout (world size, M, P, and this process's worker) in its param groups; loading it on
     another layout raises a ``ValueError`` naming what differs, before anything changes. Each process saves and loads
     its own state: in eval mode the parameters hold the outer weights (the same on every process: save the model
-    once) and ``state["outer"]`` this worker's inner weights, beside the outer momentum and the base's state.
+    once) and ``state["outer"]`` this worker's inner weights, beside the outer momentum and the base's state. Taken in
+    train mode with M > 1, it holds this worker's inner weights (``state["inner"]``), which its load puts into the
+    parameters.
 
     As a wrapper of its base it behaves like `GPA` (see ``_wrapper``): ``add_param_group`` at any time,
     ``copy.deepcopy``/``pickle`` round trips (a copy across processes shares the process groups; pickling one
