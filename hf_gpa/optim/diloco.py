@@ -90,8 +90,8 @@ class DiLoCo(BaseOptimizerWrapper):
     outer weights) and the outer state is created for every parameter that requires a gradient, so that every
     process takes part in every outer all-reduce; a parameter that requires a gradient and has none (unfrozen later,
     or after ``state.clear()``, done alike on every process) gets it at the next step the same way, on every process.
-    Every process must call ``step()`` equally often. DTensor
-    (FSDP2, tensor-parallel) parameters are refused in this mode.
+    Every process must call ``step()`` equally often. DTensor (FSDP2, tensor-parallel) parameters are refused in this
+    mode.
 
     **Streaming** (``num_fragments`` = P > 1, Douillard et al. 2025): the parameters (in the order of the groups) are
     split into P contiguous fragments of about equal size, and fragment k takes its outer step at the inner steps t
