@@ -9,8 +9,14 @@ With W processes and M workers, each worker is an island of W / M processes. Thr
 * Every process holds its worker's inner weights and inner optimizer state, which differ between workers, so every
   process writes its own optimizer state into a checkpoint (`worker_optimizer_file`: ``optimizer_rank{r}.pt``, in
   eval mode: the model file holds the outer weights, the same on every process, written once by the first).
+* Nothing else crosses the workers between outer steps: the token count that scales a causal LM's loss is taken
+  over the island (`island_token_count`; transformers' ``--average_tokens_across_devices`` all-gathers it over every
+  process at every step and is turned off), and the frozen parameters and buffers, which neither DiLoCo nor the
+  island's DDP makes equal across the workers, are broadcast from the first process once, before training
+  (`broadcast_unstepped`).
 * A checkpoint resumes only on the layout that saved it (world size, M, P): `refuse_other_layout` reads it before
-  anything is trained or loaded, and a checkpoint of a run across processes is refused to a run that is not one.
+  anything is trained or loaded, and a checkpoint of a run across processes is refused to a run that is not one. So
+  is a DiLoCo state saved with another H, outer lr or outer momentum than the flags give (`refuse_other_outer`).
 """
 
 from __future__ import annotations
@@ -24,13 +30,24 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers.trainer import OPTIMIZER_NAME
 
-from hf_gpa.optim import WorkerLayout, saved_diloco_layout
+from hf_gpa.optim import DiLoCo, WorkerLayout, saved_diloco_layout
+from hf_gpa.optim._types import INNER_STEPS, OUTER_LR, OUTER_MOMENTUM
+from hf_gpa.optim._workers import broadcast_
 
 if TYPE_CHECKING:
     from torch import nn
     from transformers import TrainingArguments
 
-__all__ = ["OPTIMIZER_RANK_NAME", "island_ddp", "refuse_other_layout", "requested_layout", "worker_optimizer_file"]
+__all__ = [
+    "OPTIMIZER_RANK_NAME",
+    "broadcast_unstepped",
+    "island_ddp",
+    "island_token_count",
+    "refuse_other_layout",
+    "refuse_other_outer",
+    "requested_layout",
+    "worker_optimizer_file",
+]
 
 #: Each process's optimizer state in a checkpoint of a run across processes (``rank``: its global rank).
 OPTIMIZER_RANK_NAME = "optimizer_rank{rank}.pt"
@@ -102,6 +119,43 @@ def refuse_other_layout(checkpoint: str, layout: WorkerLayout | None, rank: int)
         )
 
 
+#: The flags that set the hyper-parameters of the outer steps, which a DiLoCo state keeps in its param groups.
+_OUTER_FLAGS = {
+    INNER_STEPS: "diloco_inner_steps",
+    OUTER_LR: "diloco_outer_lr",
+    OUTER_MOMENTUM: "diloco_outer_momentum",
+}
+
+
+def refuse_other_outer(checkpoint: str, args: TrainingArguments, rank: int) -> None:
+    """Raise a ``ValueError`` naming the flag when the DiLoCo state that process ``rank`` resumes from ``checkpoint``
+    (its ``optimizer_rank{r}.pt``, else ``optimizer.pt``) was saved with another ``--diloco_inner_steps``,
+    ``--diloco_outer_lr`` or ``--diloco_outer_momentum`` than ``args`` give, before anything is loaded.
+
+    Loading the state would keep the saved values over the flags without a word (torch's ``load_state_dict`` takes a
+    group's hyper-parameters from the state), and H was checked against the fragments with the flag's value.
+    """
+    if not str(getattr(args.optim, "value", args.optim)).startswith("diloco"):
+        return
+    path = worker_optimizer_file(checkpoint, rank)
+    if not os.path.isfile(path):
+        path = os.path.join(checkpoint, OPTIMIZER_NAME)
+        if not os.path.isfile(path):
+            return
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if saved_diloco_layout(state) is None:
+        return  # not a DiLoCo state: the optimizer's own load names what it is
+    saved = state["param_groups"][0]
+    for key, flag in _OUTER_FLAGS.items():
+        if key in saved and saved[key] != getattr(args, flag):
+            raise ValueError(
+                f"resume_from_checkpoint {checkpoint}: its DiLoCo state was saved with --{flag} {saved[key]!r}, "
+                f"this run asks for {getattr(args, flag)!r}. A DiLoCo run resumes with the outer steps that saved it "
+                f"(H, the outer lr and momentum are in its state): resume with --{flag} {saved[key]!r}, or start a "
+                f"new run from the checkpoint's outer weights (--model_name_or_path {checkpoint})"
+            )
+
+
 def _saved_layout(path: str) -> dict[str, int] | None:
     # mmap: only the param groups are read, not the state tensors.
     return saved_diloco_layout(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
@@ -125,3 +179,32 @@ def island_ddp(model: nn.Module, layout: WorkerLayout, device: torch.device, **d
     flags, as accelerate would pass them)."""
     device_ids = None if device.type == "cpu" else [device]
     return DistributedDataParallel(model, process_group=layout.island_group, device_ids=device_ids, **ddp_kwargs)
+
+
+@torch.no_grad()
+def broadcast_unstepped(model: nn.Module, optimizer: DiLoCo) -> None:
+    """Every process takes the first process's parameters of ``model`` that ``optimizer`` (a DiLoCo across processes)
+    does not step (the frozen ones) and its buffers, as DDP does over its own group when it is built.
+
+    DiLoCo broadcasts the parameters it steps, and an island's DDP reaches the island only: without this, a model
+    initialised without a common seed would keep each worker's own frozen weights and buffers (rank 0's would be
+    saved, and each process would evaluate a model of its own).
+    """
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    tensors = [p.detach() for p in model.parameters() if id(p) not in stepped] + list(model.buffers())
+    if tensors:
+        broadcast_(tensors, optimizer.layout.process_group)
+
+
+def island_token_count(count: torch.Tensor, layout: WorkerLayout) -> torch.Tensor:
+    """The number of tokens a loss is averaged over, taken over the island: ``count`` (this process's) summed over
+    the island's processes and divided by their number, since the island's DDP averages the processes' gradients. The
+    loss of each island is then its tokens' mean, as a DDP run with ``--average_tokens_across_devices`` gives over all
+    processes, and no process waits for another worker."""
+    if layout.island_size == 1:
+        return count
+    import torch.distributed as dist
+
+    count = count.clone()
+    dist.all_reduce(count, group=layout.island_group)
+    return count / layout.island_size

@@ -26,7 +26,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import string_to_bool
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_gpa.distributed_diloco import refuse_other_layout, requested_layout
+from hf_gpa.distributed_diloco import refuse_other_layout, refuse_other_outer, requested_layout
 from hf_gpa.optimizers import unused_flags
 from hf_gpa.training_args import GPATrainingArguments
 
@@ -309,9 +309,11 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
             f"--save_steps N or --save_strategy epoch); to start a new run from these weights, pass "
             f"--model_name_or_path {checkpoint} instead."
         )
-    # DiLoCo across processes resumes only on the layout that saved it (world size, --diloco_workers, ...).
+    # DiLoCo across processes resumes only on the layout that saved it (world size, --diloco_workers, ...), and DiLoCo
+    # only with the outer steps that saved it (--diloco_inner_steps, --diloco_outer_lr, --diloco_outer_momentum).
     world_size, rank = training_args.world_size, training_args.process_index
     refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)
+    refuse_other_outer(checkpoint, training_args, rank)
     if not given:
         logger.info(
             f"Checkpoint detected, resuming training at {checkpoint}. To avoid this behavior, change "

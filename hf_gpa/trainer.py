@@ -65,7 +65,15 @@ from transformers.utils import (
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, NormStatisticsAtX, count_over_processes, norm_layers
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
-from hf_gpa.distributed_diloco import island_ddp, refuse_other_layout, requested_layout, worker_optimizer_file
+from hf_gpa.distributed_diloco import (
+    broadcast_unstepped,
+    island_ddp,
+    island_token_count,
+    refuse_other_layout,
+    refuse_other_outer,
+    requested_layout,
+    worker_optimizer_file,
+)
 from hf_gpa.model_card import complete_model_card, gpa_model_card_section, with_gpa_tags
 from hf_gpa.optim import (
     DiLoCo,
@@ -393,12 +401,26 @@ class GPATrainer(Trainer):
         already_wrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model
         if not training or layout is None or wrapped is not model or already_wrapped:
             return wrapped
+        # Frozen parameters and buffers the same on every process (the island's DDP makes them so in the island only),
+        # before any process's inner weights are loaded by a resume.
+        broadcast_unstepped(model, unwrap_gpa_optimizer(self.optimizer))
         prepared = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         handler = self.accelerator.ddp_handler
         ddp = island_ddp(prepared, layout, self.args.device, **(handler.to_kwargs() if handler is not None else {}))
         if handler is not None:
             handler.register_comm_hook(ddp)  # accelerate's own hook (gradient compression), where it sets one
         return ddp
+
+    def _get_num_items_in_batch(self, *args: Any, **kwargs: Any) -> torch.Tensor | int | None:
+        """The next class's count of the tokens a loss is averaged over; under DiLoCo across processes, taken over
+        this worker's island (`hf_gpa.distributed_diloco.island_token_count`) instead of over every process
+        (``--average_tokens_across_devices``, which GPATrainingArguments turns off there), so that no process waits
+        for another worker between outer steps."""
+        count = super()._get_num_items_in_batch(*args, **kwargs)
+        layout = self._workers_layout()
+        if layout is None or not torch.is_tensor(count) or self.args.average_tokens_across_devices:
+            return count
+        return island_token_count(count, layout)
 
     # ---- the weights x: evaluation, prediction, saving ----
 
@@ -552,7 +574,8 @@ class GPATrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """The next class's `train`; afterwards the model holds x (the next training step switches back to y). A
-        checkpoint of DiLoCo across processes saved on another layout is refused first, before anything is loaded."""
+        checkpoint of DiLoCo across processes saved on another layout, or a DiLoCo state saved with other outer steps
+        (H, outer lr, outer momentum), is refused first, before anything is loaded."""
         checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         if checkpoint is True and os.path.isdir(self.args.output_dir):
             checkpoint = get_last_checkpoint(self.args.output_dir)  # None: the next class says there is none
@@ -561,6 +584,7 @@ class GPATrainer(Trainer):
                 self.args, self.args.world_size, self.args.process_index
             )
             refuse_other_layout(os.fspath(checkpoint), layout, self.args.process_index)
+            refuse_other_outer(os.fspath(checkpoint), self.args, self.args.process_index)
         try:
             output = super().train(*args, **kwargs)
         finally:

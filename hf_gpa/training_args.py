@@ -168,8 +168,9 @@ class GPATrainingArguments(TrainingArguments):
                 "With --optim diloco_adamw or diloco_muon under accelerate launch or torchrun: DiLoCo across the "
                 "processes. Each of --diloco_workers workers (an island of processes that average their gradients "
                 "every step) takes H inner steps on its own data; then one all-reduce averages the pseudo-gradients "
-                "across the workers for the outer step. Needs more than one process; not with FSDP, DeepSpeed or "
-                "--fp16."
+                "across the workers for the outer step. The loss's token count is taken within each worker's island "
+                "(--average_tokens_across_devices is turned off). Needs more than one process; not with FSDP, "
+                "DeepSpeed or --fp16."
             )
         },
     )
@@ -236,6 +237,9 @@ class GPATrainingArguments(TrainingArguments):
             super().__post_init__()
         if self.diloco_distributed:
             self.accelerator_config.dispatch_batches = False
+            # The loss's token count is taken over the worker's island (GPATrainer), not all-gathered over every
+            # process at every step, which would hold every worker to the slowest one between outer steps.
+            self.average_tokens_across_devices = False
         self._warn_constant_schedule(optim)
 
     def _refuse_dispatched_batches(self) -> None:

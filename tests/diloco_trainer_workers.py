@@ -79,27 +79,41 @@ def last_record_id() -> int:
 
 class Recorder(TrainerCallback):
     """After every step: the inner weights (the parameters) and the outer weights (the optimizer's), by name, and the
-    flight recorder's position at the start and end of the step; during evaluation: the optimizer's mode."""
+    flight recorder's position at the start and end of the step (``records``) and at the end of the Trainer's
+    bookkeeping after the step before (``window``: its logging, evaluation and saving; the batches of this step are
+    read, and their tokens counted, inside it); during evaluation: the optimizer's mode."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
         self.train_mode_during_eval: list[bool] = []
         self._begin = -1
+        self._after_bookkeeping = -1
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._after_bookkeeping = last_record_id()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._begin = last_record_id()
 
+    def _bookkeeping_done(self, *args: Any, **kwargs: Any) -> None:
+        self._after_bookkeeping = last_record_id()
+
+    on_log = on_evaluate = on_save = _bookkeeping_done
+
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any):
         inner = unwrap_gpa_optimizer(optimizer)
         named = list(model.named_parameters())
+        end = last_record_id()
         self.steps.append(
             {
                 "step": state.global_step,
-                "records": (self._begin, last_record_id()),
+                "records": (self._begin, end),
+                "window": (self._after_bookkeeping, end),
                 "inner": {n: p.detach().clone() for n, p in named},
                 "outer": {n: inner.state[p]["outer"].clone() for n, p in named if p in inner.state},
             }
         )
+        self._after_bookkeeping = end
 
     def on_prediction_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         self.train_mode_during_eval.append(unwrap_gpa_optimizer(optimizer).train_mode)
@@ -112,10 +126,13 @@ def groups_of(trainer: GPATrainer) -> dict[str, list[int]]:
     return {g.group_name: dist.get_process_group_ranks(g) for g in groups if g is not None}
 
 
-def run(out: Path, name: str, resume: str | None = None, **overrides: Any) -> dict[str, Any]:
-    """One training run with the Recorder; what it held, saved and communicated."""
+def run(
+    out: Path, name: str, resume: str | None = None, model: torch.nn.Module | None = None, **overrides: Any
+) -> dict[str, Any]:
+    """One training run with the Recorder (of ``model``, by default the tiny Llama); what it held, saved and
+    communicated."""
     trainer = GPATrainer(
-        model=tiny_llama(),
+        model=tiny_llama() if model is None else model,
         args=diloco_args(out / name, **overrides),
         train_dataset=TokenDataset(32, seed=1),
         eval_dataset=TokenDataset(8, seed=2),
@@ -133,6 +150,7 @@ def run(out: Path, name: str, resume: str | None = None, **overrides: Any) -> di
         "train_mode_during_eval": recorder.train_mode_during_eval,
         "eval_loss": metrics["eval_loss"],
         "held_after_train": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "buffers_after_train": {n: b.clone() for n, b in trainer.model.named_buffers()},
         "records": None if records is None else [r for r in records if r["id"] > first],
         "groups": groups_of(trainer),
         "layout": layout.saved(),
@@ -167,6 +185,33 @@ def two_ranks(out: Path) -> dict[str, Any]:
     )
     facts["other_m_refused_by_script"] = error_of(lambda: checkpoint_to_resume(script_args, logging.getLogger()))
 
+    # Another H (or outer lr, outer momentum) on the same checkpoint: refused by name too, before training.
+    other = GPATrainer(
+        model=tiny_llama(),
+        args=diloco_args(out / "other_h", diloco_inner_steps=2, eval_strategy="no"),
+        train_dataset=TokenDataset(32, seed=1),
+    )
+    facts["other_h_refused"] = error_of(lambda: other.train(resume_from_checkpoint=checkpoint))
+    facts["other_h_before_training"] = other.optimizer is None and other.state.global_step == 0
+    script_args = diloco_args(
+        out / "other_h", diloco_inner_steps=2, eval_strategy="no", do_train=True, resume_from_checkpoint=checkpoint
+    )
+    facts["other_h_refused_by_script"] = error_of(lambda: checkpoint_to_resume(script_args, logging.getLogger()))
+
+    # Logging, evaluation and checkpoints at the outer steps only: nothing else may leave a worker.
+    facts["quiet"] = run(out, "quiet", logging_steps=INNER_STEPS, save_steps=INNER_STEPS)
+
+    # Every rank builds its model from a seed of its own, with frozen parameters and a buffer of its own.
+    model = tiny_llama(seed=dist.get_rank())
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.norm.requires_grad_(False)
+    model.register_buffer("rank_marker", torch.full((3,), float(dist.get_rank())))
+    facts["unseeded_at_start"] = {
+        "embed": model.model.embed_tokens.weight.detach().clone(),
+        "norm": model.model.norm.weight.detach().clone(),
+    }
+    facts["unseeded"] = run(out, "unseeded", model=model, max_steps=INNER_STEPS, save_strategy="no")
+
     facts["streaming"] = run(out, "streaming", save_strategy="no", eval_strategy="no", **STREAMING)
     # One worker of both processes (an island of 2: DDP over it), against accelerate's DDP around single-worker DiLoCo.
     short = dict(max_steps=INNER_STEPS, save_strategy="no", eval_strategy="no")
@@ -188,7 +233,7 @@ def run_stock_ddp(out: Path, **overrides: Any) -> dict[str, Any]:
 
 def four_ranks(out: Path) -> dict[str, Any]:
     """2 islands of 2 processes: gradients averaged in the island every step, pseudo-gradients across the islands."""
-    return {"islands": run(out, "islands", diloco_workers=2, save_strategy="no")}
+    return {"islands": run(out, "islands", diloco_workers=2, save_strategy="no", logging_steps=INNER_STEPS)}
 
 
 SCENARIOS = {"two_ranks": two_ranks, "four_ranks": four_ranks}

@@ -52,13 +52,18 @@ def snapshot(model: torch.nn.Module, optimizer: DiLoCo) -> dict[str, list[torch.
 
 
 def train(
-    forward: torch.nn.Module, plain: torch.nn.Module, optimizer: DiLoCo, steps: range, history: list | None = None
+    forward: torch.nn.Module,
+    plain: torch.nn.Module,
+    optimizer: DiLoCo,
+    steps: range,
+    history: list | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Inner steps on this rank's rows (``forward``: the model, or its DDP wrapper), a snapshot after each."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for step in steps:
         optimizer.zero_grad()
-        mse(forward, *rank_rows(step, rank, world_size, torch.float32)).backward()
+        mse(forward, *rank_rows(step, rank, world_size, dtype)).backward()
         optimizer.step()
         if history is not None:
             history.append(snapshot(plain, optimizer))
@@ -196,11 +201,67 @@ def one_rank_leaves(out: Path, rank: int) -> None:
     (out / "rank0_passed_the_outer_step").write_text("")  # must not happen
 
 
+def seams(out: Path, rank: int) -> None:
+    """M = W workers (2 or 4): the state cleared mid-period on every process, parameters unfrozen after construction
+    (each rank training its own head), a checkpoint taken in train mode."""
+    world_size = dist.get_world_size()
+    facts: dict[str, Any] = {}
+
+    # state.clear() after 2 of the 3 inner steps of the first period, on every process.
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model)
+    train(model, model, optimizer, range(INNER_STEPS - 1))
+    optimizer.state.clear()
+    facts["cleared"] = []
+    train(model, model, optimizer, range(INNER_STEPS - 1, STEPS), facts["cleared"])
+
+    # Two heads frozen when the optimizer is built, unfrozen on every process after it; rank r trains head r % 2 only
+    # (so each head first has a gradient on some ranks, not on others).
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleList([torch.nn.Linear(6, 1) for _ in range(2)]).requires_grad_(False)
+    optimizer = diloco(heads)
+    facts["unfrozen_start"] = [p.detach().clone() for p in heads.parameters()]
+    heads.requires_grad_(True)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        inputs, targets = rank_rows(step, rank, world_size, torch.float32)
+        torch.nn.functional.mse_loss(heads[rank % 2](inputs), targets).backward()
+        optimizer.step()
+    facts["unfrozen_outer"] = [optimizer.state[p].get("outer") for p in heads.parameters()]
+
+    # The DDP habit: in train mode (without eval()), the model saved by rank 0 and every rank's optimizer state, in the
+    # middle of a period (the parameters hold each worker's own inner weights); a resume from those files, then the
+    # outer steps at 3 and 6, against the uninterrupted run.
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        model = build_mlp(dtype)
+        optimizer = diloco(model)
+        train(model, model, optimizer, range(INNER_STEPS - 1), dtype=dtype)
+        if rank == 0:
+            torch.save(model.state_dict(), out / f"train_mode_model_{name}.pt")
+        torch.save(optimizer.state_dict(), out / f"train_mode_optimizer_{name}_rank{rank}.pt")
+        dist.barrier()  # rank 0's model file is written before any rank reads it
+        facts[f"uninterrupted_{name}"] = []
+        train(model, model, optimizer, range(INNER_STEPS - 1, STEPS), facts[f"uninterrupted_{name}"], dtype)
+        model = build_mlp(dtype)
+        optimizer = diloco(model)
+        model.load_state_dict(torch.load(out / f"train_mode_model_{name}.pt", weights_only=True))
+        optimizer.load_state_dict(torch.load(out / f"train_mode_optimizer_{name}_rank{rank}.pt", weights_only=True))
+        facts[f"resumed_{name}"] = []
+        train(model, model, optimizer, range(INNER_STEPS - 1, STEPS), facts[f"resumed_{name}"], dtype)
+    torch.save(facts, out / f"seams_rank{rank}.pt")
+
+
 def _same(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> bool:
     return all(torch.equal(x, y) for key in a for x, y in zip(a[key], b[key]))
 
 
-SCENARIOS = {"two_ranks": two_ranks, "four_ranks": four_ranks, "one_rank_leaves": one_rank_leaves}
+SCENARIOS = {
+    "two_ranks": two_ranks,
+    "four_ranks": four_ranks,
+    "one_rank_leaves": one_rank_leaves,
+    "seams": seams,
+}
 
 
 def main(scenario: str, out: str, rank: str, world_size: str) -> None:

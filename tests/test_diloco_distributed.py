@@ -242,3 +242,49 @@ def test_the_documented_loop_runs_on_four_processes(tmp_path: Path) -> None:
     )
     assert (tmp_path / "model.pt").exists()
     assert sorted(p.name for p in tmp_path.glob("optimizer_rank*.pt")) == [f"optimizer_rank{r}.pt" for r in range(4)]
+
+
+# ---------------------------------------------------------------- the seams: a cleared state, an unfrozen parameter,
+# a state dict in train mode (2 and 4 workers)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2_workers", "4_workers"])
+def seams(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch("seams", request.param, tmp_path_factory.mktemp(f"seams{request.param}"))
+
+
+def test_a_state_cleared_mid_period_is_created_again_the_same_on_every_rank(seams: list) -> None:
+    """optimizer.state.clear() on every process after 2 of 3 inner steps: the next step creates the outer weights
+    from the first process's parameters, as the constructor does, so after every later step (the outer steps at 3
+    and 6 included) the outer weights and momentum are the same bits on every rank, and so are the parameters right
+    after an outer step."""
+    histories = [facts["cleared"] for facts in seams]
+    assert_same_outer_everywhere(histories)
+    for after_outer_step in (0, dw.INNER_STEPS):  # steps 3 and 6
+        held = [history[after_outer_step]["inner"] for history in histories]
+        for other in held[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(held[0], other)), after_outer_step
+
+
+def test_parameters_unfrozen_after_construction_get_their_outer_state_on_every_rank(seams: list) -> None:
+    """Both heads frozen at construction and unfrozen on every process; rank r trains head r % 2 only. Every rank
+    creates both heads' outer state at the same step, so each outer all-reduce has the same tensors everywhere: the
+    outer weights are the same bits on every rank and both heads moved."""
+    first = seams[0]
+    assert all(outer is not None for facts in seams for outer in facts["unfrozen_outer"])
+    for facts in seams[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first["unfrozen_outer"], facts["unfrozen_outer"]))
+    assert all(not torch.equal(a, b) for a, b in zip(first["unfrozen_outer"], first["unfrozen_start"]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_train_mode_checkpoint_resumes_every_worker_bitwise(seams: list, dtype: str) -> None:
+    """The DDP habit, without eval(): the model saved by rank 0 (its inner weights) and every rank's optimizer state,
+    mid-period. Each rank's state holds its worker's inner weights, which its load puts into the parameters, so
+    every rank's inner weights, outer weights and momentum after every later step (the outer steps at 3 and 6
+    included) equal the uninterrupted run's bitwise, fp32 and bf16 parameters alike."""
+    for facts in seams:
+        assert len(facts[f"resumed_{dtype}"]) == dw.STEPS - dw.INNER_STEPS + 1
+        for step, (held, want) in enumerate(zip(facts[f"resumed_{dtype}"], facts[f"uninterrupted_{dtype}"])):
+            for key in want:
+                assert all(torch.equal(a, b) for a, b in zip(held[key], want[key])), (step, key)

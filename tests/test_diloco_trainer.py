@@ -23,7 +23,7 @@ import torch
 from launching import free_port, launch_env, run_logged
 from safetensors.torch import load_file
 
-from hf_gpa.distributed_diloco import refuse_other_layout, requested_layout
+from hf_gpa.distributed_diloco import refuse_other_layout, refuse_other_outer, requested_layout
 from hf_gpa.optim import WorkerLayout
 
 WORKERS = Path(__file__).with_name("diloco_trainer_workers.py")
@@ -90,6 +90,42 @@ def test_no_collective_crosses_the_workers_between_outer_steps(two_ranks: tuple)
                 during.setdefault(step, []).append((record["op"], record["numel"]))
         assert during == {3: [("gloo:all_reduce", run["numel"])], 6: [("gloo:all_reduce", run["numel"])]}
         assert run["wrapped"] == "DistributedDataParallel" and run["ddp_group_is_island"]
+
+
+def in_window(run: dict[str, Any], record: dict[str, Any]) -> int | None:
+    """The step whose window (from the end of the bookkeeping after the step before, through the reading of its
+    batches, to its end) a collective was issued in; None: in the bookkeeping after a step, or outside training."""
+    for step in run["steps"]:
+        begin, end = step["window"]
+        if begin < record["id"] <= end:
+            return step["step"]
+    return None
+
+
+def assert_only_the_outer_all_reduce_crosses(run: dict[str, Any]) -> None:
+    """Logging, evaluating and saving at the outer steps only: from the end of one step's bookkeeping to the end of
+    the next step, the one collective that leaves a worker is the outer all-reduce of an outer step (the whole
+    model); reading the batches and counting their tokens, the forward, backward and inner step send nothing to
+    another worker."""
+    crossing_by_step: dict[int, list[tuple[str, int]]] = {}
+    for record in crossing(run):
+        step = in_window(run, record)
+        if step is not None:
+            crossing_by_step.setdefault(step, []).append((record["op"], record["numel"]))
+    outer_steps = {s["step"] for s in run["steps"] if s["step"] % dw.INNER_STEPS == 0}
+    assert crossing_by_step == {step: [("gloo:all_reduce", run["numel"])] for step in outer_steps}
+
+
+def test_under_the_trainer_nothing_crosses_the_workers_between_outer_steps(two_ranks: tuple) -> None:
+    """M = W = 2, a causal LM, logging, evaluation and checkpoints at the outer steps: between them no collective
+    spans more than one worker (transformers' --average_tokens_across_devices all-gathers the token count over every
+    process at every step; under --diloco_distributed it is counted in the island); training is the same as with
+    logging at every step (the outer weights equal that run's)."""
+    _, facts = two_ranks
+    for f in facts:
+        assert_only_the_outer_all_reduce_crosses(f["quiet"])
+        last = f["run"]["steps"][-1]["outer"]
+        assert all(torch.equal(f["quiet"]["steps"][-1]["outer"][n], last[n]) for n in last)
 
 
 def test_between_steps_only_the_trainer_s_scalars_cross_the_workers(two_ranks: tuple) -> None:
@@ -200,6 +236,56 @@ def test_a_resume_with_another_number_of_workers_is_refused_before_training(two_
         assert f["other_m_before_training"]
 
 
+def test_a_resume_with_other_outer_steps_is_refused_before_training(two_ranks: tuple) -> None:
+    """--diloco_inner_steps 2 on a checkpoint of H = 3 (whose state would keep H = 3 over the flag): GPATrainer.train
+    and the example scripts' resume check raise a ValueError naming the flag and the saved value, before the
+    optimizer exists or a step is taken."""
+    _, facts = two_ranks
+    for f in facts:
+        for key in ("other_h_refused", "other_h_refused_by_script"):
+            assert "saved with --diloco_inner_steps 3, this run asks for 2" in f[key], (key, f[key])
+        assert f["other_h_before_training"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("diloco_inner_steps", 4), ("diloco_outer_lr", 0.5), ("diloco_outer_momentum", 0.8)],
+)
+def test_a_diloco_state_with_other_outer_steps_is_refused_by_flag(tmp_path: Path, flag: str, value: Any) -> None:
+    """A checkpoint of DiLoCo across processes (optimizer_rank<r>.pt) and one of single-worker DiLoCo (optimizer.pt),
+    both saved with H = 3, outer lr 0.7 and momentum 0.9: resumed with another value of one flag, a ValueError names
+    it; with the same values both pass."""
+    groups = {"inner_steps": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
+    across = _checkpoint(tmp_path / "across", WorkerLayout(2, 2, 1), range(2), groups=groups)
+    single = _checkpoint(tmp_path / "single", None, range(0), single=True, groups=groups)
+    same = _OuterArgs(3, 0.7, 0.9)
+    other = _OuterArgs(**{**{k: v for k, v in vars(same).items() if k != "optim"}, flag: value})
+    for checkpoint in (across, single):
+        for rank in range(2 if checkpoint is across else 1):
+            refuse_other_outer(str(checkpoint), same, rank)
+            with pytest.raises(ValueError, match=f"saved with --{flag} .*, this run asks for {value}"):
+                refuse_other_outer(str(checkpoint), other, rank)
+
+
+# ---------------------------------------------------------------- a model built without a common seed
+
+
+def test_frozen_parameters_and_buffers_are_rank_0_s_on_every_rank(two_ranks: tuple) -> None:
+    """Each rank built its model from its own seed, froze its embedding and final norm, and registered a buffer of
+    its own: training makes every parameter (trained ones from the optimizer, frozen ones before the first step)
+    and every buffer rank 0's, as the stock Trainer's DDP does, so the saved model is every worker's and every rank
+    evaluates the same model."""
+    _, (first, second) = two_ranks
+    a, b = first["unseeded"], second["unseeded"]
+    assert not torch.equal(first["unseeded_at_start"]["embed"], second["unseeded_at_start"]["embed"])
+    for name, tensor in a["held_after_train"].items():
+        assert torch.equal(tensor, b["held_after_train"][name]), name
+    for name, tensor in a["buffers_after_train"].items():
+        assert torch.equal(tensor, b["buffers_after_train"][name]), name
+    assert torch.equal(b["held_after_train"]["model.embed_tokens.weight"], first["unseeded_at_start"]["embed"])
+    assert torch.equal(b["buffers_after_train"]["rank_marker"], torch.zeros(3))
+
+
 # ---------------------------------------------------------------- one worker of two processes
 
 
@@ -217,15 +303,29 @@ def test_one_worker_of_two_processes_is_ddp_around_single_worker_diloco(two_rank
 # ---------------------------------------------------------------- the layout of a checkpoint, without a launch
 
 
-def _checkpoint(folder: Path, layout: WorkerLayout | None, ranks: range, single: bool = False) -> Path:
-    """A checkpoint folder with the optimizer files a run on ``layout`` writes (their param groups only)."""
+def _checkpoint(
+    folder: Path, layout: WorkerLayout | None, ranks: range, single: bool = False, groups: dict | None = None
+) -> Path:
+    """A checkpoint folder with the optimizer files a run on ``layout`` writes (their param groups only, with
+    ``groups``' values; with them, the single optimizer.pt is a single-worker DiLoCo's)."""
     folder.mkdir()
+    groups = groups or {}
     for rank in ranks:
         saved = {} if layout is None else {"diloco_layout": {**layout.saved(), "worker": rank // layout.island_size}}
-        torch.save({"state": {}, "param_groups": [{"params": [0], **saved}]}, folder / f"optimizer_rank{rank}.pt")
+        torch.save(
+            {"state": {}, "param_groups": [{"params": [0], **saved, **groups}]}, folder / f"optimizer_rank{rank}.pt"
+        )
     if single:
-        torch.save({"state": {}, "param_groups": [{"params": [0]}]}, folder / "optimizer.pt")
+        saved = {"diloco_layout": WorkerLayout().saved()} if groups else {}
+        torch.save({"state": {}, "param_groups": [{"params": [0], **saved, **groups}]}, folder / "optimizer.pt")
     return folder
+
+
+class _OuterArgs:
+    def __init__(self, diloco_inner_steps: int, diloco_outer_lr: float, diloco_outer_momentum: float) -> None:
+        self.optim = "diloco_adamw"
+        self.diloco_inner_steps, self.diloco_outer_lr = diloco_inner_steps, diloco_outer_lr
+        self.diloco_outer_momentum = diloco_outer_momentum
 
 
 class _Args:
@@ -288,6 +388,8 @@ def test_two_islands_of_two_average_gradients_inside_the_island_only(tmp_path: P
     then hold the same inner weights), and only the outer all-reduce at steps 3 and 6 leaves it; the outer weights
     are the same bits on all four processes after every step."""
     facts = [f["islands"] for f in launch("four_ranks", 4, tmp_path)]
+    for run in facts:  # logging and evaluation at the outer steps: the token count stays in the island too
+        assert_only_the_outer_all_reduce_crosses(run)
     for rank, run in enumerate(facts):
         assert run["layout"] == {"world_size": 4, "num_workers": 2, "num_fragments": 1, "worker": rank // 2}
         assert run["island_size"] == 2 and run["ddp_group_is_island"]

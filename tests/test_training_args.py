@@ -617,8 +617,9 @@ needs_a_lazy_process_group = pytest.mark.skipif(
 @pytest.mark.parametrize("optim", ["diloco_adamw", "diloco_muon"])
 def test_diloco_distributed_builds_diloco_across_processes(optim, tmp_path, monkeypatch):
     """--diloco_distributed true --diloco_workers 2 --diloco_fragments 2 on 4 processes: the optimizer is DiLoCo with
-    distributed=True, num_workers=2, num_fragments=2; each process reads its own batches (no dispatching); without the
-    flag the arguments are single-worker DiLoCo's, as before."""
+    distributed=True, num_workers=2, num_fragments=2; each process reads its own batches (no dispatching) and counts
+    its loss's tokens without a collective over every process; without the flag the arguments are single-worker
+    DiLoCo's, as before."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_gpa.optimizers import optimizer_cls_and_kwargs
@@ -628,13 +629,16 @@ def test_diloco_distributed_builds_diloco_across_processes(optim, tmp_path, monk
                   "2"], tmp_path)  # fmt: skip
     assert (args.diloco_distributed, args.diloco_workers, args.diloco_fragments) == (True, 2, 2)
     assert args.accelerator_config.dispatch_batches is False
+    assert args.average_tokens_across_devices is False  # counted in the island by GPATrainer, not over every process
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
     cls, kwargs = optimizer_cls_and_kwargs(args, LlamaForCausalLM(config))
     assert cls is DiLoCo and (kwargs["distributed"], kwargs["num_workers"], kwargs["num_fragments"]) == (True, 2, 2)
     monkeypatch.delenv("WORLD_SIZE")
-    _, single = optimizer_cls_and_kwargs(parse(["--optim", optim], tmp_path), LlamaForCausalLM(config))
+    single_args = parse(["--optim", optim], tmp_path)
+    _, single = optimizer_cls_and_kwargs(single_args, LlamaForCausalLM(config))
     assert not {"distributed", "num_workers", "num_fragments"} & set(single)
+    assert single_args.average_tokens_across_devices is True  # transformers' default, left as it is
 
 
 @needs_a_lazy_process_group

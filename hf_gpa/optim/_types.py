@@ -83,6 +83,7 @@ Y_RESIDUAL_OVERFLOW = "y_residual_overflow"  # in eval mode: (index, difference)
 BASE = "base"  # a wrapper's base optimizer's state of its tensor
 OUTER = "outer"  # DiLoCo's outer weights (the inner weights while in eval mode)
 OUTER_MOMENTUM_BUFFER = "outer_momentum_buffer"  # DiLoCo's outer Nesterov buffer
+INNER = "inner"  # DiLoCo across M > 1 workers, a state dict taken in train mode: this worker's inner weights
 INNER_FP32 = "inner_fp32"  # DiLoCo, bf16/fp16 parameters: the inner weights in float32 (the parameter: rounded)
 
 # ---- param-group keys ----

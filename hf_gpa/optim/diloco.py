@@ -35,6 +35,7 @@ from ._types import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DILOCO_LAYOUT,
+    INNER,
     INNER_FP32,
     INNER_STEP,
     INNER_STEPS,
@@ -87,8 +88,10 @@ class DiLoCo(BaseOptimizerWrapper):
     and every process takes the same Nesterov step, so the outer weights are the same bits everywhere. At
     construction the parameters are broadcast from the group's first process (every worker starts from the same
     outer weights) and the outer state is created for every parameter that requires a gradient, so that every
-    process takes part in every outer all-reduce. Every process must call ``step()`` equally often. DTensor
-    (FSDP2, tensor-parallel) parameters are refused in this mode.
+    process takes part in every outer all-reduce; a parameter that requires a gradient and has none (unfrozen later,
+    or after ``state.clear()``, done alike on every process) gets it at the next step the same way, on every process.
+    Every process must call ``step()`` equally often. DTensor (FSDP2, tensor-parallel) parameters are refused in this
+    mode.
 
     **Streaming** (``num_fragments`` = P > 1, Douillard et al. 2025): the parameters (in the order of the groups) are
     split into P contiguous fragments of about equal size, and fragment k takes its outer step at the inner steps t
@@ -98,7 +101,9 @@ class DiLoCo(BaseOptimizerWrapper):
     A state dict records the layout (world size, M, P, and this process's worker) in its param groups; loading it on
     another layout raises a ``ValueError`` naming what differs, before anything changes. Each process saves and loads
     its own state: in eval mode the parameters hold the outer weights (the same on every process: save the model
-    once) and ``state["outer"]`` this worker's inner weights, beside the outer momentum and the base's state.
+    once) and ``state["outer"]`` this worker's inner weights, beside the outer momentum and the base's state. Taken in
+    train mode with M > 1, it holds this worker's inner weights (``state["inner"]``), which its load puts into the
+    parameters.
 
     As a wrapper of its base it behaves like `GPA` (see ``_wrapper``): ``add_param_group`` at any time,
     ``copy.deepcopy``/``pickle`` round trips (a copy across processes shares the process groups; pickling one
@@ -182,6 +187,21 @@ class DiLoCo(BaseOptimizerWrapper):
             if p.requires_grad:
                 self._init_outer(p)
 
+    def _agree_on_outer(self) -> None:
+        """Across processes: the parameters that take a gradient and have no outer state (unfrozen after construction,
+        or their state cleared: ``state.clear()`` on every process) get it on every process at once, from the first
+        process's weights, as the constructor's do. Which ones is decided from ``requires_grad`` and the state alone,
+        the same on every process, never from a gradient that some processes have and others not; each worker's own
+        weights would make outer weights that differ between processes."""
+        if self.layout.distributed:
+            missing = [p for p in self._all_params() if p.requires_grad and OUTER not in self.state.get(p, ())]
+            if missing:
+                self._distribute(missing)
+
+    def _create_state(self) -> None:
+        self._agree_on_outer()  # across processes, the outer weights of init_state() are agreed on too
+        super()._create_state()
+
     def _fragment_of_each(self) -> list[int]:
         """The fragment of each parameter, in the order of the groups (computed again once a group was added)."""
         if len(self._fragments) != len(self._all_params()):
@@ -216,6 +236,7 @@ class DiLoCo(BaseOptimizerWrapper):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One inner step; every ``inner_steps``-th call also takes the outer Nesterov step."""
         loss = self._closure_loss(closure)
+        self._agree_on_outer()
         copies = []  # (parameter, its float32 inner weights) of bf16/fp16 parameters with a gradient
         try:
             with self._rollback_on_error():
@@ -284,11 +305,25 @@ class DiLoCo(BaseOptimizerWrapper):
     # ---- the layout in the state dict ----
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``)."""
+        """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``).
+
+        Taken in train mode across M > 1 workers, it also holds this worker's inner weights (``"inner"``: the
+        parameters, which differ between workers; bf16/fp16 parameters have them in ``"inner_fp32"``), which its load
+        puts back into the parameters: the model saved by one process and every process's state resume every worker,
+        as under DDP."""
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group[DILOCO_LAYOUT] = self.layout.saved()
+        if self._own_inner_weights():
+            for index, p in enumerate(self._all_params()):
+                state = self.state.get(p)
+                if state and OUTER in state and INNER_FP32 not in state:
+                    state_dict["state"][index] = {**state_dict["state"][index], INNER: p.detach()}
         return state_dict
+
+    def _own_inner_weights(self) -> bool:
+        """Whether the parameters hold inner weights of this worker's own (train mode, M > 1 workers)."""
+        return self.layout.num_workers > 1 and self.train_mode
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved on this layout (world size, M, P, worker); another layout raises a ``ValueError`` naming
@@ -300,6 +335,13 @@ class DiLoCo(BaseOptimizerWrapper):
             self.layout.check_saved(saved, f"{self.optimizer_name}.load_state_dict()")
         groups = [{k: v for k, v in group.items() if k != DILOCO_LAYOUT} for group in state_dict["param_groups"]]
         super().load_state_dict({**state_dict, "param_groups": groups})
+        if self._own_inner_weights():  # a state taken in train mode: the parameters take this worker's inner weights
+            with torch.no_grad():
+                for p in self._all_params():
+                    state = self.state.get(p, {})
+                    inner = state.pop(INNER, state.get(INNER_FP32))
+                    if inner is not None:
+                        local_tensor(p).copy_(local_tensor(inner))
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "layout": self.layout}
