@@ -42,6 +42,7 @@ __all__ = [
     "checkpoint_to_resume",
     "end_process_group",
     "run_main",
+    "RefusedArgument",
     "size_in_parameters",
 ]
 
@@ -58,6 +59,12 @@ STRATEGY_OF: dict[str, tuple[str, str]] = {
 
 #: The --help usage line: the full list of flags is the rest of --help.
 USAGE = "%(prog)s [-h] [--FLAG VALUE ...] | %(prog)s ARGS.json"
+
+
+class RefusedArgument(ValueError):
+    """An argument the script refused before any work (a value out of range, an unknown flag, a checkpoint that
+    cannot continue the run). Called as a program (`run_main`), the script prints it as argparse prints a usage
+    error, once for the whole launch, and exits with status 2; called as a function, it is a ``ValueError``."""
 
 
 def given_flag_names(argv: Sequence[str]) -> set[str]:
@@ -155,8 +162,27 @@ def parse_with_defaults(
     """Parse the command line (or one JSON file) into ``dataclass_types``, filling in defaults for flags not given.
 
     The embedded data sizing applies only when none of ``data_source_flags`` (fields of ``data_args_type``) is set;
-    the `device_defaults` apply always, unless the flag is given.
+    the `device_defaults` apply always, unless the flag is given. A refused argument raises `RefusedArgument`.
     """
+    try:
+        return _parse_with_defaults(
+            dataclass_types, data_args_type, data_source_flags, recipe, embedded, coupled, argv
+        )
+    except RefusedArgument:
+        raise
+    except ValueError as error:  # HfArgumentParser's unused flags, a dataclass's __post_init__ checks
+        raise RefusedArgument(str(error)) from error
+
+
+def _parse_with_defaults(
+    dataclass_types: tuple[type, ...],
+    data_args_type: type,
+    data_source_flags: Sequence[str],
+    recipe: Mapping[str, Any],
+    embedded: Mapping[str, Any],
+    coupled: Mapping[str, Sequence[str]],
+    argv: Sequence[str] | None,
+) -> tuple[Any, ...]:
     parser = HfArgumentParser(dataclass_types, usage=USAGE)
     recipe = {**device_defaults(), **recipe}
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -299,10 +325,12 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
         return None
     flag = f"--resume_from_checkpoint {given}" if given else f"The newest checkpoint in --output_dir, {checkpoint},"
     if not os.path.isdir(checkpoint):
-        raise ValueError(f"{flag} is not a folder: pass a checkpoint-N folder that a run wrote with --save_steps N")
+        raise RefusedArgument(
+            f"{flag} is not a folder: pass a checkpoint-N folder that a run wrote with --save_steps N"
+        )
     missing = _missing_training_state(checkpoint)
     if missing:
-        raise ValueError(
+        raise RefusedArgument(
             f"{flag} cannot continue a run: it has no {' and no '.join(missing)} (a run's final output folder, or a "
             "--save_only_model checkpoint, holds the model alone; resuming would start a fresh optimizer and lr "
             "schedule). To continue a run, pass a checkpoint-N folder that it wrote (runs keep them with "
@@ -311,7 +339,10 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
         )
     # DiLoCo across processes resumes only on the layout that saved it (world size, --diloco_workers, ...).
     world_size, rank = training_args.world_size, training_args.process_index
-    refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)
+    try:
+        refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)
+    except ValueError as error:
+        raise RefusedArgument(str(error)) from error
     if not given:
         logger.info(
             f"Checkpoint detected, resuming training at {checkpoint}. To avoid this behavior, change "
@@ -326,11 +357,20 @@ def run_main(main: Callable[[], object]) -> None:
     to the interpreter's exit may abort after its work is done (gloo's teardown: "terminate called without an active
     exception"), and so may one whose processes tear their connections down while another still uses them: after
     ``main()`` returned every process is waited for first, within the group's timeout; after an error nothing waits,
-    since the others may never arrive. `GPATrainer`, like `Trainer`, leaves this to the script that runs it."""
+    since the others may never arrive. `GPATrainer`, like `Trainer`, leaves this to the script that runs it.
+
+    A `RefusedArgument` ends the program as argparse ends it on a bad flag: the usage line and the message on the
+    first process only (``RANK`` 0: under ``accelerate launch`` every process refuses the same argument), no
+    traceback, exit status 2."""
     finished = False
     try:
         main()
         finished = True
+    except RefusedArgument as error:
+        if os.environ.get("RANK", "0") == "0":
+            prog = os.path.basename(sys.argv[0])
+            sys.stderr.write(f"usage: {USAGE % {'prog': prog}}\n{prog}: error: {error}\n")
+        raise SystemExit(2) from None
     finally:
         end_process_group(finished=finished)
 

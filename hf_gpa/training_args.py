@@ -151,15 +151,19 @@ class GPATrainingArguments(TrainingArguments):
     )
     diloco_inner_steps: int = field(
         default=DEFAULT_INNER_STEPS,
-        metadata={"help": "With --optim diloco_adamw: inner AdamW steps H between outer steps (>= 1)."},
+        metadata={
+            "help": "With --optim diloco_adamw or diloco_muon: the inner steps H between outer steps (>= 1)."
+        },
     )
     diloco_outer_lr: float = field(
         default=DEFAULT_OUTER_LR,
-        metadata={"help": "With --optim diloco_adamw: the outer (Nesterov) learning rate (finite, > 0)."},
+        metadata={
+            "help": "With --optim diloco_adamw or diloco_muon: the outer (Nesterov) learning rate (finite, > 0)."
+        },
     )
     diloco_outer_momentum: float = field(
         default=DEFAULT_OUTER_MOMENTUM,
-        metadata={"help": "With --optim diloco_adamw: the outer Nesterov momentum in [0, 1)."},
+        metadata={"help": "With --optim diloco_adamw or diloco_muon: the outer Nesterov momentum in [0, 1)."},
     )
     diloco_distributed: bool = field(
         default=False,
