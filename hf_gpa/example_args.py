@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,10 @@ STRATEGY_OF: dict[str, tuple[str, str]] = {
 
 #: The --help usage line: the full list of flags is the rest of --help.
 USAGE = "%(prog)s [-h] [--FLAG VALUE ...] | %(prog)s ARGS.json"
+
+
+#: Seconds the other processes of a launch wait, after refusing an argument, before they exit (`run_main`).
+REFUSAL_GRACE_S = 2.0
 
 
 class RefusedArgument(ValueError):
@@ -370,6 +375,9 @@ def run_main(main: Callable[[], object]) -> None:
         if os.environ.get("RANK", "0") == "0":
             prog = os.path.basename(sys.argv[0])
             sys.stderr.write(f"usage: {USAGE % {'prog': prog}}\n{prog}: error: {error}\n")
+        else:
+            # The launcher stops every process once one exits: give the first one the time to print the message.
+            time.sleep(REFUSAL_GRACE_S)
         raise SystemExit(2) from None
     finally:
         end_process_group(finished=finished)

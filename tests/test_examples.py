@@ -506,6 +506,7 @@ def test_a_refused_flag_ends_the_program_as_argparse_does(
     import runpy
 
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr("hf_gpa.example_args.REFUSAL_GRACE_S", 0.0)
     with patch.object(sys, "argv", [f"{script}.py", "--gpa_mu_x", "1.5"]), pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(REPO / f"{script}.py"), run_name="__main__")
     assert exit_info.value.code == 2
