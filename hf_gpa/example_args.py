@@ -11,13 +11,14 @@ data's default is ``--save_strategy no``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,60 +170,54 @@ def parse_with_defaults(
     The embedded data sizing applies only when none of ``data_source_flags`` (fields of ``data_args_type``) is set;
     the `device_defaults` apply always, unless the flag is given. A refused argument raises `RefusedArgument`.
     """
-    try:
-        return _parse_with_defaults(
-            dataclass_types, data_args_type, data_source_flags, recipe, embedded, coupled, argv
+    with _as_refused_argument():
+        parser = HfArgumentParser(dataclass_types, usage=USAGE)
+        recipe = {**device_defaults(), **recipe}
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
+            uses_embedded = not any(given_dict.get(flag) for flag in data_source_flags)
+            defaults = defaults_for(
+                set(given_dict),
+                recipe,
+                embedded if uses_embedded else None,
+                coupled,
+                given_dict.get("optim"),
+                given_switches(given_dict),
+            )
+            return parser.parse_dict({**defaults, **given_dict})
+        if "-h" in argv or "--help" in argv:
+            show_script_defaults(parser, recipe, embedded, data_source_flags)
+            return parser.parse_args_into_dataclasses(args=argv)  # prints the help of every dataclass and exits
+        # A first pass over the data flags only, to learn whether the embedded data is used.
+        (data_args, _) = HfArgumentParser(data_args_type).parse_args_into_dataclasses(
+            args=argv, return_remaining_strings=True
         )
-    except RefusedArgument:
-        raise
-    except ValueError as error:  # HfArgumentParser's unused flags, a dataclass's __post_init__ checks
-        raise RefusedArgument(str(error)) from error
-
-
-def _parse_with_defaults(
-    dataclass_types: tuple[type, ...],
-    data_args_type: type,
-    data_source_flags: Sequence[str],
-    recipe: Mapping[str, Any],
-    embedded: Mapping[str, Any],
-    coupled: Mapping[str, Sequence[str]],
-    argv: Sequence[str] | None,
-) -> tuple[Any, ...]:
-    parser = HfArgumentParser(dataclass_types, usage=USAGE)
-    recipe = {**device_defaults(), **recipe}
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
-        uses_embedded = not any(given_dict.get(flag) for flag in data_source_flags)
+        uses_embedded = not any(getattr(data_args, flag) for flag in data_source_flags)
         defaults = defaults_for(
-            set(given_dict),
+            given_flag_names(argv),
             recipe,
             embedded if uses_embedded else None,
             coupled,
-            given_dict.get("optim"),
-            given_switches(given_dict),
+            given_value(argv, "optim"),
+            given_switches(argv),
         )
-        return parser.parse_dict({**defaults, **given_dict})
-    if "-h" in argv or "--help" in argv:
-        show_script_defaults(parser, recipe, embedded, data_source_flags)
-        return parser.parse_args_into_dataclasses(args=argv)  # prints the help of every dataclass and exits
-    # A first pass over the data flags only, to learn whether the embedded data is used.
-    (data_args, _) = HfArgumentParser(data_args_type).parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True
-    )
-    uses_embedded = not any(getattr(data_args, flag) for flag in data_source_flags)
-    defaults = defaults_for(
-        given_flag_names(argv),
-        recipe,
-        embedded if uses_embedded else None,
-        coupled,
-        given_value(argv, "optim"),
-        given_switches(argv),
-    )
-    prefix: list[str] = []
-    for name, value in defaults.items():
-        prefix += [f"--{name}", str(value)]
-    return parser.parse_args_into_dataclasses(args=prefix + argv)
+        prefix: list[str] = []
+        for name, value in defaults.items():
+            prefix += [f"--{name}", str(value)]
+        return parser.parse_args_into_dataclasses(args=prefix + argv)
+
+
+@contextlib.contextmanager
+def _as_refused_argument() -> Iterator[None]:
+    """A ``ValueError`` raised inside (HfArgumentParser's unused flags, a dataclass's ``__post_init__`` checks) goes
+    on as a `RefusedArgument`."""
+    try:
+        yield
+    except RefusedArgument:
+        raise
+    except ValueError as error:
+        raise RefusedArgument(str(error)) from error
 
 
 def show_script_defaults(
@@ -344,10 +339,8 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
         )
     # DiLoCo across processes resumes only on the layout that saved it (world size, --diloco_workers, ...).
     world_size, rank = training_args.world_size, training_args.process_index
-    try:
+    with _as_refused_argument():
         refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)
-    except ValueError as error:
-        raise RefusedArgument(str(error)) from error
     if not given:
         logger.info(
             f"Checkpoint detected, resuming training at {checkpoint}. To avoid this behavior, change "
