@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,9 @@ __all__ = [
     "setup_logging",
     "checkpoint_to_resume",
     "end_process_group",
+    "GPA_COUPLED_FLAGS",
+    "GPA_RECIPE_DEFAULTS",
+    "HubArguments",
     "run_main",
     "RefusedArgument",
     "size_in_parameters",
@@ -59,12 +63,68 @@ STRATEGY_OF: dict[str, tuple[str, str]] = {
     "eval_steps": ("eval_strategy", "steps"),
 }
 
+#: The paper's recipe for GPA-AdamW (Section 5), which both example scripts apply unless the flag is given.
+GPA_RECIPE_DEFAULTS: dict[str, Any] = {
+    "optim": "gpa_adamw",
+    "warmup_steps": 0.1,  # a float in [0, 1) is a ratio of the total steps
+    "lr_scheduler_type": "cosine",
+    "weight_decay": 0.1,
+    "max_grad_norm": 1.0,
+}
+
+#: Defaults of both scripts that are left out when the user gives any of the flags they are coupled to: Schedule-Free
+#: averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given --gpa_mu_x.
+GPA_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {"gpa_inner_steps": ("gpa_mu_x", "gpa_averaging")}
+
 #: The --help usage line: the full list of flags is the rest of --help.
 USAGE = "%(prog)s [-h] [--FLAG VALUE ...] | %(prog)s ARGS.json"
 
 
 #: Seconds the other processes of a launch wait, after refusing an argument, before they exit (`run_main`).
 REFUSAL_GRACE_S = 2.0
+
+
+@dataclass
+class HubArguments:
+    """The Hub arguments of both scripts' ``ModelArguments`` (as in transformers' examples): where pretrained files
+    are cached, which revision, the token and whether remote code may run."""
+
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Where to store the pretrained models and datasets downloaded from the Hub"}
+    )
+    model_revision: str = field(
+        default="main",
+        metadata={"help": "The specific model version to use (can be a branch name, tag name or commit id)."},
+    )
+    token: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "The token to use as HTTP bearer authorization for remote files. If not specified, will use the "
+                "token generated when running `hf auth login` (stored in `~/.huggingface`)."
+            )
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Whether to trust the execution of code from datasets/models defined on the Hub. This option should "
+                "only be set to `True` for repositories you trust and in which you have read the code, as it will "
+                "execute code present on the Hub on your local machine."
+            )
+        },
+    )
+
+    @property
+    def pretrained_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of every ``from_pretrained`` call of the scripts."""
+        return {
+            "cache_dir": self.cache_dir,
+            "revision": self.model_revision,
+            "token": self.token,
+            "trust_remote_code": self.trust_remote_code,
+        }
 
 
 class RefusedArgument(ValueError):
