@@ -24,9 +24,9 @@ training's own random draws.
 
 Defaults, in the order they apply (a flag given on the command line or in the JSON file always wins):
 
-* :data:`GPA_RECIPE_DEFAULTS`, always: ``--optim gpa_adamw``, 10% linear warmup, cosine decay, weight decay 0.1,
-  gradient clipping at 1.0 (the paper's recipe), and ``--remove_unused_columns false`` (the image column must
-  reach the transform);
+* :data:`RECIPE_DEFAULTS`, always: ``hf_gpa.example_args.GPA_RECIPE_DEFAULTS`` (``--optim gpa_adamw``, 10% linear
+  warmup, cosine decay, weight decay 0.1, gradient clipping at 1.0: the paper's recipe) and
+  ``--remove_unused_columns false`` (the image column must reach the transform);
 * :data:`EMBEDDED_DEFAULTS`, when no ``--dataset_name``/``--train_dir``/``--validation_dir`` is given;
 * ``--do_train --do_eval`` unless a ``--do_*`` flag is turned on (``--do_eval false`` trains without evaluating).
 
