@@ -68,6 +68,9 @@ try:  # the examples extra; without it, stop here with the pip command that inst
     from hf_gpa import GPATrainer, GPATrainingArguments
     from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
     from hf_gpa.example_args import (
+        GPA_COUPLED_FLAGS,
+        GPA_RECIPE_DEFAULTS,
+        HubArguments,
         checkpoint_to_resume,
         parse_with_defaults,
         run_main,
@@ -83,14 +86,6 @@ logger = logging.getLogger(__name__)
 MODEL_CONFIG_CLASSES = list(MODEL_FOR_CAUSAL_LM_MAPPING.keys())
 MODEL_TYPES = tuple(conf.model_type for conf in MODEL_CONFIG_CLASSES)
 
-#: The paper's recipe for GPA-AdamW (Section 5): applied unless the flag is given.
-GPA_RECIPE_DEFAULTS: dict[str, Any] = {
-    "optim": "gpa_adamw",
-    "warmup_steps": 0.1,  # a float in [0, 1) is a ratio of the total steps
-    "lr_scheduler_type": "cosine",
-    "weight_decay": 0.1,
-    "max_grad_norm": 1.0,
-}
 
 #: Sizing of the embedded default (stdlib corpus, small Llama): a few minutes on 2 CPU cores, with a clearly
 #: falling loss. Applied unless the flag is given, and only when no dataset or data file is named.
@@ -110,8 +105,7 @@ EMBEDDED_DEFAULTS: dict[str, Any] = {
 # A default that is left out when the user gives any of the flags it is coupled to.
 _COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
     "max_steps": ("num_train_epochs",),
-    # Schedule-Free averaging takes no H: a given --gpa_averaging drops the default H with it.
-    "gpa_inner_steps": ("gpa_mu_x", "gpa_averaging"),
+    **GPA_COUPLED_FLAGS,
 }
 
 #: The default model: a 4-layer Llama (2,557,632 parameters with the default 4096-token vocabulary).
@@ -133,7 +127,7 @@ DEFAULT_MODEL_TEXT = (
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(HubArguments):
     """Which model/config/tokenizer to fine-tune, or train from scratch."""
 
     model_name_or_path: str | None = field(
@@ -184,36 +178,9 @@ class ModelArguments:
         default=4_000_000,
         metadata={"help": "How many characters of the train split the default tokenizer is trained on."},
     )
-    cache_dir: str | None = field(
-        default=None,
-        metadata={"help": "Where do you want to store the pretrained models downloaded from huggingface.co"},
-    )
     use_fast_tokenizer: bool = field(
         default=True,
         metadata={"help": "Whether to use one of the fast tokenizer (backed by the tokenizers library) or not."},
-    )
-    model_revision: str = field(
-        default="main",
-        metadata={"help": "The specific model version to use (can be a branch name, tag name or commit id)."},
-    )
-    token: str | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "The token to use as HTTP bearer authorization for remote files. If not specified, will use the "
-                "token generated when running `hf auth login` (stored in `~/.huggingface`)."
-            )
-        },
-    )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={
-            "help": (
-                "Whether to trust the execution of code from datasets/models defined on the Hub. This option should "
-                "only be set to `True` for repositories you trust and in which you have read the code, as it will "
-                "execute code present on the Hub on your local machine."
-            )
-        },
     )
     dtype: str | None = field(
         default=None,
@@ -397,16 +364,10 @@ def load_raw_datasets(
 
 def build_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase) -> PreTrainedConfig:
     """The model config: pretrained, a stock model type's default, or the small default Llama."""
-    config_kwargs: dict[str, Any] = {
-        "cache_dir": model_args.cache_dir,
-        "revision": model_args.model_revision,
-        "token": model_args.token,
-        "trust_remote_code": model_args.trust_remote_code,
-    }
     if model_args.config_name:
-        return AutoConfig.from_pretrained(model_args.config_name, **config_kwargs)
+        return AutoConfig.from_pretrained(model_args.config_name, **model_args.pretrained_kwargs)
     if model_args.model_name_or_path:
-        return AutoConfig.from_pretrained(model_args.model_name_or_path, **config_kwargs)
+        return AutoConfig.from_pretrained(model_args.model_name_or_path, **model_args.pretrained_kwargs)
     if model_args.model_type is None:
         config = LlamaConfig(**DEFAULT_LLAMA_CONFIG)
     else:
@@ -426,13 +387,7 @@ def build_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase)
 
 def build_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
     """The tokenizer: pretrained when named (or when a model is), else the locally trained stdlib BPE."""
-    tokenizer_kwargs: dict[str, Any] = {
-        "cache_dir": model_args.cache_dir,
-        "use_fast": model_args.use_fast_tokenizer,
-        "revision": model_args.model_revision,
-        "token": model_args.token,
-        "trust_remote_code": model_args.trust_remote_code,
-    }
+    tokenizer_kwargs: dict[str, Any] = {"use_fast": model_args.use_fast_tokenizer, **model_args.pretrained_kwargs}
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if name:
         return AutoTokenizer.from_pretrained(name, **tokenizer_kwargs)
@@ -496,10 +451,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
             config=config,
-            cache_dir=model_args.cache_dir,
-            revision=model_args.model_revision,
-            token=model_args.token,
-            trust_remote_code=model_args.trust_remote_code,
+            **model_args.pretrained_kwargs,
             dtype=model_args.dtype,
         )
     else:

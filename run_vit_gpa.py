@@ -24,9 +24,9 @@ training's own random draws.
 
 Defaults, in the order they apply (a flag given on the command line or in the JSON file always wins):
 
-* :data:`GPA_RECIPE_DEFAULTS`, always: ``--optim gpa_adamw``, 10% linear warmup, cosine decay, weight decay 0.1,
-  gradient clipping at 1.0 (the paper's recipe), and ``--remove_unused_columns false`` (the image column must
-  reach the transform);
+* :data:`RECIPE_DEFAULTS`, always: ``hf_gpa.example_args.GPA_RECIPE_DEFAULTS`` (``--optim gpa_adamw``, 10% linear
+  warmup, cosine decay, weight decay 0.1, gradient clipping at 1.0: the paper's recipe) and
+  ``--remove_unused_columns false`` (the image column must reach the transform);
 * :data:`EMBEDDED_DEFAULTS`, when no ``--dataset_name``/``--train_dir``/``--validation_dir`` is given;
 * ``--do_train --do_eval`` unless a ``--do_*`` flag is turned on (``--do_eval false`` trains without evaluating).
 
@@ -78,6 +78,9 @@ try:  # the examples extra; without it, stop here with the pip command that inst
     from hf_gpa import GPATrainer, GPATrainingArguments
     from hf_gpa.data import load_digits_dataset
     from hf_gpa.example_args import (
+        GPA_COUPLED_FLAGS,
+        GPA_RECIPE_DEFAULTS,
+        HubArguments,
         checkpoint_to_resume,
         parse_with_defaults,
         run_main,
@@ -93,16 +96,10 @@ logger = logging.getLogger(__name__)
 MODEL_CONFIG_CLASSES = list(MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING.keys())
 MODEL_TYPES = tuple(conf.model_type for conf in MODEL_CONFIG_CLASSES)
 
-#: The paper's recipe for GPA-AdamW: applied unless the flag is given. The image column must survive until the
-#: on-the-fly transform, hence remove_unused_columns=False (which upstream's README passes by hand).
-GPA_RECIPE_DEFAULTS: dict[str, Any] = {
-    "optim": "gpa_adamw",
-    "warmup_steps": 0.1,  # a float in [0, 1) is a ratio of the total steps
-    "lr_scheduler_type": "cosine",
-    "weight_decay": 0.1,
-    "max_grad_norm": 1.0,
-    "remove_unused_columns": False,
-}
+#: The paper's recipe (`hf_gpa.example_args.GPA_RECIPE_DEFAULTS`), applied unless the flag is given. The image column
+#: must survive until the on-the-fly transform, hence remove_unused_columns=False (which upstream's README passes by
+#: hand).
+RECIPE_DEFAULTS: dict[str, Any] = {**GPA_RECIPE_DEFAULTS, "remove_unused_columns": False}
 
 #: Sizing of the embedded default (digits, small ViT): a few minutes on 2 CPU cores, well above chance accuracy.
 #: Applied unless the flag is given, and only when no dataset or image folder is named.
@@ -124,8 +121,7 @@ EMBEDDED_DEFAULTS: dict[str, Any] = {
 # A default that is left out when the user gives any of the flags it is coupled to.
 _COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
     "num_train_epochs": ("max_steps",),
-    # Schedule-Free averaging takes no H: a given --gpa_averaging drops the default H with it.
-    "gpa_inner_steps": ("gpa_mu_x", "gpa_averaging"),
+    **GPA_COUPLED_FLAGS,
 }
 
 #: The default model: a 4-layer ViT on 16x16 images in 4x4 patches (16 patches + CLS; about 0.3M parameters).
@@ -244,7 +240,7 @@ class DataTrainingArguments:
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(HubArguments):
     """Which model/config/image processor to fine-tune, or train from scratch."""
 
     model_name_or_path: str | None = field(
@@ -278,38 +274,12 @@ class ModelArguments:
             )
         },
     )
-    cache_dir: str | None = field(
-        default=None, metadata={"help": "Where do you want to store the pretrained models downloaded from s3"}
-    )
-    model_revision: str = field(
-        default="main",
-        metadata={"help": "The specific model version to use (can be a branch name, tag name or commit id)."},
-    )
     image_processor_name: str | None = field(
         default=None,
         metadata={
             "help": (
                 "Name or path of preprocessor config. Unset (and no --model_name_or_path): a ViTImageProcessor "
                 "that resizes to the config's image_size and normalizes to [-1, 1]."
-            )
-        },
-    )
-    token: str | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "The token to use as HTTP bearer authorization for remote files. If not specified, will use the "
-                "token generated when running `hf auth login` (stored in `~/.huggingface`)."
-            )
-        },
-    )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={
-            "help": (
-                "Whether to trust the execution of code from datasets/models defined on the Hub. This option should "
-                "only be set to `True` for repositories you trust and in which you have read the code, as it will "
-                "execute code present on the Hub on your local machine."
             )
         },
     )
@@ -337,7 +307,7 @@ def parse_args(
         (ModelArguments, DataTrainingArguments, GPATrainingArguments),
         DataTrainingArguments,
         ("dataset_name", "train_dir", "validation_dir"),
-        GPA_RECIPE_DEFAULTS,
+        RECIPE_DEFAULTS,
         EMBEDDED_DEFAULTS,
         _COUPLED_FLAGS,
         argv,
@@ -393,10 +363,7 @@ def build_config(model_args: ModelArguments, labels: list[str]) -> PreTrainedCon
     if name:
         return AutoConfig.from_pretrained(
             name,
-            cache_dir=model_args.cache_dir,
-            revision=model_args.model_revision,
-            token=model_args.token,
-            trust_remote_code=model_args.trust_remote_code,
+            **model_args.pretrained_kwargs,
             **common,
         )
     if model_args.model_type is None:
@@ -419,10 +386,7 @@ def build_image_processor(model_args: ModelArguments, config: PreTrainedConfig) 
     if name:
         return AutoImageProcessor.from_pretrained(
             name,
-            cache_dir=model_args.cache_dir,
-            revision=model_args.model_revision,
-            token=model_args.token,
-            trust_remote_code=model_args.trust_remote_code,
+            **model_args.pretrained_kwargs,
         )
     image_size = getattr(config, "image_size", 224)
     # The PIL backend needs no torchvision; a saved preprocessor_config.json loads with AutoImageProcessor.
@@ -489,10 +453,7 @@ def build_trainer(
         model = AutoModelForImageClassification.from_pretrained(
             model_args.model_name_or_path,
             config=config,
-            cache_dir=model_args.cache_dir,
-            revision=model_args.model_revision,
-            token=model_args.token,
-            trust_remote_code=model_args.trust_remote_code,
+            **model_args.pretrained_kwargs,
             ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
         )
     else:

@@ -11,12 +11,15 @@ data's default is ``--save_strategy no``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,11 @@ __all__ = [
     "setup_logging",
     "checkpoint_to_resume",
     "end_process_group",
+    "GPA_COUPLED_FLAGS",
+    "GPA_RECIPE_DEFAULTS",
+    "HubArguments",
     "run_main",
+    "RefusedArgument",
     "size_in_parameters",
 ]
 
@@ -56,8 +63,74 @@ STRATEGY_OF: dict[str, tuple[str, str]] = {
     "eval_steps": ("eval_strategy", "steps"),
 }
 
+#: The paper's recipe for GPA-AdamW (Section 5), which both example scripts apply unless the flag is given.
+GPA_RECIPE_DEFAULTS: dict[str, Any] = {
+    "optim": "gpa_adamw",
+    "warmup_steps": 0.1,  # a float in [0, 1) is a ratio of the total steps
+    "lr_scheduler_type": "cosine",
+    "weight_decay": 0.1,
+    "max_grad_norm": 1.0,
+}
+
+#: Defaults of both scripts that are left out when the user gives any of the flags they are coupled to: Schedule-Free
+#: averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given --gpa_mu_x.
+GPA_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {"gpa_inner_steps": ("gpa_mu_x", "gpa_averaging")}
+
 #: The --help usage line: the full list of flags is the rest of --help.
 USAGE = "%(prog)s [-h] [--FLAG VALUE ...] | %(prog)s ARGS.json"
+
+
+#: Seconds the other processes of a launch wait, after refusing an argument, before they exit (`run_main`).
+REFUSAL_GRACE_S = 2.0
+
+
+@dataclass
+class HubArguments:
+    """The Hub arguments of both scripts' ``ModelArguments`` (as in transformers' examples): where pretrained files
+    are cached, which revision, the token and whether remote code may run."""
+
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Where to store the pretrained models and datasets downloaded from the Hub"}
+    )
+    model_revision: str = field(
+        default="main",
+        metadata={"help": "The specific model version to use (can be a branch name, tag name or commit id)."},
+    )
+    token: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "The token to use as HTTP bearer authorization for remote files. If not specified, will use the "
+                "token generated when running `hf auth login` (stored in `~/.huggingface`)."
+            )
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "Whether to trust the execution of code from datasets/models defined on the Hub. This option should "
+                "only be set to `True` for repositories you trust and in which you have read the code, as it will "
+                "execute code present on the Hub on your local machine."
+            )
+        },
+    )
+
+    @property
+    def pretrained_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of every ``from_pretrained`` call of the scripts."""
+        return {
+            "cache_dir": self.cache_dir,
+            "revision": self.model_revision,
+            "token": self.token,
+            "trust_remote_code": self.trust_remote_code,
+        }
+
+
+class RefusedArgument(ValueError):
+    """An argument the script refused before any work (a value out of range, an unknown flag, a checkpoint that
+    cannot continue the run). Called as a program (`run_main`), the script prints it as argparse prints a usage
+    error, once for the whole launch, and exits with status 2; called as a function, it is a ``ValueError``."""
 
 
 def given_flag_names(argv: Sequence[str]) -> set[str]:
@@ -155,43 +228,56 @@ def parse_with_defaults(
     """Parse the command line (or one JSON file) into ``dataclass_types``, filling in defaults for flags not given.
 
     The embedded data sizing applies only when none of ``data_source_flags`` (fields of ``data_args_type``) is set;
-    the `device_defaults` apply always, unless the flag is given.
+    the `device_defaults` apply always, unless the flag is given. A refused argument raises `RefusedArgument`.
     """
-    parser = HfArgumentParser(dataclass_types, usage=USAGE)
-    recipe = {**device_defaults(), **recipe}
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
-        uses_embedded = not any(given_dict.get(flag) for flag in data_source_flags)
+    with _as_refused_argument():
+        parser = HfArgumentParser(dataclass_types, usage=USAGE)
+        recipe = {**device_defaults(), **recipe}
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
+            uses_embedded = not any(given_dict.get(flag) for flag in data_source_flags)
+            defaults = defaults_for(
+                set(given_dict),
+                recipe,
+                embedded if uses_embedded else None,
+                coupled,
+                given_dict.get("optim"),
+                given_switches(given_dict),
+            )
+            return parser.parse_dict({**defaults, **given_dict})
+        if "-h" in argv or "--help" in argv:
+            show_script_defaults(parser, recipe, embedded, data_source_flags)
+            return parser.parse_args_into_dataclasses(args=argv)  # prints the help of every dataclass and exits
+        # A first pass over the data flags only, to learn whether the embedded data is used.
+        (data_args, _) = HfArgumentParser(data_args_type).parse_args_into_dataclasses(
+            args=argv, return_remaining_strings=True
+        )
+        uses_embedded = not any(getattr(data_args, flag) for flag in data_source_flags)
         defaults = defaults_for(
-            set(given_dict),
+            given_flag_names(argv),
             recipe,
             embedded if uses_embedded else None,
             coupled,
-            given_dict.get("optim"),
-            given_switches(given_dict),
+            given_value(argv, "optim"),
+            given_switches(argv),
         )
-        return parser.parse_dict({**defaults, **given_dict})
-    if "-h" in argv or "--help" in argv:
-        show_script_defaults(parser, recipe, embedded, data_source_flags)
-        return parser.parse_args_into_dataclasses(args=argv)  # prints the help of every dataclass and exits
-    # A first pass over the data flags only, to learn whether the embedded data is used.
-    (data_args, _) = HfArgumentParser(data_args_type).parse_args_into_dataclasses(
-        args=argv, return_remaining_strings=True
-    )
-    uses_embedded = not any(getattr(data_args, flag) for flag in data_source_flags)
-    defaults = defaults_for(
-        given_flag_names(argv),
-        recipe,
-        embedded if uses_embedded else None,
-        coupled,
-        given_value(argv, "optim"),
-        given_switches(argv),
-    )
-    prefix: list[str] = []
-    for name, value in defaults.items():
-        prefix += [f"--{name}", str(value)]
-    return parser.parse_args_into_dataclasses(args=prefix + argv)
+        prefix: list[str] = []
+        for name, value in defaults.items():
+            prefix += [f"--{name}", str(value)]
+        return parser.parse_args_into_dataclasses(args=prefix + argv)
+
+
+@contextlib.contextmanager
+def _as_refused_argument() -> Iterator[None]:
+    """A ``ValueError`` raised inside (HfArgumentParser's unused flags, a dataclass's ``__post_init__`` checks) goes
+    on as a `RefusedArgument`."""
+    try:
+        yield
+    except RefusedArgument:
+        raise
+    except ValueError as error:
+        raise RefusedArgument(str(error)) from error
 
 
 def show_script_defaults(
@@ -299,10 +385,12 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
         return None
     flag = f"--resume_from_checkpoint {given}" if given else f"The newest checkpoint in --output_dir, {checkpoint},"
     if not os.path.isdir(checkpoint):
-        raise ValueError(f"{flag} is not a folder: pass a checkpoint-N folder that a run wrote with --save_steps N")
+        raise RefusedArgument(
+            f"{flag} is not a folder: pass a checkpoint-N folder that a run wrote with --save_steps N"
+        )
     missing = _missing_training_state(checkpoint)
     if missing:
-        raise ValueError(
+        raise RefusedArgument(
             f"{flag} cannot continue a run: it has no {' and no '.join(missing)} (a run's final output folder, or a "
             "--save_only_model checkpoint, holds the model alone; resuming would start a fresh optimizer and lr "
             "schedule). To continue a run, pass a checkpoint-N folder that it wrote (runs keep them with "
@@ -312,8 +400,9 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
     # DiLoCo across processes resumes only on the layout that saved it (world size, --diloco_workers, ...), and DiLoCo
     # only with the outer steps that saved it (--diloco_inner_steps, --diloco_outer_lr, --diloco_outer_momentum).
     world_size, rank = training_args.world_size, training_args.process_index
-    refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)
-    refuse_other_outer(checkpoint, training_args, rank)
+    with _as_refused_argument():
+        refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)
+        refuse_other_outer(checkpoint, training_args, rank)
     if not given:
         logger.info(
             f"Checkpoint detected, resuming training at {checkpoint}. To avoid this behavior, change "
@@ -328,11 +417,23 @@ def run_main(main: Callable[[], object]) -> None:
     to the interpreter's exit may abort after its work is done (gloo's teardown: "terminate called without an active
     exception"), and so may one whose processes tear their connections down while another still uses them: after
     ``main()`` returned every process is waited for first, within the group's timeout; after an error nothing waits,
-    since the others may never arrive. `GPATrainer`, like `Trainer`, leaves this to the script that runs it."""
+    since the others may never arrive. `GPATrainer`, like `Trainer`, leaves this to the script that runs it.
+
+    A `RefusedArgument` ends the program as argparse ends it on a bad flag: the usage line and the message on the
+    first process only (``RANK`` 0: under ``accelerate launch`` every process refuses the same argument), no
+    traceback, exit status 2."""
     finished = False
     try:
         main()
         finished = True
+    except RefusedArgument as error:
+        if os.environ.get("RANK", "0") == "0":
+            prog = os.path.basename(sys.argv[0])
+            sys.stderr.write(f"usage: {USAGE % {'prog': prog}}\n{prog}: error: {error}\n")
+        else:
+            # The launcher stops every process once one exits: give the first one the time to print the message.
+            time.sleep(REFUSAL_GRACE_S)
+        raise SystemExit(2) from None
     finally:
         end_process_group(finished=finished)
 

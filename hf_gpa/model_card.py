@@ -8,14 +8,14 @@ and the model alone; `GPATrainer.create_model_card` only hands it the card trans
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 from transformers import TrainingArguments
 
 from hf_gpa.optimizers import GPAOptimizerNames, muon_split
 
-__all__ = ["complete_model_card", "gpa_model_card_section", "with_gpa_tags"]
+__all__ = ["complete_model_card", "gpa_model_card_section", "gpa_run_summary", "with_gpa_tags"]
 
 #: How the model card names Muon (``--optim muon``, and as the base of GPA and DiLoCo).
 _MUON_CARD_NAME = (
@@ -30,13 +30,48 @@ _EMPTY_BASE_MODEL = "This model is a fine-tuned version of [](https://huggingfac
 def gpa_model_card_section(args: TrainingArguments, model: nn.Module | None = None) -> str:
     """The model-card paragraph naming the optimizer and its constants (empty for a stock ``--optim``); with the
     ``model``, where Muon is involved, also what went to Muon and what to AdamW."""
-    if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
+    described = _describe(args, model)
+    if described is None:
         return ""
+    saved = f" The weights in this repository are {described.weights}." if described.weights else ""
+    return (
+        f"## Optimizer: {described.title} (hf_gpa)\n\n"
+        f"Trained with `--optim {args.optim.value}`{described.what}.{saved}{described.split}\n"
+    )
+
+
+def gpa_run_summary(args: TrainingArguments) -> str:
+    """One line for the log at the start of training: the optimizer, its constants, and which weights evaluation and
+    every save use (empty for a stock ``--optim`` and for Muon alone, which keeps one sequence of weights)."""
+    described = _describe(args, None)
+    if described is None or not described.weights:
+        return ""
+    return (
+        f"hf_gpa: {described.title}, --optim {args.optim.value}{described.what}. Evaluation, prediction and every "
+        f"save use {described.weights}; training steps at the {described.trained_at}, restored after each of them."
+    )
+
+
+class _Described(NamedTuple):
+    """What a GPA ``--optim`` is: ``what`` follows its name (": ..."); ``weights``, the evaluation weights, and
+    ``trained_at``, where the gradients are taken, are empty for Muon alone; ``split`` is empty without a model."""
+
+    title: str
+    what: str
+    weights: str
+    trained_at: str
+    split: str
+
+
+def _describe(args: TrainingArguments, model: nn.Module | None) -> _Described | None:
+    """The description of a GPA ``--optim`` (None for a stock one)."""
+    if not isinstance(getattr(args, "optim", None), GPAOptimizerNames):
+        return None
     name = args.optim.value
     uses_muon = "muon" in (name, args.gpa_base_optim, name.removeprefix("diloco_"))
     split = f" {muon_split(model)}." if uses_muon and model is not None else ""
     if args.optim == GPAOptimizerNames.MUON:
-        return f"## Optimizer: Muon (hf_gpa)\n\nTrained with `--optim {name}`: {_MUON_CARD_NAME}.{split}\n"
+        return _Described("Muon", f": {_MUON_CARD_NAME}", "", "", split)
     if args.optim in (GPAOptimizerNames.DILOCO_ADAMW, GPAOptimizerNames.DILOCO_MUON):
         inner = "AdamW" if args.optim == GPAOptimizerNames.DILOCO_ADAMW else _MUON_CARD_NAME
         kind, across = "single-worker DiLoCo", ""
@@ -47,12 +82,11 @@ def gpa_model_card_section(args: TrainingArguments, model: nn.Module | None = No
                 f" across the processes of the run, as {workers} workers (--diloco_workers), each averaging its "
                 f"pseudo-gradient with the others' at every outer step, in {args.diloco_fragments} fragment(s)"
             )
-        return (
-            f"## Optimizer: {kind} (hf_gpa)\n\n"
-            f"Trained with `--optim {name}`{across}: {inner} inner steps with H = {args.diloco_inner_steps} inner "
-            f"steps, outer learning rate {args.diloco_outer_lr} and outer Nesterov momentum "
-            f"{args.diloco_outer_momentum}. The weights in this repository are the outer (slow) weights.{split}\n"
+        what = (
+            f"{across}: {inner} inner steps with H = {args.diloco_inner_steps} inner steps, outer learning rate "
+            f"{args.diloco_outer_lr} and outer Nesterov momentum {args.diloco_outer_momentum}"
         )
+        return _Described(kind, what, "the outer (slow) weights", "inner weights", split)
     base = "AdamW" if args.optim == GPAOptimizerNames.GPA_ADAMW else f"`{args.gpa_base_optim}`"
     if args.gpa_base_optim == GPAOptimizerNames.MUON.value:
         base = _MUON_CARD_NAME
@@ -63,11 +97,8 @@ def gpa_model_card_section(args: TrainingArguments, model: nn.Module | None = No
         steps = args.gpa_effective_inner_steps
         h = "" if steps is None else f", H = {steps:.4g} (mu_x = 0.9 ** (1 / H), the equivalent DiLoCo inner steps)"
         constants = f"mu_x = {args.gpa_mu_x:.6g}, mu_y = {args.gpa_mu_y:.6g}{h}, averaging = {args.gpa_averaging}"
-    return (
-        "## Optimizer: GPA (hf_gpa)\n\n"
-        f"Trained with `--optim {name}`: Generalized Primal Averaging around {base} with {constants}. "
-        f"The weights in this repository are GPA's evaluation sequence x.{split}\n"
-    )
+    what = f": Generalized Primal Averaging around {base} with {constants}"
+    return _Described("GPA", what, "GPA's evaluation sequence x", "gradient point y", split)
 
 
 def with_gpa_tags(

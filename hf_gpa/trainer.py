@@ -74,7 +74,7 @@ from hf_gpa.distributed_diloco import (
     requested_layout,
     worker_optimizer_file,
 )
-from hf_gpa.model_card import complete_model_card, gpa_model_card_section, with_gpa_tags
+from hf_gpa.model_card import complete_model_card, gpa_model_card_section, gpa_run_summary, with_gpa_tags
 from hf_gpa.optim import (
     DiLoCo,
     StepInBackward,
@@ -436,6 +436,13 @@ class GPATrainer(Trainer):
 
     def save_model(self, *args: Any, **kwargs: Any) -> None:
         """The next class's `save_model` writing x; the live weights are y again afterwards, also if saving raises."""
+        if self._uses_gpa_optimizer() and self.is_world_process_zero():
+            output_dir = kwargs.get("output_dir", args[0] if args else None) or self.args.output_dir
+            logger.info(
+                "hf_gpa: saving the evaluation weights (GPA's x, DiLoCo's outer weights) to %s; training goes on "
+                "from the training weights",
+                output_dir,
+            )
         with self._at_x():
             super().save_model(*args, **kwargs)
 
@@ -585,6 +592,7 @@ class GPATrainer(Trainer):
             )
             refuse_other_layout(os.fspath(checkpoint), layout, self.args.process_index)
             refuse_other_outer(os.fspath(checkpoint), self.args, self.args.process_index)
+        self._log_run_summary()
         try:
             output = super().train(*args, **kwargs)
         finally:
@@ -594,6 +602,19 @@ class GPATrainer(Trainer):
         # Already x since on_train_end; also when a user removed that callback.
         self._hold_x()
         return output
+
+    def _log_run_summary(self) -> None:
+        """One INFO line (first process) naming the optimizer, its constants and that evaluation and saves use x."""
+        if not self.is_world_process_zero():
+            return
+        summary = gpa_run_summary(self.args)
+        if not summary and self._uses_gpa_optimizer():  # a GPA optimizer passed in with a stock --optim
+            summary = (
+                "hf_gpa: a GPA optimizer passed in. Evaluation, prediction and every save use its evaluation weights "
+                "(x); training steps at its training weights, restored after each of them."
+            )
+        if summary:
+            logger.info(summary)
 
     # ---- the Hub: the model card names the optimizer ----
 

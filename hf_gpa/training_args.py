@@ -151,15 +151,19 @@ class GPATrainingArguments(TrainingArguments):
     )
     diloco_inner_steps: int = field(
         default=DEFAULT_INNER_STEPS,
-        metadata={"help": "With --optim diloco_adamw: inner AdamW steps H between outer steps (>= 1)."},
+        metadata={
+            "help": "With --optim diloco_adamw or diloco_muon: the inner steps H between outer steps (>= 1)."
+        },
     )
     diloco_outer_lr: float = field(
         default=DEFAULT_OUTER_LR,
-        metadata={"help": "With --optim diloco_adamw: the outer (Nesterov) learning rate (finite, > 0)."},
+        metadata={
+            "help": "With --optim diloco_adamw or diloco_muon: the outer (Nesterov) learning rate (finite, > 0)."
+        },
     )
     diloco_outer_momentum: float = field(
         default=DEFAULT_OUTER_MOMENTUM,
-        metadata={"help": "With --optim diloco_adamw: the outer Nesterov momentum in [0, 1)."},
+        metadata={"help": "With --optim diloco_adamw or diloco_muon: the outer Nesterov momentum in [0, 1)."},
     )
     diloco_distributed: bool = field(
         default=False,
@@ -332,17 +336,28 @@ class GPATrainingArguments(TrainingArguments):
 
     # ---- DeepSpeed: refused before any work starts ----
 
+    @property
+    def _deepspeed_route(self) -> str | None:
+        """How DeepSpeed was asked for (``--deepspeed`` or accelerate's plugin), None where it was not; the one
+        reading of ``ACCELERATE_USE_DEEPSPEED``."""
+        if self.deepspeed:
+            return f"--deepspeed {self.deepspeed!r}" if isinstance(self.deepspeed, str) else "--deepspeed (a dict)"
+        if strtobool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
+            return "ACCELERATE_USE_DEEPSPEED=true (accelerate's DeepSpeed plugin)"
+        return None
+
+    @property
+    def _uses_fsdp(self) -> bool:
+        """FSDP asked for by ``--fsdp`` or accelerate's plugin (``ACCELERATE_USE_FSDP``)."""
+        return bool(self.fsdp) or strtobool(os.environ.get("ACCELERATE_USE_FSDP", "false"))
+
     def _refuse_deepspeed(self, optim: str) -> None:
         """DeepSpeed hides the parameters from a GPA optimizer: refuse the combination, without importing it."""
         if optim not in GPA_OPTIM_NAMES or not HF_GPA_OPTIMIZERS[optim].evaluation_weights:
             return
-        if self.deepspeed:
-            route = f"--deepspeed {self.deepspeed!r}" if isinstance(self.deepspeed, str) else "--deepspeed (a dict)"
-        elif strtobool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
-            route = "ACCELERATE_USE_DEEPSPEED=true (accelerate's DeepSpeed plugin)"
-        else:
-            return
-        raise ValueError(f"--optim {optim} cannot run under {route}: {DEEPSPEED_REFUSAL}")
+        route = self._deepspeed_route
+        if route is not None:
+            raise ValueError(f"--optim {optim} cannot run under {route}: {DEEPSPEED_REFUSAL}")
 
     def _check_step_in_backward(self, optim: str) -> None:
         """--gpa_step_in_backward: refuse, by name and with the reason, every setting it cannot honour."""
@@ -373,9 +388,9 @@ class GPATrainingArguments(TrainingArguments):
                 "--fp16: its loss scaling skips a step whose gradients overflow, which is known only after every "
                 "parameter has stepped; use --bf16"
             )
-        if self.deepspeed or strtobool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
+        if self._deepspeed_route is not None:
             refusals.append("DeepSpeed: it owns the gradients and the optimizer step")
-        if self.fsdp or strtobool(os.environ.get("ACCELERATE_USE_FSDP", "false")):
+        if self._uses_fsdp:
             refusals.append("FSDP: it reduces the gradients after the hooks that would step them have run")
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size > 1:
@@ -479,12 +494,12 @@ class GPATrainingArguments(TrainingArguments):
             self.diloco_fragments, inner_steps=self.diloco_inner_steps, name="--diloco_fragments"
         )
         refusals = []
-        if self.fsdp or strtobool(os.environ.get("ACCELERATE_USE_FSDP", "false")):
+        if self._uses_fsdp:
             refusals.append(
                 "FSDP: it shards every parameter over all processes, while each DiLoCo worker keeps whole inner "
                 "weights of its own; use DDP (configs/accelerate_ddp.yaml)"
             )
-        if self.deepspeed or strtobool(os.environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
+        if self._deepspeed_route is not None:
             refusals.append("DeepSpeed: it owns the optimizer step; use DDP (configs/accelerate_ddp.yaml)")
         if self.fp16:
             refusals.append(

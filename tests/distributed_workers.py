@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensors import TokenDataset
 from torch import nn
 
 STEPS = 3  # steps of every FSDP2 scenario
@@ -61,20 +62,6 @@ def oracle_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: rang
 
 DDP_STEPS = 4  # checkpoints at steps 2 and 4; the resume starts from step 2
 DDP_PER_DEVICE_BATCH = 2  # x NPROC ranks = the oracle's single-process batch
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """Fixed-length random token sequences: every rank's mean loss has the same token count, so DDP's gradient
-    average is the global batch's."""
-
-    def __init__(self, n: int, seed: int, length: int = 16) -> None:
-        self.ids = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def trainer_args(output_dir: Path, per_device_train_batch_size: int, **overrides: Any) -> Any:

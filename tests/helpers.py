@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tensors import TokenDataset  # noqa: F401  (re-exported: the trainer-side tests take it from here)
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
@@ -43,17 +44,6 @@ def tiny_llama(seed: int = 0, **config: Any) -> LlamaForCausalLM:
     """A Llama of the `TINY_LLAMA` config, with ``config``'s fields over it, initialised from ``seed``."""
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **config}))
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int, seed: int, length: int = 16) -> None:
-        self.ids = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class TinyRegressor(nn.Module):

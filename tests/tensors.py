@@ -1,4 +1,4 @@
-"""Helpers the optimizer-side test files share (seeded random parameters), torch only.
+"""Helpers the test files share that need torch alone (seeded random parameters, a random token dataset).
 
 A plain module beside the tests, imported as ``from tensors import ...``: test modules do not import each other, and
 fixtures live in ``conftest.py``. The trainer-side helpers, which import transformers, are in ``helpers.py``.
@@ -31,3 +31,17 @@ def random_params(
         torch.nn.Parameter(torch.randn(s, generator=gen, dtype=draw_dtype).to(device=device, dtype=dtype))
         for s in shapes
     ]
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """``n`` fixed-length random token sequences from ``seed``: every rank's mean loss has the same token count, so
+    DDP's gradient average is the global batch's."""
+
+    def __init__(self, n: int, seed: int, length: int = 16) -> None:
+        self.ids = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

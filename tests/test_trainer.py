@@ -809,3 +809,39 @@ def test_model_card_of_a_model_trained_from_scratch(tmp_path):
     assert "[](https://huggingface.co/)" not in card
     assert "GPAOptimizerNames" not in card and "Use gpa_adamw with betas=(0.9,0.999)" in card
     assert card.count("## Optimizer: GPA (hf_gpa)") == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (
+            dict(),
+            [
+                "hf_gpa: GPA, --optim gpa_adamw: Generalized Primal Averaging around AdamW",
+                "GPA's evaluation sequence x",
+                "gradient point y",
+            ],
+        ),
+        (
+            dict(optim="diloco_adamw", diloco_inner_steps=2),
+            ["single-worker DiLoCo", "H = 2", "the outer (slow) weights"],
+        ),
+        (dict(optim="adamw_torch"), []),
+    ],
+)
+def test_the_log_says_which_weights_evaluation_and_saves_use(overrides, said, tmp_path, caplog):
+    """One INFO line at the start of training names the optimizer, its constants and that evaluation and every save
+    use the evaluation weights; each save says so again; a stock --optim logs neither."""
+    args = make_args(tmp_path, max_steps=2, **eval_and_save_every(1), **overrides)
+    with caplog.at_level("INFO", logger="hf_gpa.trainer"):
+        llama_trainer(args).train()
+    lines = [r.getMessage() for r in caplog.records if r.name == "hf_gpa.trainer"]
+    starts = [line for line in lines if "Evaluation, prediction and every save use" in line]
+    saves = [line for line in lines if line.startswith("hf_gpa: saving the evaluation weights")]
+    if not said:
+        assert starts == [] and saves == []
+        return
+    assert len(starts) == 1 and all(part in starts[0] for part in said), starts
+    assert [line.split(" to ")[1].split(";")[0] for line in saves] == [
+        os.path.join(str(tmp_path), f"checkpoint-{step}") for step in (1, 2)
+    ]
