@@ -26,17 +26,26 @@ from typing import Any
 
 import torch
 
-from ._checks import check_mu_x, check_mu_y
+from ._checks import as_number, check_mu_x
 from ._tensors import local_tensor
 from ._types import DEFAULT_INNER_STEPS, DEFAULT_NUM_FRAGMENTS, MU_X, MU_Y, OUTER, OUTER_LR, OUTER_MOMENTUM_BUFFER, Z
 from .diloco import DiLoCo
 
-__all__ = ["GPADiLoCo", "DEFAULT_GPA_DILOCO_MU", "DEFAULT_GPA_DILOCO_OUTER_LR"]
+__all__ = ["GPADiLoCo", "check_outer_mu_y", "DEFAULT_GPA_DILOCO_MU", "DEFAULT_GPA_DILOCO_OUTER_LR"]
 
 #: The defaults mu_x = mu_y = 0.9 and outer_lr = 0.7 / (1 - 0.9) = 7 are DiLoCo's defaults (outer lr 0.7, Nesterov
 #: momentum 0.9) in this form: the starting point of a mu_x / mu_y sweep.
 DEFAULT_GPA_DILOCO_MU = 0.9
 DEFAULT_GPA_DILOCO_OUTER_LR = 7.0
+
+
+def check_outer_mu_y(mu_y: Any, name: str = "mu_y") -> float:
+    """mu_y of the outer step in [0, 1]: x is kept, not recovered from y, so mu_y = 0 (workers restarting from z, x
+    an exponential average of the z's) is allowed here, unlike `GPA`'s mu_y."""
+    value = as_number(mu_y, name, "in [0, 1]")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"Invalid {name}: {mu_y!r} (must lie in [0, 1])")
+    return value
 
 
 class GPADiLoCo(DiLoCo):
@@ -76,7 +85,7 @@ class GPADiLoCo(DiLoCo):
         inner_steps: H, the inner steps between outer steps (default: 32).
         outer_lr: the rate :math:`\tilde\gamma` of z's outer SGD step (default: 7.0, DiLoCo's 0.7 / (1 - 0.9)).
         mu_x: the averaging constant of x per outer step, in [0, 1) (default: 0.9).
-        mu_y: the interpolation constant of the restart point y, in (0, 1] (default: 0.9).
+        mu_y: the interpolation constant of the restart point y, in [0, 1] (default: 0.9).
         distributed, process_group, num_workers, num_fragments: as for `DiLoCo`.
         **base_kwargs: the base optimizer's own arguments (lr, betas, weight_decay, ...).
     """
@@ -97,7 +106,7 @@ class GPADiLoCo(DiLoCo):
         **base_kwargs: Any,
     ) -> None:
         # Checked before DiLoCo's constructor creates process groups or broadcasts anything.
-        self._mu = {MU_X: check_mu_x(mu_x), MU_Y: check_mu_y(mu_y)}
+        self._mu = {MU_X: check_mu_x(mu_x), MU_Y: check_outer_mu_y(mu_y)}
         super().__init__(
             params, base, inner_steps, outer_lr, 0.0, distributed=distributed, process_group=process_group,
             num_workers=num_workers, num_fragments=num_fragments, **base_kwargs,
@@ -110,7 +119,7 @@ class GPADiLoCo(DiLoCo):
     def _check_own(self, values: dict[str, Any]) -> None:
         super()._check_own(values)
         check_mu_x(values.get(MU_X, self._mu[MU_X]))
-        check_mu_y(values.get(MU_Y, self._mu[MU_Y]))
+        check_outer_mu_y(values.get(MU_Y, self._mu[MU_Y]))
 
     def _init_outer(self, p: torch.Tensor) -> None:
         """x (``state["outer"]``) and z, both the current weights; no Nesterov buffer."""
