@@ -184,8 +184,8 @@ class Plan:
 #: 1,024 steps (1.05M tokens, a multiple of every H), evaluated every 128 steps on 128 fixed validation windows.
 WORKLOAD = pr.Workload(batch_size=16, steps=1024, eval_every=128, val_windows=128)
 TINY_WORKLOAD = dataclasses.replace(pr.QUICK_WORKLOAD, steps=8, eval_every=4)
-#: The regime of the GPA-across-workers question (issue 39): 16 windows per worker per step on 4 workers (64 a
-#: step), 4,096 steps (16.8M tokens), 3 seeds: many core-hours on CPU, for ``--regime``.
+#: The regime of the GPA-across-workers question (against DiLoCo and DDP at equal bytes): 16 windows per worker per
+#: step on 4 workers (64 a step), 4,096 steps (16.8M tokens), 3 seeds: many core-hours on CPU, for ``--regime``.
 REGIME_WORKLOAD = dataclasses.replace(WORKLOAD, batch_size=64, steps=4096, eval_every=512)
 TINY_PLAN = Plan(
     world_size=2, inner_steps=(2, 4), streaming_inner_steps=4, fragments=(2,), islands=None, gpa_inner_steps=2,
