@@ -56,6 +56,7 @@ import torch.distributed as dist
 from benchmarks import paper_recipe as pr
 from benchmarks import report, workloads
 from benchmarks.ranks import LOOPBACK, Link, Meter, run_ranks
+from hf_gpa.optim import GPADiLoCo, outer_lr_like_diloco
 
 logger = logging.getLogger("diloco_workers")
 
@@ -113,8 +114,8 @@ class Plan:
     gpa_inner_steps: int = 8
     gpa_mu_y: float = 0.5
     #: GPA across workers (`hf_gpa.optim.GPADiLoCo`) at each H of ``inner_steps``: the (mu_x, mu_y) of its quality
-    #: sweep (the first is the recipe's DiLoCo itself, mu_x = mu_y = its momentum: the control) and its outer lr, the
-    #: recipe DiLoCo's long-run outer step outer_lr / (1 - momentum), the same for every (mu_x, mu_y)
+    #: sweep (the first is the recipe's DiLoCo itself, mu_x = mu_y = its momentum: the control), each at the outer lr
+    #: whose first move of the restart point is the recipe DiLoCo's (`hf_gpa.optim.outer_lr_like_diloco`)
     gpa_diloco_mus: tuple[tuple[float, float], ...] = (
         (pr.DILOCO_OUTER_MOMENTUM, pr.DILOCO_OUTER_MOMENTUM),
         (0.9, 0.75),
@@ -122,7 +123,7 @@ class Plan:
         (0.97, 0.75),
         (0.97, 0.9),
     )
-    gpa_diloco_outer_lr: float = pr.DILOCO_OUTER_LR / (1 - pr.DILOCO_OUTER_MOMENTUM)
+
     #: steps counted per method (a multiple of every H and of every H / P), after `WARMUP_STEPS`
     bytes_steps: int = 64
     #: steps per timed round (a multiple of every H), rounds kept (after one warm-up round), links: short rounds,
@@ -149,6 +150,9 @@ class Plan:
         }
     )
     timeout_s: float = 7200.0
+
+    def gpa_diloco_outer_lr(self, mu_x: float, mu_y: float) -> float:
+        return outer_lr_like_diloco(pr.DILOCO_OUTER_LR, pr.DILOCO_OUTER_MOMENTUM, mu_x, mu_y)
 
     def bytes_methods(self) -> list[Method]:
         methods = [DDP_ADAMW, Method("gpa", self.gpa_inner_steps)]
@@ -248,11 +252,10 @@ def optimizer_entries(plan: Plan, workload: pr.Workload) -> dict[Method, tuple[t
 def gpa_diloco_entry(diloco: tuple[type, dict[str, Any]], method: Method, plan: Plan) -> tuple[type, dict[str, Any]]:
     """GPA across workers, which the ``--optim`` table has no entry for yet: the recipe DiLoCo's entry (its base, H,
     inner AdamW) with `GPADiLoCo`'s outer step (the plan's outer lr, the method's mu_x and mu_y) for the Nesterov."""
-    from hf_gpa.optim import GPADiLoCo
-
     _, kwargs = diloco
     kwargs = {k: v for k, v in kwargs.items() if k != "outer_momentum"}
-    return GPADiLoCo, {**kwargs, "outer_lr": plan.gpa_diloco_outer_lr, "mu_x": method.mu_x, "mu_y": method.mu_y}
+    outer_lr = plan.gpa_diloco_outer_lr(method.mu_x, method.mu_y)
+    return GPADiLoCo, {**kwargs, "outer_lr": outer_lr, "mu_x": method.mu_x, "mu_y": method.mu_y}
 
 
 def build(method: Method, context: Context, seed: int, lr: float) -> Trainee:
@@ -626,11 +629,11 @@ def report_text(data: dict[str, Any]) -> str:
             f"{pr.DILOCO_OUTER_LR} and momentum {pr.DILOCO_OUTER_MOMENTUM}; GPA's mu_y {data['plan']['gpa_mu_y']}); "
             "each method's lr the best of its grid at the first seed, the other seeds at it. DiLoCo: every process a "
             "worker, each with its share of the global batch. GPA-DiLoCo (GPA across workers, `hf_gpa.optim."
-            f"GPADiLoCo`): DiLoCo's inner AdamW and H, the outer step GPA's primal averaging with outer lr "
-            f"{data['plan'].get('gpa_diloco_outer_lr', math.nan):g} (the recipe DiLoCo's outer_lr / (1 - momentum)); "
-            "mu_x = mu_y = the momentum is the recipe's DiLoCo again (the control). The loss is that of the "
-            "evaluation weights (DiLoCo's outer weights, GPA's x) on the fixed validation windows; bytes between "
-            "workers per step as the bytes part counted them for the same family, H, M and P.\n",
+            "GPADiLoCo`): DiLoCo's inner AdamW and H, the outer step GPA's primal averaging with outer lr "
+            f"{pr.DILOCO_OUTER_LR} (1 + {pr.DILOCO_OUTER_MOMENTUM}) / (1 - mu_x mu_y) (its first move of the restart "
+            "point the recipe DiLoCo's); mu_x = mu_y = the momentum is the recipe's DiLoCo again (the control). The "
+            "loss is that of the evaluation weights (DiLoCo's outer weights, GPA's x) on the fixed validation "
+            "windows; bytes between workers per step as the bytes part counted them for the same family, H, M, P.\n",
             text + "\n",
         ]
     return "\n".join(parts)

@@ -23,7 +23,7 @@ from distributed_workers import build_mlp, global_batch, mse
 from gpa_diloco_simulation import MU_X, MU_Y, OUTER_LR, Snapshot, simulate
 from launching import launch_env, run_logged_together
 
-from hf_gpa.optim import DiLoCo, GPADiLoCo
+from hf_gpa.optim import DiLoCo, GPADiLoCo, outer_lr_like_diloco
 
 WORKERS = Path(__file__).with_name("gpa_diloco_workers.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -76,6 +76,18 @@ def test_equal_mu_x_and_mu_y_is_single_worker_diloco(outer_lr: float, mu: float)
     other = build_mlp(torch.float32)
     smoothed = _run(_opt(other, outer_lr=outer_lr / (1 - mu), mu_x=0.5, mu_y=0.95), other, range(12))
     assert max((p - q).abs().max().item() for p, q in zip(smoothed[-1], theirs[-1])) > 1e-3
+
+
+def test_outer_lr_like_diloco_matches_diloco_s_first_outer_step_off_the_diagonal() -> None:
+    """At (mu_x, mu_y) off the diagonal, the outer lr of `outer_lr_like_diloco` moves the restart point at the first
+    outer step as far as DiLoCo (0.7, 0.9) moves its outer weights (to rounding); on the diagonal it is 0.7 / 0.1."""
+    assert outer_lr_like_diloco(0.7, 0.9, 0.9, 0.9) == pytest.approx(7.0)
+    model, twin = build_mlp(torch.float32), build_mlp(torch.float32)
+    ours = _run(_opt(model, outer_lr=outer_lr_like_diloco(0.7, 0.9, 0.5, 0.8), mu_x=0.5, mu_y=0.8), model, range(3))
+    diloco = DiLoCo(twin.parameters(), inner_steps=INNER_STEPS, outer_lr=0.7, outer_momentum=0.9, **ADAMW_KW)
+    theirs = _run(diloco, twin, range(3))
+    for p, q in zip(ours[-1], theirs[-1]):
+        torch.testing.assert_close(p, q, rtol=0.0, atol=1e-6)
 
 
 def test_eval_shows_x_and_train_restores_the_inner_weights_bitwise() -> None:

@@ -31,12 +31,28 @@ from ._tensors import local_tensor
 from ._types import DEFAULT_INNER_STEPS, DEFAULT_NUM_FRAGMENTS, MU_X, MU_Y, OUTER, OUTER_LR, OUTER_MOMENTUM_BUFFER, Z
 from .diloco import DiLoCo
 
-__all__ = ["GPADiLoCo", "check_outer_mu_y", "DEFAULT_GPA_DILOCO_MU", "DEFAULT_GPA_DILOCO_OUTER_LR"]
+__all__ = [
+    "GPADiLoCo",
+    "check_outer_mu_y",
+    "outer_lr_like_diloco",
+    "DEFAULT_GPA_DILOCO_MU",
+    "DEFAULT_GPA_DILOCO_OUTER_LR",
+]
 
 #: The defaults mu_x = mu_y = 0.9 and outer_lr = 0.7 / (1 - 0.9) = 7 are DiLoCo's defaults (outer lr 0.7, Nesterov
 #: momentum 0.9) in this form: the starting point of a mu_x / mu_y sweep.
 DEFAULT_GPA_DILOCO_MU = 0.9
 DEFAULT_GPA_DILOCO_OUTER_LR = 7.0
+
+
+def outer_lr_like_diloco(diloco_outer_lr: float, diloco_outer_momentum: float, mu_x: float, mu_y: float) -> float:
+    """The outer lr of `GPADiLoCo` at (mu_x, mu_y) whose outer step moves the restart point y as far as DiLoCo's
+    (outer lr gamma, momentum mu) first outer step moves its outer weights: y moves by (1 - mu_x mu_y) outer_lr p
+    at once, DiLoCo's by gamma (1 + mu) p, so outer_lr = gamma (1 + mu) / (1 - mu_x mu_y). On the diagonal mu_x =
+    mu_y = mu this is gamma / (1 - mu), where `GPADiLoCo` is that DiLoCo exactly; off it, a sweep of (mu_x, mu_y) at
+    this outer lr changes the smoothing and the restart point, not the size of the first move (a fixed outer lr would
+    make mu_x = 0 an outer SGD step of gamma / (1 - mu) times the pseudo-gradient)."""
+    return diloco_outer_lr * (1.0 + diloco_outer_momentum) / (1.0 - mu_x * mu_y)
 
 
 def check_outer_mu_y(mu_y: Any, name: str = "mu_y") -> float:
@@ -106,20 +122,22 @@ class GPADiLoCo(DiLoCo):
         **base_kwargs: Any,
     ) -> None:
         # Checked before DiLoCo's constructor creates process groups or broadcasts anything.
-        self._mu = {MU_X: check_mu_x(mu_x), MU_Y: check_outer_mu_y(mu_y)}
+        mus = {MU_X: check_mu_x(mu_x), MU_Y: check_outer_mu_y(mu_y)}
         super().__init__(
             params, base, inner_steps, outer_lr, 0.0, distributed=distributed, process_group=process_group,
             num_workers=num_workers, num_fragments=num_fragments, **base_kwargs,
         )  # fmt: skip
-        self.defaults.update(self._mu)
+        self.defaults.update(mus)  # groups added later take them
         for group in self.param_groups:
-            for key, value in self._mu.items():
+            for key, value in mus.items():
                 group.setdefault(key, value)
 
     def _check_own(self, values: dict[str, Any]) -> None:
         super()._check_own(values)
-        check_mu_x(values.get(MU_X, self._mu[MU_X]))
-        check_outer_mu_y(values.get(MU_Y, self._mu[MU_Y]))
+        if MU_X in values:  # the constructor's were checked before DiLoCo's constructor ran
+            check_mu_x(values[MU_X])
+        if MU_Y in values:
+            check_outer_mu_y(values[MU_Y])
 
     def _init_outer(self, p: torch.Tensor) -> None:
         """x (``state["outer"]``) and z, both the current weights; no Nesterov buffer."""
