@@ -108,6 +108,22 @@ def two_ranks(out: Path, rank: int) -> None:
     optimizer.train()
     facts["resumed"] = train(model, model, optimizer, range(RESUME_AT, STEPS))
 
+    # The DDP habit: in train mode, the model saved by rank 0 (its own inner weights) and every rank's optimizer state
+    # (which then holds its worker's inner weights).
+    model = build_mlp(torch.float32)
+    optimizer = gpa_diloco(model)
+    train(model, model, optimizer, range(RESUME_AT))
+    if rank == 0:
+        torch.save(model.state_dict(), out / "train_mode_model.pt")
+    torch.save(optimizer.state_dict(), out / f"train_mode_optimizer_rank{rank}.pt")
+    dist.barrier()  # rank 0's model file is written before any rank reads it
+    facts["train_mode_uninterrupted"] = train(model, model, optimizer, range(RESUME_AT, STEPS))
+    model = build_mlp(torch.float32)
+    optimizer = gpa_diloco(model)
+    model.load_state_dict(torch.load(out / "train_mode_model.pt", weights_only=True))
+    optimizer.load_state_dict(torch.load(out / f"train_mode_optimizer_rank{rank}.pt", weights_only=True))
+    facts["train_mode_resumed"] = train(model, model, optimizer, range(RESUME_AT, STEPS))
+
     facts["bad_num_workers"] = diloco_workers.error_of(lambda: gpa_diloco(build_mlp(torch.float32), num_workers=3))
     torch.save(facts, out / f"two_ranks_rank{rank}.pt")
 

@@ -224,10 +224,18 @@ def test_equal_mu_x_and_mu_y_is_diloco_across_two_workers(two_ranks: list) -> No
                 torch.testing.assert_close(a, b, rtol=0.0, atol=2e-6)
 
 
-def test_resume_from_every_rank_s_checkpoint_is_bitwise(two_ranks: list) -> None:
+@pytest.mark.parametrize("mode", ["", "train_mode_"])
+def test_resume_from_every_rank_s_checkpoint_is_bitwise(two_ranks: list, mode: str) -> None:
+    """From every rank's state saved in the middle of a period: in eval mode (the model x, the same everywhere), or in
+    train mode (the model saved by rank 0, each rank's state holding its worker's inner weights)."""
     for facts in two_ranks:
-        for a, b in zip(facts["uninterrupted"], facts["resumed"]):
+        uninterrupted, resumed = facts[f"{mode}uninterrupted"], facts[f"{mode}resumed"]
+        assert len(uninterrupted) == len(resumed) == STEPS - 4
+        for a, b in zip(uninterrupted, resumed):
             assert all(torch.equal(p, q) for key in a for p, q in zip(a[key], b[key]))
+    assert not all(
+        torch.equal(p, q) for p, q in zip(two_ranks[0]["resumed"][0]["inner"], two_ranks[1]["resumed"][0]["inner"])
+    )
 
 
 def test_num_workers_that_does_not_divide_the_world_size_is_refused(two_ranks: list) -> None:

@@ -86,7 +86,8 @@ class GPADiLoCo(DiLoCo):
     Reductions: ``mu_x = mu_y = mu`` and ``outer_lr = gamma / (1 - mu)`` is `DiLoCo` with ``outer_lr = gamma``,
     ``outer_momentum = mu`` (the same iterates in exact arithmetic; in floating point they agree to rounding), for
     any number of workers: one worker is single-worker DiLoCo (paper, Algorithm 2). ``mu_x = 0`` is DiLoCo with
-    outer SGD (no momentum) of rate ``outer_lr``.
+    outer SGD (no momentum) of rate ``outer_lr``. Off that diagonal, `outer_lr_like_diloco` gives the outer lr whose
+    first outer step moves y as far as a given DiLoCo's first step moves its outer weights.
 
     Everything else is DiLoCo's: processes, islands (``num_workers``), streaming (``num_fragments``), the broadcast
     at construction, ``eval()``/``train()`` (the parameters hold x in eval mode, the same bits on every process, and
