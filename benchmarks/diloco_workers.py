@@ -9,13 +9,14 @@ three claims and what the saving costs in loss, on the tiny Llama and corpus of 
 
 * **bytes**: every collective of every process is counted by the metered gloo backend of ``benchmarks.ranks`` (the
   payload each process hands to each collective: DDP's gradient buckets, DiLoCo's outer all-reduce, anything else),
-  over whole outer periods after two warm-up steps, for DDP-AdamW, GPA-AdamW under DDP, DiLoCo at each H (every
-  process a worker), streaming DiLoCo (P fragments) and DiLoCo in islands (M workers of W / M processes, DDP inside
-  each island: only the outer all-reduce crosses workers);
+  over whole outer periods after two warm-up steps, for DDP-AdamW, GPA-AdamW under DDP, DiLoCo and GPA across
+  workers (``GPADiLoCo``) at each H (every process a worker), streaming DiLoCo (P fragments) and DiLoCo in islands
+  (M workers of W / M processes, DDP inside each island: only the outer all-reduce crosses workers);
 * **speed**: steps per second of DDP-AdamW and DiLoCo at each H with every collective delayed by a `ranks.Link`
   (latency plus bytes over bandwidth), in interleaved rounds (ABBA), medians and the ratio to DDP of the same link.
   The ranks share the machine's cores, so the model is tiny and the step's compute small beside the link;
-* **quality**: DDP-AdamW, DiLoCo at each H (M = W workers) and, for reference, GPA-AdamW under DDP, trained on the
+* **quality**: DDP-AdamW, DiLoCo at each H (M = W workers), GPA across workers at each H with its (mu_x, mu_y)
+  sweep (``Plan.gpa_diloco_mus``) and, for reference, GPA-AdamW under DDP, trained on the
   same batches (each step's global batch split over the processes, the same tokens for every method) from the same
   initialisation with the recipe of ``benchmarks.paper_recipe`` (its betas, weight decay, clipping, warmup and
   cosine, DiLoCo's outer lr and momentum); each method's lr is the best of a small grid at the first seed (one
@@ -28,6 +29,11 @@ Each part runs in one launch of W spawned processes with a timeout; results are 
     python -m benchmarks.diloco_workers --parts bytes speed        # 4 processes, about 7 minutes
     nohup python -m benchmarks.diloco_workers --parts quality > quality.log 2>&1 &
     python -m benchmarks.diloco_workers --tiny --out outputs/dl    # 2 processes, 1 minute: the whole pipeline
+    nohup python -m benchmarks.diloco_workers --regime --parts bytes quality \
+        --out benchmarks/results/gpa_diloco_regime > regime.log 2>&1 &   # issue 39's regime: many core-hours
+
+The quality table and the "loss against bytes" panel give each method's final loss (mean and seed range) beside the
+bytes between workers per step that the bytes part counted for it.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import torch.distributed as dist
 from benchmarks import paper_recipe as pr
 from benchmarks import report, workloads
 from benchmarks.ranks import LOOPBACK, Link, Meter, run_ranks
+from hf_gpa.optim import GPADiLoCo, outer_lr_like_diloco
 
 logger = logging.getLogger("diloco_workers")
 
@@ -70,6 +77,9 @@ class Method:
     inner_steps: int | None = None
     num_workers: int | None = None
     num_fragments: int = 1
+    #: GPA across workers ("gpa_diloco", `hf_gpa.optim.GPADiLoCo`): the outer step's mu_x and mu_y
+    mu_x: float | None = None
+    mu_y: float | None = None
 
     @property
     def name(self) -> str:
@@ -78,12 +88,15 @@ class Method:
         if self.family == "gpa":
             return f"GPA-AdamW (DDP, H={self.inner_steps})"
         name = f"DiLoCo H={self.inner_steps}"
+        if self.family == "gpa_diloco":
+            name = f"GPA-DiLoCo H={self.inner_steps} mu_x={self.mu_x:g} mu_y={self.mu_y:g}"
         if self.num_fragments > 1:
             name = f"streaming {name} P={self.num_fragments}"
         return name if self.num_workers is None else f"{name}, M={self.num_workers} islands"
 
 
 DDP_ADAMW = Method("adamw")
+ACROSS_WORKERS = ("diloco", "gpa_diloco")  # the families whose optimizer runs across the processes itself
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,17 @@ class Plan:
     #: GPA-AdamW's H (its mu_x) and mu_y: the paper bench's best full-budget setting (as benchmarks.lowbit_quality)
     gpa_inner_steps: int = 8
     gpa_mu_y: float = 0.5
+    #: GPA across workers (`hf_gpa.optim.GPADiLoCo`) at each H of ``inner_steps``: the (mu_x, mu_y) of its quality
+    #: sweep (the first is the recipe's DiLoCo itself, mu_x = mu_y = its momentum: the control), each at the outer lr
+    #: whose first move of the restart point is the recipe DiLoCo's (`hf_gpa.optim.outer_lr_like_diloco`)
+    gpa_diloco_mus: tuple[tuple[float, float], ...] = (
+        (pr.DILOCO_OUTER_MOMENTUM, pr.DILOCO_OUTER_MOMENTUM),
+        (0.9, 0.75),
+        (0.9, 0.5),
+        (0.97, 0.75),
+        (0.97, 0.9),
+    )
+
     #: steps counted per method (a multiple of every H and of every H / P), after `WARMUP_STEPS`
     bytes_steps: int = 64
     #: steps per timed round (a multiple of every H), rounds kept (after one warm-up round), links: short rounds,
@@ -122,13 +146,22 @@ class Plan:
             "adamw": (1e-2, 2e-2, 4e-2),
             "diloco": (2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2),
             "gpa": (1e-2, 2e-2, 4e-2),
+            "gpa_diloco": (5e-3, 1e-2, 2e-2),
         }
     )
     timeout_s: float = 7200.0
 
+    def gpa_diloco_outer_lr(self, mu_x: float, mu_y: float) -> float:
+        return outer_lr_like_diloco(pr.DILOCO_OUTER_LR, pr.DILOCO_OUTER_MOMENTUM, mu_x, mu_y)
+
     def bytes_methods(self) -> list[Method]:
         methods = [DDP_ADAMW, Method("gpa", self.gpa_inner_steps)]
         methods += [Method("diloco", h) for h in self.inner_steps]
+        methods += [
+            Method("gpa_diloco", h, mu_x=mu_x, mu_y=mu_y)
+            for h in self.inner_steps
+            for mu_x, mu_y in self.gpa_diloco_mus[:1]
+        ]
         methods += [Method("diloco", self.streaming_inner_steps, num_fragments=p) for p in self.fragments]
         if self.islands is not None:
             methods.append(Method("diloco", max(self.inner_steps), num_workers=self.islands))
@@ -138,17 +171,31 @@ class Plan:
         return [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps)]
 
     def quality_methods(self) -> list[Method]:
-        return [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps), Method("gpa", self.gpa_inner_steps)]
+        gpa_diloco = [
+            Method("gpa_diloco", h, mu_x=mu_x, mu_y=mu_y)
+            for h in self.inner_steps
+            for mu_x, mu_y in self.gpa_diloco_mus
+        ]
+        return [
+            DDP_ADAMW,
+            *(Method("diloco", h) for h in self.inner_steps),
+            *gpa_diloco,
+            Method("gpa", self.gpa_inner_steps),
+        ]
 
 
 #: The quality budget: the paper bench's tiny Llama, 16 windows of 64 tokens a step (4 per process on 4 processes),
 #: 1,024 steps (1.05M tokens, a multiple of every H), evaluated every 128 steps on 128 fixed validation windows.
 WORKLOAD = pr.Workload(batch_size=16, steps=1024, eval_every=128, val_windows=128)
 TINY_WORKLOAD = dataclasses.replace(pr.QUICK_WORKLOAD, steps=8, eval_every=4)
+#: The regime of the GPA-across-workers question (against DiLoCo and DDP at equal bytes): 16 windows per worker per
+#: step on 4 workers (64 a step), 4,096 steps (16.8M tokens), 3 seeds: many core-hours on CPU, for ``--regime``.
+REGIME_WORKLOAD = dataclasses.replace(WORKLOAD, batch_size=64, steps=4096, eval_every=512)
 TINY_PLAN = Plan(
     world_size=2, inner_steps=(2, 4), streaming_inner_steps=4, fragments=(2,), islands=None, gpa_inner_steps=2,
     bytes_steps=4, speed_steps=4, speed_rounds=1, links=(LOOPBACK, Link("WAN", latency_s=0.001, bandwidth=100e6)),
-    seeds=(0,), lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,)}, timeout_s=300.0,
+    gpa_diloco_mus=((0.9, 0.5),), seeds=(0,),
+    lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,), "gpa_diloco": (1e-2,)}, timeout_s=300.0,
 )  # fmt: skip
 
 
@@ -194,9 +241,21 @@ def optimizer_entries(plan: Plan, workload: pr.Workload) -> dict[Method, tuple[t
     entries = {}
     for method in sorted(methods, key=lambda m: m.name):
         mu_y = plan.gpa_mu_y if method.family == "gpa" else None
-        spec = pr.RunSpec(method.family, plan.comm_lr, 0, workload.steps, STEM, method.inner_steps, mu_y)
+        family = "diloco" if method.family == "gpa_diloco" else method.family
+        spec = pr.RunSpec(family, plan.comm_lr, 0, workload.steps, STEM, method.inner_steps, mu_y)
         entries[method] = workloads.optimizer_cls_and_kwargs(pr.optimizer_flags(spec, workload))
+        if method.family == "gpa_diloco":
+            entries[method] = gpa_diloco_entry(entries[method], method, plan)
     return entries
+
+
+def gpa_diloco_entry(diloco: tuple[type, dict[str, Any]], method: Method, plan: Plan) -> tuple[type, dict[str, Any]]:
+    """GPA across workers, which the ``--optim`` table has no entry for yet: the recipe DiLoCo's entry (its base, H,
+    inner AdamW) with `GPADiLoCo`'s outer step (the plan's outer lr, the method's mu_x and mu_y) for the Nesterov."""
+    _, kwargs = diloco
+    kwargs = {k: v for k, v in kwargs.items() if k != "outer_momentum"}
+    outer_lr = plan.gpa_diloco_outer_lr(method.mu_x, method.mu_y)
+    return GPADiLoCo, {**kwargs, "outer_lr": outer_lr, "mu_x": method.mu_x, "mu_y": method.mu_y}
 
 
 def build(method: Method, context: Context, seed: int, lr: float) -> Trainee:
@@ -212,11 +271,11 @@ def build(method: Method, context: Context, seed: int, lr: float) -> Trainee:
     params = [p for p in model.parameters() if p.requires_grad]
     cls, kwargs = context.entries[method]
     overrides: dict[str, Any] = {"lr": lr}
-    if method.family == "diloco":
+    if method.family in ACROSS_WORKERS:
         overrides |= {"distributed": True, "num_workers": method.num_workers, "num_fragments": method.num_fragments}
     optimizer = workloads.optimizer_from_entry(cls, kwargs, params, weight_decay=workload.weight_decay, **overrides)
     group = dist.group.WORLD
-    if method.family == "diloco":
+    if method.family in ACROSS_WORKERS:
         group = optimizer.layout.island_group if optimizer.layout.island_size > 1 else None
     forward = model if group is None else DistributedDataParallel(model, process_group=group, **_NO_BUFFER_SYNC)
     return Trainee(method, model, forward, optimizer, workload.grad_clip)
@@ -495,22 +554,34 @@ def quality_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
+def between_workers_per_step(runs: list[dict[str, Any]], quality_run: dict[str, Any]) -> float:
+    """The bytes between workers per step that the bytes part counted for the method of ``quality_run``: the bytes
+    run of the same family, H, M and P (mu_x and mu_y change no byte); nan where none was counted."""
+    same = ("family", "inner_steps", "num_workers", "num_fragments")
+    for run in runs:
+        if run["part"] == "bytes" and all(run.get(key) == quality_run.get(key) for key in same):
+            return run["between_workers_per_step"]
+    return math.nan
+
+
 def quality_table(runs: list[dict[str, Any]]) -> str:
     summary = quality_summary(runs)
     if not summary:
         return ""
     ddp = next((row for row in summary if row["method"] == DDP_ADAMW.name), None)
-    header = ["method", "lr (best of)", "seeds", "final val loss, mean", "each seed", "vs DDP-AdamW", "wall s / run"]
+    header = ["method", "between workers / step (KB)", "lr (best of)", "seeds", "final val loss, mean",
+              "spread (max - min)", "each seed", "vs DDP-AdamW", "wall s / run"]  # fmt: skip
     table = []
     for row in summary:
         delta = row["mean"] - ddp["mean"] if ddp else math.nan
         grid = ", ".join(f"{lr:g}: {loss:.4f}" for lr, loss in sorted(row["sweep"].items()))
         table.append([
-            row["method"], f"{row['lr']:g} ({grid})", len(row["finals"]), f"{row['mean']:.4f}",
+            row["method"], _kb(between_workers_per_step(runs, row["runs"][0])), f"{row['lr']:g} ({grid})",
+            len(row["finals"]), f"{row['mean']:.4f}", f"{max(row['finals']) - min(row['finals']):.4f}",
             " / ".join(f"{v:.4f}" for v in row["finals"]), f"{delta:+.4f}",
             f"{statistics.fmean(run['wall_s'] for run in row['runs']):.0f}",
         ])  # fmt: skip
-    return report.markdown_table(header, table, right=(2, 3, 5, 6))
+    return report.markdown_table(header, table, right=(1, 3, 4, 5, 7, 8))
 
 
 def report_text(data: dict[str, Any]) -> str:
@@ -557,8 +628,12 @@ def report_text(data: dict[str, Any]) -> str:
             f"clipping {spec.grad_clip}, {spec.warmup_fraction:.0%} warmup then cosine; DiLoCo's outer lr "
             f"{pr.DILOCO_OUTER_LR} and momentum {pr.DILOCO_OUTER_MOMENTUM}; GPA's mu_y {data['plan']['gpa_mu_y']}); "
             "each method's lr the best of its grid at the first seed, the other seeds at it. DiLoCo: every process a "
-            "worker, each with its share of the global batch. The loss is that of the evaluation weights (DiLoCo's "
-            "outer weights, GPA's x) on the fixed validation windows.\n",
+            "worker, each with its share of the global batch. GPA-DiLoCo (GPA across workers, `hf_gpa.optim."
+            "GPADiLoCo`): DiLoCo's inner AdamW and H, the outer step GPA's primal averaging with outer lr "
+            f"{pr.DILOCO_OUTER_LR} (1 + {pr.DILOCO_OUTER_MOMENTUM}) / (1 - mu_x mu_y) (its first move of the restart "
+            "point the recipe DiLoCo's); mu_x = mu_y = the momentum is the recipe's DiLoCo again (the control). The "
+            "loss is that of the evaluation weights (DiLoCo's outer weights, GPA's x) on the fixed validation "
+            "windows; bytes between workers per step as the bytes part counted them for the same family, H, M, P.\n",
             text + "\n",
         ]
     return "\n".join(parts)
@@ -579,6 +654,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
     runs = data["runs"]
     panels = [part for part in PARTS if any(run["part"] == part for run in runs)]
+    if {"bytes", "quality"} <= set(panels):
+        panels.append("loss against bytes")
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
@@ -598,6 +675,18 @@ def plot(data: dict[str, Any], path: Path) -> None:
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [r["link_text"] for r in rows], fontsize=8)
             ax.set_ylabel("steps/s relative to DDP-AdamW")
             ax.legend(fontsize=8)
+        elif part == "loss against bytes":
+            for row in quality_summary(runs):
+                sent = between_workers_per_step(runs, row["runs"][0]) / 1e3
+                finals = [v for v in row["finals"] if math.isfinite(v)]
+                if finals and math.isfinite(sent):
+                    low, high = min(finals), max(finals)
+                    ax.errorbar([sent], [row["mean"]], yerr=[[row["mean"] - low], [high - row["mean"]]], fmt="o",
+                                capsize=3, label=row["method"])  # fmt: skip
+            ax.set_xscale("log")
+            ax.set_xlabel("payload between workers per step (KB, log)")
+            ax.set_ylabel("final validation loss (mean, seed range)")
+            ax.legend(fontsize=6)
         else:
             for row in quality_summary(runs):
                 curves = [run["val"] for run in row["runs"] if "diverged_at" not in run]
@@ -622,11 +711,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--out", type=Path, default=Path(f"benchmarks/results/{STEM}"))
     parser.add_argument("--tiny", action="store_true", help="2 processes, a tiny Llama, a few steps: seconds")
+    parser.add_argument(
+        "--regime", action="store_true",
+        help="4 processes, 16 windows per worker per step, 4,096 steps, 3 seeds: GPA across workers against DiLoCo "
+        "and DDP (many core-hours)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch (default: plan's)")
     parser.add_argument("--again", action="store_true", help="measure --parts again, replacing their recorded runs")
     parser.add_argument("--report-only", action="store_true", help="rewrite the table and the plot from the JSON")
     args = parser.parse_args(argv)
-    plan, workload = (TINY_PLAN, TINY_WORKLOAD) if args.tiny else (Plan(), WORKLOAD)
+    if args.tiny and args.regime:
+        parser.error("--tiny and --regime: choose one")
+    plan, workload = (
+        (TINY_PLAN, TINY_WORKLOAD) if args.tiny else (Plan(), REGIME_WORKLOAD if args.regime else WORKLOAD)
+    )
     if args.timeout is not None:
         if args.timeout <= 0:
             parser.error(f"--timeout: {args.timeout} (must be > 0 seconds)")

@@ -1,8 +1,8 @@
 """hf_gpa: Generalized Primal Averaging for PyTorch, the transformers Trainer and accelerate.
 
-The optimizers (``GPAAdamW``, ``GPA``, ``DiLoCo``, ``MuonWithAuxAdam``) need only torch. The transformers-side names
-(``GPATrainingArguments``, ``GPATrainer``) and the TRL classes (``GPASFTTrainer``, ``GPADPOTrainer``, ... from
-``hf_gpa.trl``) are imported on first access, so ``import hf_gpa`` stays light.
+The optimizers (``GPAAdamW``, ``GPA``, ``DiLoCo``, ``GPADiLoCo``, ``MuonWithAuxAdam``) need only torch. The
+transformers-side names (``GPATrainingArguments``, ``GPATrainer``) and the TRL classes (``GPASFTTrainer``,
+``GPADPOTrainer``, ... from ``hf_gpa.trl``) are imported on first access, so ``import hf_gpa`` stays light.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from .optim import (
     GPA,
     DiLoCo,
     GPAAdamW,
+    GPADiLoCo,
     MuonWithAuxAdam,
     ReferenceGPA,
     inner_steps_from_mu_x,
@@ -41,6 +42,7 @@ __all__ = [
     "GPA",
     "GPAAdamW",
     "DiLoCo",
+    "GPADiLoCo",
     "ReferenceGPA",
     "MuonWithAuxAdam",
     "muon_param_groups",

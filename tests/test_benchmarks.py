@@ -165,9 +165,10 @@ def test_bn_recalibration_sweeps_the_checkpoints_of_the_scripts_run(tmp_path: Pa
 
 def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: Path) -> None:
     """``--tiny`` (2 processes over the metered gloo): DDP hands the model's bytes to one all-reduce a step and
-    nothing else, DiLoCo the model's bytes once per H steps, streaming one fragment at a time (the peak below the
-    model); a speed row per link against DDP, the slow link charging DDP its latency every step; a final loss per
-    quality method; the table and the plot written."""
+    nothing else, DiLoCo and GPA across workers the model's bytes once per H steps, streaming one fragment at a time
+    (the peak below the model); a speed row per link against DDP, the slow link charging DDP its latency every step;
+    a final loss per quality method (every (mu_x, mu_y) of GPA across workers at every H); the table and the plot
+    written."""
     from benchmarks import diloco_workers
 
     plan = diloco_workers.TINY_PLAN
@@ -181,6 +182,12 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     for h in plan.inner_steps:
         assert sent[f"DiLoCo H={h}"]["ops"] == {"allreduce": plan.bytes_steps // h}
         assert sent[f"DiLoCo H={h}"]["between_workers_per_step"] == model / h
+        mu_x, mu_y = plan.gpa_diloco_mus[0]
+        gpa_diloco = sent[f"GPA-DiLoCo H={h} mu_x={mu_x:g} mu_y={mu_y:g}"]  # GPA across workers: DiLoCo's bytes
+        assert (gpa_diloco["ops"], gpa_diloco["between_workers_per_step"]) == (
+            {"allreduce": plan.bytes_steps // h},
+            model / h,
+        )
     streaming = sent[f"streaming DiLoCo H={plan.streaming_inner_steps} P={plan.fragments[0]}"]
     assert streaming["payload_per_step"] == model / plan.streaming_inner_steps
     assert 0 < streaming["peak_between_workers_step_payload"] < model
@@ -194,6 +201,9 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     quality = diloco_workers.quality_summary(runs)
     assert [row["method"] for row in quality] == [method.name for method in plan.quality_methods()]
     assert all(0 < row["mean"] < 10 for row in quality)
+    assert sum(row["method"].startswith("GPA-DiLoCo") for row in quality) == len(plan.inner_steps) * len(
+        plan.gpa_diloco_mus
+    )
     text = (tmp_path / "diloco_workers.md").read_text()
     assert all(f"## {title}" in text for title in ("Bytes per training step", "Steps per second", "Validation loss"))
     assert (tmp_path / "diloco_workers.png").stat().st_size

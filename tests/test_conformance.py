@@ -17,7 +17,7 @@ import torch
 from tensors import random_params
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from hf_gpa import GPA, DiLoCo, GPAAdamW, ReferenceGPA
+from hf_gpa import GPA, DiLoCo, GPAAdamW, GPADiLoCo, ReferenceGPA
 
 Factory = Callable[..., torch.optim.Optimizer]
 
@@ -28,6 +28,9 @@ OPTIMIZERS: dict[str, Factory] = {
     "gpa(adamw)": lambda ps, **kw: GPA(ps, **{"lr": 1e-2, "weight_decay": 0.1, "mu_x": 0.9, **kw}),
     "gpa(sgd)": lambda ps, **kw: GPA(ps, base=torch.optim.SGD, **{"lr": 1e-2, "momentum": 0.9, "mu_x": 0.9, **kw}),
     "diloco(adamw)": lambda ps, **kw: DiLoCo(ps, base=torch.optim.AdamW, **{"inner_steps": 2, "lr": 1e-2, **kw}),
+    "gpa_diloco(adamw)": lambda ps, **kw: GPADiLoCo(
+        ps, **{"inner_steps": 2, "lr": 1e-2, "mu_x": 0.8, "mu_y": 0.6, **kw}
+    ),
     "reference": lambda ps, **kw: ReferenceGPA(ps, **{"lr": 1e-2, "weight_decay": 0.1, "mu_x": 0.9, **kw}),
 }
 NAMES = list(OPTIMIZERS)

@@ -46,6 +46,7 @@ from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
 from .diloco import DiLoCo
 from .gpa import GPA
 from .gpa_adamw import GPAAdamW
+from .gpa_diloco import GPADiLoCo, outer_lr_like_diloco
 from .in_backward import StepInBackward, step_in_backward
 from .muon import MuonWithAuxAdam, muon_param_groups
 from .reference import ReferenceGPA
@@ -54,6 +55,8 @@ __all__ = [
     "GPA",
     "GPAAdamW",
     "DiLoCo",
+    "GPADiLoCo",
+    "outer_lr_like_diloco",
     "WorkerLayout",
     "island_allreduce_hook",
     "saved_diloco_layout",
