@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers.trainer import OPTIMIZER_NAME
 
 from hf_gpa.optim import DiLoCo, WorkerLayout, saved_diloco_layout
+from hf_gpa.optim._diloco_workers import broadcast_
 from hf_gpa.optim._types import INNER_STEPS, OUTER_LR, OUTER_MOMENTUM
-from hf_gpa.optim._workers import broadcast_
 
 if TYPE_CHECKING:
     from torch import nn

@@ -30,7 +30,7 @@ from transformers.hf_argparser import string_to_bool
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_gpa.distributed_diloco import refuse_other_layout, refuse_other_outer, requested_layout
-from hf_gpa.optimizers import unused_flags
+from hf_gpa.optim_table import unused_flags
 from hf_gpa.training_args import GPATrainingArguments
 
 __all__ = [

@@ -83,7 +83,7 @@ from hf_gpa.optim import (
     saved_optimizer_name,
     step_in_backward,
 )
-from hf_gpa.optimizers import GPAOptimizerNames, optim_that_saved, optimizer_cls_and_kwargs
+from hf_gpa.optim_table import GPAOptimizerNames, optim_that_saved, optimizer_cls_and_kwargs
 from hf_gpa.training_args import DEEPSPEED_REFUSAL
 
 if TYPE_CHECKING:

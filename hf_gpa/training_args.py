@@ -58,7 +58,7 @@ from hf_gpa.optim import (
     inner_steps_from_mu_x,
     mu_x_from_inner_steps,
 )
-from hf_gpa.optimizers import (
+from hf_gpa.optim_table import (
     FLAG_READERS,
     GPA_OPTIM_NAMES,
     HF_GPA_OPTIMIZERS,
