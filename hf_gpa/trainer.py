@@ -73,7 +73,7 @@ from hf_gpa.optim import (
     step_in_backward,
 )
 from hf_gpa.optim_table import GPAOptimizerNames, optim_that_saved, optimizer_cls_and_kwargs
-from hf_gpa.training_args import DEEPSPEED_REFUSAL
+from hf_gpa.training_args import deepspeed_refusal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -305,7 +305,7 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
         # The arguments refuse --deepspeed and ACCELERATE_USE_DEEPSPEED; this catches DeepSpeed enabled any other
         # way (an accelerate plugin, stock TrainingArguments with a GPA optimizer passed in directly).
         if getattr(self, "is_deepspeed_enabled", False) and self._uses_gpa_optimizer():
-            raise ValueError(f"A GPA optimizer cannot run under DeepSpeed: {DEEPSPEED_REFUSAL}")
+            raise deepspeed_refusal("A GPA optimizer", "DeepSpeed")
         self._add_evaluation_weights_callback()
 
     #: The callback that puts x in place at the end of training, once added (with a GPA optimizer only).
@@ -353,9 +353,7 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
         wrapper = self.optimizer
         while wrapper is not None and wrapper is not inner:
             if type(wrapper).__module__.split(".")[0] == "deepspeed":
-                raise ValueError(
-                    f"The GPA optimizer is wrapped by DeepSpeed's {type(wrapper).__name__}: {DEEPSPEED_REFUSAL}"
-                )
+                raise deepspeed_refusal("The GPA optimizer", f"DeepSpeed's {type(wrapper).__name__}, which wraps it")
             wrapper = getattr(wrapper, "optimizer", None)
         models = [self.model, getattr(self, "model_wrapped", None), *getattr(self.accelerator, "_models", [])]
         model_params = {id(p) for m in models if isinstance(m, nn.Module) for p in m.parameters()}
