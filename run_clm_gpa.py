@@ -298,7 +298,6 @@ def parse_args(
     """Parse the command line (or one JSON file), filling in the script's defaults for flags not given."""
     return parse_with_defaults(
         (ModelArguments, DataTrainingArguments, GPATrainingArguments),
-        DataTrainingArguments,
         ("dataset_name", "train_file", "validation_file"),
         GPA_RECIPE_DEFAULTS,
         EMBEDDED_DEFAULTS,

@@ -5,7 +5,7 @@ through the one ``--optim`` table.
 Why this module exists: several benchmarks step the same Llama parameter list, train the same tiny Llama on the
 same corpus, or build the same optimizer; each of them takes it from here, so that a figure of one benchmark and a
 figure of another speak of the same workload. Every optimizer a benchmark compares as a *training recipe* is built as
-`GPATrainer` builds it: `hf_gpa.optimizers.optimizer_cls_and_kwargs` on a `GPATrainingArguments` holding the
+`GPATrainer` builds it: `hf_gpa.optim_table.optimizer_cls_and_kwargs` on a `GPATrainingArguments` holding the
 ``--optim`` flags (`optimizer_from_flags`). Only a benchmark that measures one optimizer class by itself (step_time's
 for-loop, foreach and fused variants of a class) calls a class directly.
 
@@ -146,8 +146,8 @@ def training_args(**flags: Any) -> Any:
 
 def optimizer_cls_and_kwargs(flags: Mapping[str, Any], model: torch.nn.Module | None = None) -> tuple[type, dict]:
     """The optimizer class and keyword arguments ``--optim flags["optim"]`` with ``flags`` stands for: the entry of
-    the one ``--optim`` table (`hf_gpa.optimizers.optimizer_cls_and_kwargs`), as the Trainer reads it."""
-    from hf_gpa.optimizers import optimizer_cls_and_kwargs as table
+    the one ``--optim`` table (`hf_gpa.optim_table.optimizer_cls_and_kwargs`), as the Trainer reads it."""
+    from hf_gpa.optim_table import optimizer_cls_and_kwargs as table
 
     return table(training_args(**flags), model)
 
@@ -161,7 +161,7 @@ def optimizer_from_flags(
     **overrides: Any,
 ) -> torch.optim.Optimizer:
     """The optimizer ``--optim flags["optim"]`` builds with ``flags``, as the Trainer builds it: the class and keyword
-    arguments of `hf_gpa.optimizers.optimizer_cls_and_kwargs`, given ``params`` (a list of tensors or of groups)
+    arguments of `hf_gpa.optim_table.optimizer_cls_and_kwargs`, given ``params`` (a list of tensors or of groups)
     unless the table builds its own groups (the Muon families, from ``model``).
 
     ``weight_decay``: one weight decay on every group, those of the table included (the paper bench's recipe decays

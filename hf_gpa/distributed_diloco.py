@@ -17,6 +17,10 @@ With W processes and M workers, each worker is an island of W / M processes. Thr
 * A checkpoint resumes only on the layout that saved it (world size, M, P): `refuse_other_layout` reads it before
   anything is trained or loaded, and a checkpoint of a run across processes is refused to a run that is not one. So
   is a DiLoCo state saved with another H, outer lr or outer momentum than the flags give (`refuse_other_outer`).
+
+`DiLoCoWorkersMixin` is where `GPATrainer` does all of this: the Trainer's hooks that differ across workers (the
+model's wrapping, the token count, the optimizer files of a checkpoint, the refusal of another run's checkpoint), each
+passing on to the next class unchanged for any other optimizer.
 """
 
 from __future__ import annotations
@@ -24,15 +28,19 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from transformers.trainer import OPTIMIZER_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.trainer_utils import get_last_checkpoint
 
+from hf_gpa.checkpoint import unwrap_gpa_optimizer
 from hf_gpa.optim import DiLoCo, WorkerLayout, saved_diloco_layout
+from hf_gpa.optim._diloco_workers import broadcast_
 from hf_gpa.optim._types import INNER_STEPS, OUTER_LR, OUTER_MOMENTUM
-from hf_gpa.optim._workers import broadcast_
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OPTIMIZER_RANK_NAME",
+    "DiLoCoWorkersMixin",
     "broadcast_unstepped",
     "island_ddp",
     "island_token_count",
@@ -208,3 +217,102 @@ def island_token_count(count: torch.Tensor, layout: WorkerLayout) -> torch.Tenso
     count = count.clone()
     dist.all_reduce(count, group=layout.island_group)
     return count / layout.island_size
+
+
+class DiLoCoWorkersMixin:
+    """The `Trainer` hooks that differ under DiLoCo across processes (``--diloco_distributed``), for a trainer class
+    to compose (`GPATrainer` does): a DDP over the worker's island (`_wrap_model`), the token count taken over the
+    island (`_get_num_items_in_batch`), one optimizer state file per process in a checkpoint
+    (`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`), and `refuse_other_checkpoint` before
+    training. Every hook takes ``*args, **kwargs`` and passes them on to the next class in the MRO unchanged, which
+    it leaves alone for any other optimizer."""
+
+    def _workers_layout(self) -> WorkerLayout | None:
+        """The layout of the DiLoCo across processes that this trainer steps; None for any other optimizer."""
+        inner = unwrap_gpa_optimizer(self.optimizer)
+        layout = inner.layout if isinstance(inner, DiLoCo) else None
+        return layout if layout is not None and layout.distributed else None
+
+    def refuse_other_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """Given `train`'s arguments: refuse the checkpoint it would resume when it was saved on another layout of
+        DiLoCo across processes, or holds a DiLoCo state saved with other outer steps (H, outer lr, outer momentum),
+        before anything is loaded (`refuse_other_layout`, `refuse_other_outer`)."""
+        checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if checkpoint is True and os.path.isdir(self.args.output_dir):
+            checkpoint = get_last_checkpoint(self.args.output_dir)  # None: the next class says there is none
+        if not isinstance(checkpoint, (str, os.PathLike)):
+            return
+        rank = self.args.process_index
+        layout = self._workers_layout() or requested_layout(self.args, self.args.world_size, rank)
+        refuse_other_layout(os.fspath(checkpoint), layout, rank)
+        refuse_other_outer(os.fspath(checkpoint), self.args, rank)
+
+    def _wrap_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        """The next class's `_wrap_model`; for training under DiLoCo across processes, a DDP over the processes of
+        this worker's island only (`island_ddp`).
+
+        The Trainer then leaves the model to accelerate for mixed precision and compilation only (as for any model
+        wrapped here), so accelerate builds no DDP over all processes, which would average every gradient across the
+        workers at every step. The ``--ddp_*`` flags apply to the island's DDP as they would to accelerate's."""
+        wrapped = super()._wrap_model(model, *args, **kwargs)
+        training = kwargs.get("training", args[0] if args else True)
+        layout = self._workers_layout()
+        already_wrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model
+        if not training or layout is None or wrapped is not model or already_wrapped:
+            return wrapped
+        # Frozen parameters and buffers the same on every process (the island's DDP makes them so in the island only),
+        # before any process's inner weights are loaded by a resume.
+        broadcast_unstepped(model, unwrap_gpa_optimizer(self.optimizer))
+        prepared = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        handler = self.accelerator.ddp_handler
+        ddp = island_ddp(prepared, layout, self.args.device, **(handler.to_kwargs() if handler is not None else {}))
+        if handler is not None:
+            handler.register_comm_hook(ddp)  # accelerate's own hook (gradient compression), where it sets one
+        return ddp
+
+    def _get_num_items_in_batch(self, *args: Any, **kwargs: Any) -> torch.Tensor | int | None:
+        """The next class's count of the tokens a loss is averaged over; under DiLoCo across processes, taken over
+        this worker's island (`island_token_count`) instead of over every process (``--average_tokens_across_devices``,
+        which GPATrainingArguments turns off there), so that no process waits for another worker between outer
+        steps."""
+        count = super()._get_num_items_in_batch(*args, **kwargs)
+        layout = self._workers_layout()
+        if layout is None or not torch.is_tensor(count) or self.args.average_tokens_across_devices:
+            return count
+        return island_token_count(count, layout)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
+        """The next class's; under DiLoCo across processes, every process writes its worker's state (in eval mode:
+        its inner weights and inner optimizer state) to a file of its own (`worker_optimizer_file`), and the first
+        process the scheduler's. The stock Trainer writes the first process's optimizer state alone, which would lose
+        the other workers'."""
+        if self._workers_layout() is None:
+            super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(self.optimizer.state_dict(), worker_optimizer_file(output_dir, self.args.process_index))
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught_warnings)
+        # Every process's file is on disk before the first process marks the checkpoint complete
+        # (trainer_state.json) and may delete older ones.
+        self.accelerator.wait_for_everyone()
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
+        """The next class's; under DiLoCo across processes, this process's own optimizer state and the scheduler, as
+        `_save_optimizer_and_scheduler` wrote them (nothing where the checkpoint has no optimizer state for this
+        process: ``--save_only_model``)."""
+        if self._workers_layout() is None:
+            super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
+            return
+        path = None if checkpoint is None else worker_optimizer_file(checkpoint, self.args.process_index)
+        if path is None or not os.path.isfile(path):
+            return
+        map_location = self.args.device if self.args.device.type != "cpu" else "cpu"
+        self.optimizer.load_state_dict(torch.load(path, map_location=map_location, weights_only=True))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            reissue_pt_warnings(caught_warnings)

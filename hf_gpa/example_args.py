@@ -30,13 +30,12 @@ from transformers.hf_argparser import string_to_bool
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_gpa.distributed_diloco import refuse_other_layout, refuse_other_outer, requested_layout
-from hf_gpa.optimizers import unused_flags
+from hf_gpa.optim_table import unused_flags
 from hf_gpa.training_args import GPATrainingArguments
 
 __all__ = [
-    "given_flag_names",
+    "given_flags",
     "given_switches",
-    "given_value",
     "defaults_for",
     "show_script_defaults",
     "device_defaults",
@@ -133,14 +132,26 @@ class RefusedArgument(ValueError):
     error, once for the whole launch, and exits with status 2; called as a function, it is a ``ValueError``."""
 
 
-def given_flag_names(argv: Sequence[str]) -> set[str]:
-    """The field names of the flags in argv (``--do-train=true`` -> ``do_train``, ``--no_x`` -> ``x``)."""
-    names = set()
-    for arg in argv:
-        if arg.startswith("--"):
-            name = arg[2:].split("=", 1)[0].replace("-", "_")
-            names.add(name[3:] if name.startswith("no_") else name)
-    return names
+def given_flags(argv: Sequence[str]) -> dict[str, str | bool]:
+    """The flags in argv by field name, with their values as given, read in one pass: ``--name V`` and ``--name=V``
+    give ``"V"``, a flag followed by another flag (or by nothing) ``True``, ``--no_name`` ``False`` for ``name``;
+    dashes or underscores. A flag given twice keeps its last value, as argparse does."""
+    given: dict[str, str | bool] = {}
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--"):
+            continue
+        flag, equals, value = arg[2:].partition("=")
+        name = flag.replace("-", "_")
+        if equals:
+            given[name] = value
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            given[name] = argv[i + 1]
+        else:
+            given[name] = True
+        if name.startswith("no_"):
+            del given[name]
+            given[name[3:]] = False
+    return given
 
 
 def device_defaults() -> dict[str, Any]:
@@ -154,31 +165,22 @@ def device_defaults() -> dict[str, Any]:
     return {} if torch.accelerator.is_available() else {"dataloader_pin_memory": False}
 
 
-def given_switches(argv: Sequence[str] | Mapping[str, Any]) -> dict[str, bool]:
-    """The --do_* flags given, with their values (``--do_eval`` -> True, ``--do_eval false`` -> False), from argv or
-    from the dict of a JSON file; parsed as `HfArgumentParser` parses a bool flag."""
-    if isinstance(argv, Mapping):
-        return {
-            name: string_to_bool(value) if isinstance(value, str) else bool(value)
-            for name, value in argv.items()
-            if name in DO_FLAGS
-        }
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for name in DO_FLAGS:
-        parser.add_argument(f"--{name}", f"--{name.replace('_', '-')}", type=string_to_bool, nargs="?", const=True)
-    known, _ = parser.parse_known_args(list(argv))
-    return {name: value for name, value in vars(known).items() if value is not None}
-
-
-def given_value(argv: Sequence[str], name: str) -> str | None:
-    """The value of ``--name`` in argv (``--name V`` or ``--name=V``, dashes or underscores), else None."""
-    for i, arg in enumerate(argv):
-        flag, equals, value = arg.partition("=")
-        if flag.startswith("--") and flag[2:].replace("-", "_") == name:
-            if equals:
-                return value
-            return argv[i + 1] if i + 1 < len(argv) else None
-    return None
+def given_switches(given: Sequence[str] | Mapping[str, Any], *, from_argv: bool = False) -> dict[str, bool]:
+    """The --do_* flags given, with their values (``--do_eval`` -> True, ``--do_eval false`` -> False), from argv, from
+    its `given_flags` (``from_argv``) or from the dict of a JSON file; read as `HfArgumentParser` reads a bool flag.
+    From argv, a value it cannot read as a bool is left out (the full parse then refuses it, naming the flag)."""
+    if not isinstance(given, Mapping):
+        given, from_argv = given_flags(given), True
+    switches = {}
+    for name, value in given.items():
+        if name not in DO_FLAGS:
+            continue
+        try:
+            switches[name] = string_to_bool(value) if isinstance(value, str) else bool(value)
+        except argparse.ArgumentTypeError:
+            if not from_argv:
+                raise
+    return switches
 
 
 def defaults_for(
@@ -218,7 +220,6 @@ def defaults_for(
 
 def parse_with_defaults(
     dataclass_types: tuple[type, ...],
-    data_args_type: type,
     data_source_flags: Sequence[str],
     recipe: Mapping[str, Any],
     embedded: Mapping[str, Any],
@@ -227,7 +228,7 @@ def parse_with_defaults(
 ) -> tuple[Any, ...]:
     """Parse the command line (or one JSON file) into ``dataclass_types``, filling in defaults for flags not given.
 
-    The embedded data sizing applies only when none of ``data_source_flags`` (fields of ``data_args_type``) is set;
+    The embedded data sizing applies only when none of ``data_source_flags`` (fields of ``dataclass_types``) is given;
     the `device_defaults` apply always, unless the flag is given. A refused argument raises `RefusedArgument`.
     """
     with _as_refused_argument():
@@ -249,18 +250,16 @@ def parse_with_defaults(
         if "-h" in argv or "--help" in argv:
             show_script_defaults(parser, recipe, embedded, data_source_flags)
             return parser.parse_args_into_dataclasses(args=argv)  # prints the help of every dataclass and exits
-        # A first pass over the data flags only, to learn whether the embedded data is used.
-        (data_args, _) = HfArgumentParser(data_args_type).parse_args_into_dataclasses(
-            args=argv, return_remaining_strings=True
-        )
-        uses_embedded = not any(getattr(data_args, flag) for flag in data_source_flags)
+        given = given_flags(argv)  # argv read once; the full parse below is the second and last time
+        uses_embedded = not any(given.get(flag) for flag in data_source_flags)
+        optim = given.get("optim")
         defaults = defaults_for(
-            given_flag_names(argv),
+            set(given),
             recipe,
             embedded if uses_embedded else None,
             coupled,
-            given_value(argv, "optim"),
-            given_switches(argv),
+            optim if isinstance(optim, str) else None,
+            given_switches(given, from_argv=True),
         )
         prefix: list[str] = []
         for name, value in defaults.items():

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from torch import nn
 from transformers import TrainingArguments
 
-from hf_gpa.optimizers import GPAOptimizerNames, muon_split
+from hf_gpa.optim_table import GPAOptimizerNames, muon_split
 
 __all__ = ["complete_model_card", "gpa_model_card_section", "gpa_run_summary", "with_gpa_tags"]
 

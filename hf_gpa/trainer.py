@@ -29,7 +29,8 @@ happened to run just before the save. This subclass fixes the places that read o
 * The model card names the optimizer and its constants (`hf_gpa.model_card`).
 * DiLoCo across the processes (``--diloco_distributed``): `_wrap_model()` gives the model a DDP over its worker's
   island of processes only, every process saves and resumes its own worker's optimizer state, and a checkpoint
-  saved on another layout is refused before training (`hf_gpa.distributed_diloco`).
+  saved on another layout is refused before training: the hooks of `hf_gpa.distributed_diloco.DiLoCoWorkersMixin`,
+  which this class composes.
 
 Only overrides; transformers and accelerate are not patched. With a stock `--optim` it behaves as `Trainer`, with
 the same callbacks.
@@ -40,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -49,9 +49,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import DefaultFlowCallback, Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-from transformers.trainer_pt_utils import reissue_pt_warnings
-from transformers.trainer_utils import HubStrategy, get_last_checkpoint
+from transformers.trainer import OPTIMIZER_NAME
+from transformers.trainer_utils import HubStrategy
 from transformers.training_args import TrainingArguments
 from transformers.utils import (
     ADAPTER_SAFE_WEIGHTS_NAME,
@@ -65,26 +64,16 @@ from transformers.utils import (
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, NormStatisticsAtX, count_over_processes, norm_layers
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
-from hf_gpa.distributed_diloco import (
-    broadcast_unstepped,
-    island_ddp,
-    island_token_count,
-    refuse_other_layout,
-    refuse_other_outer,
-    requested_layout,
-    worker_optimizer_file,
-)
+from hf_gpa.distributed_diloco import DiLoCoWorkersMixin
 from hf_gpa.model_card import complete_model_card, gpa_model_card_section, gpa_run_summary, with_gpa_tags
 from hf_gpa.optim import (
-    DiLoCo,
     StepInBackward,
     TrainEvalOptimizer,
-    WorkerLayout,
     saved_optimizer_name,
     step_in_backward,
 )
-from hf_gpa.optimizers import GPAOptimizerNames, optim_that_saved, optimizer_cls_and_kwargs
-from hf_gpa.training_args import DEEPSPEED_REFUSAL
+from hf_gpa.optim_table import GPAOptimizerNames, optim_that_saved, optimizer_cls_and_kwargs
+from hf_gpa.training_args import deepspeed_refusal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -143,7 +132,7 @@ class EvaluationWeightsAtTrainEnd(TrainerCallback):
             trainer._hold_x()
 
 
-class GPATrainer(Trainer):
+class GPATrainer(DiLoCoWorkersMixin, Trainer):
     """`Trainer` that builds the hf_gpa optimizers from `GPATrainingArguments` and evaluates and saves at x.
 
     Use it in place of `Trainer` together with `GPATrainingArguments`; with a stock `--optim` (or plain
@@ -316,7 +305,7 @@ class GPATrainer(Trainer):
         # The arguments refuse --deepspeed and ACCELERATE_USE_DEEPSPEED; this catches DeepSpeed enabled any other
         # way (an accelerate plugin, stock TrainingArguments with a GPA optimizer passed in directly).
         if getattr(self, "is_deepspeed_enabled", False) and self._uses_gpa_optimizer():
-            raise ValueError(f"A GPA optimizer cannot run under DeepSpeed: {DEEPSPEED_REFUSAL}")
+            raise deepspeed_refusal("A GPA optimizer", "DeepSpeed")
         self._add_evaluation_weights_callback()
 
     #: The callback that puts x in place at the end of training, once added (with a GPA optimizer only).
@@ -364,9 +353,7 @@ class GPATrainer(Trainer):
         wrapper = self.optimizer
         while wrapper is not None and wrapper is not inner:
             if type(wrapper).__module__.split(".")[0] == "deepspeed":
-                raise ValueError(
-                    f"The GPA optimizer is wrapped by DeepSpeed's {type(wrapper).__name__}: {DEEPSPEED_REFUSAL}"
-                )
+                raise deepspeed_refusal("The GPA optimizer", f"DeepSpeed's {type(wrapper).__name__}, which wraps it")
             wrapper = getattr(wrapper, "optimizer", None)
         models = [self.model, getattr(self, "model_wrapped", None), *getattr(self.accelerator, "_models", [])]
         model_params = {id(p) for m in models if isinstance(m, nn.Module) for p in m.parameters()}
@@ -379,48 +366,6 @@ class GPATrainer(Trainer):
                 "checkpoint would silently be y. Build the optimizer on model.parameters() (or let GPATrainer build "
                 "it from --optim); to shard, use FSDP2 (configs/accelerate_fsdp2.yaml)."
             )
-
-    # ---- DiLoCo across processes: gradients averaged inside each worker's island only ----
-
-    def _workers_layout(self) -> WorkerLayout | None:
-        """The layout of the DiLoCo across processes that this trainer steps; None for any other optimizer."""
-        inner = unwrap_gpa_optimizer(self.optimizer)
-        layout = inner.layout if isinstance(inner, DiLoCo) else None
-        return layout if layout is not None and layout.distributed else None
-
-    def _wrap_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        """The next class's `_wrap_model`; for training under DiLoCo across processes, a DDP over the processes of
-        this worker's island only (`hf_gpa.distributed_diloco.island_ddp`).
-
-        The Trainer then leaves the model to accelerate for mixed precision and compilation only (as for any model
-        wrapped here), so accelerate builds no DDP over all processes, which would average every gradient across the
-        workers at every step. The ``--ddp_*`` flags apply to the island's DDP as they would to accelerate's."""
-        wrapped = super()._wrap_model(model, *args, **kwargs)
-        training = kwargs.get("training", args[0] if args else True)
-        layout = self._workers_layout()
-        already_wrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model
-        if not training or layout is None or wrapped is not model or already_wrapped:
-            return wrapped
-        # Frozen parameters and buffers the same on every process (the island's DDP makes them so in the island only),
-        # before any process's inner weights are loaded by a resume.
-        broadcast_unstepped(model, unwrap_gpa_optimizer(self.optimizer))
-        prepared = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-        handler = self.accelerator.ddp_handler
-        ddp = island_ddp(prepared, layout, self.args.device, **(handler.to_kwargs() if handler is not None else {}))
-        if handler is not None:
-            handler.register_comm_hook(ddp)  # accelerate's own hook (gradient compression), where it sets one
-        return ddp
-
-    def _get_num_items_in_batch(self, *args: Any, **kwargs: Any) -> torch.Tensor | int | None:
-        """The next class's count of the tokens a loss is averaged over; under DiLoCo across processes, taken over
-        this worker's island (`hf_gpa.distributed_diloco.island_token_count`) instead of over every process
-        (``--average_tokens_across_devices``, which GPATrainingArguments turns off there), so that no process waits
-        for another worker between outer steps."""
-        count = super()._get_num_items_in_batch(*args, **kwargs)
-        layout = self._workers_layout()
-        if layout is None or not torch.is_tensor(count) or self.args.average_tokens_across_devices:
-            return count
-        return island_token_count(count, layout)
 
     # ---- the weights x: evaluation, prediction, saving ----
 
@@ -453,45 +398,13 @@ class GPATrainer(Trainer):
             super()._save_checkpoint(*args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str, *args: Any, **kwargs: Any) -> None:
-        if self._workers_layout() is None:
-            super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)
-        else:
-            self._save_worker_state(output_dir)
+        super()._save_optimizer_and_scheduler(output_dir, *args, **kwargs)
         # The model file holds x's norm statistics; y's belong to the training state, beside the optimizer's.
         statistics_y = self._norm_statistics.statistics_y
         if statistics_y is not None and self.args.should_save:
             from safetensors.torch import save_file
 
             save_file(statistics_y, os.path.join(output_dir, NORM_STATISTICS_Y_NAME))
-
-    def _save_worker_state(self, output_dir: str) -> None:
-        """DiLoCo across processes: every process writes its worker's state (in eval mode: its inner weights and inner
-        optimizer state) to a file of its own, and the first process the scheduler's. The stock Trainer writes the
-        first process's optimizer state alone, which would lose the other workers'."""
-        os.makedirs(output_dir, exist_ok=True)
-        torch.save(self.optimizer.state_dict(), worker_optimizer_file(output_dir, self.args.process_index))
-        if self.args.should_save:
-            with warnings.catch_warnings(record=True) as caught_warnings:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-            reissue_pt_warnings(caught_warnings)
-        # Every process's file is on disk before the first process marks the checkpoint complete
-        # (trainer_state.json) and may delete older ones.
-        self.accelerator.wait_for_everyone()
-
-    def _load_worker_state(self, checkpoint: str) -> bool:
-        """This process's own optimizer state and the scheduler, as `_save_worker_state` wrote them; False where the
-        checkpoint has no optimizer state for it (``--save_only_model``)."""
-        path = worker_optimizer_file(checkpoint, self.args.process_index)
-        if not os.path.isfile(path):
-            return False
-        map_location = self.args.device if self.args.device.type != "cpu" else "cpu"
-        self.optimizer.load_state_dict(torch.load(path, map_location=map_location, weights_only=True))
-        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if os.path.isfile(scheduler):
-            with warnings.catch_warnings(record=True) as caught_warnings:
-                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-            reissue_pt_warnings(caught_warnings)
-        return True
 
     def _load_norm_statistics_y(self, checkpoint: str) -> dict[str, torch.Tensor] | None:
         path = os.path.join(checkpoint, NORM_STATISTICS_Y_NAME)
@@ -531,8 +444,6 @@ class GPATrainer(Trainer):
         if inner is None:
             super()._load_optimizer_and_scheduler(checkpoint, *args, **kwargs)
             return False
-        if self._workers_layout() is not None:
-            return checkpoint is not None and self._load_worker_state(checkpoint)
         if checkpoint is not None and self.is_fsdp_enabled:
             # Under FSDP, accelerate loads into a template taken from this optimizer and keeps only the keys it
             # has; our checkpoints are eval-mode states, whose residual key exists only in eval mode.
@@ -583,15 +494,7 @@ class GPATrainer(Trainer):
         """The next class's `train`; afterwards the model holds x (the next training step switches back to y). A
         checkpoint of DiLoCo across processes saved on another layout, or a DiLoCo state saved with other outer steps
         (H, outer lr, outer momentum), is refused first, before anything is loaded."""
-        checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
-        if checkpoint is True and os.path.isdir(self.args.output_dir):
-            checkpoint = get_last_checkpoint(self.args.output_dir)  # None: the next class says there is none
-        if isinstance(checkpoint, (str, os.PathLike)):
-            layout = self._workers_layout() or requested_layout(
-                self.args, self.args.world_size, self.args.process_index
-            )
-            refuse_other_layout(os.fspath(checkpoint), layout, self.args.process_index)
-            refuse_other_outer(os.fspath(checkpoint), self.args, self.args.process_index)
+        self.refuse_other_checkpoint(*args, **kwargs)
         self._log_run_summary()
         try:
             output = super().train(*args, **kwargs)

@@ -58,7 +58,7 @@ from hf_gpa.optim import (
     inner_steps_from_mu_x,
     mu_x_from_inner_steps,
 )
-from hf_gpa.optimizers import (
+from hf_gpa.optim_table import (
     FLAG_READERS,
     GPA_OPTIM_NAMES,
     HF_GPA_OPTIMIZERS,
@@ -83,6 +83,16 @@ DEEPSPEED_REFUSAL = (
     "checkpoint would silently be y. Shard with FSDP2 instead (accelerate launch --config_file "
     "configs/accelerate_fsdp2.yaml), or use DDP."
 )
+
+
+def deepspeed_refusal(subject: str, route: str) -> ValueError:
+    """The one rule for DeepSpeed: an optimizer with evaluation weights x does not run under it (`DEEPSPEED_REFUSAL`).
+
+    Checked where each fact becomes known, before any step: the flags (`GPATrainingArguments`), DeepSpeed enabled at
+    the Trainer's construction with a GPA optimizer known then, and DeepSpeed's wrapper around an optimizer found only
+    once it is prepared (`GPATrainer`). ``--diloco_distributed`` and ``--gpa_step_in_backward`` refuse DeepSpeed
+    among their own refusals, each with the alternative that holds for it."""
+    return ValueError(f"{subject} cannot run under {route}: {DEEPSPEED_REFUSAL}")
 
 
 @dataclass
@@ -274,7 +284,7 @@ class GPATrainingArguments(TrainingArguments):
         import warnings  # here, not at the top: the one user in this file
 
         schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))  # a SchedulerType member
-        averages = "gpa_averaging" not in unused_flags(optim) and self.gpa_averaging == "gpa"
+        averages = optim in FLAG_READERS["gpa_averaging"] and self.gpa_averaging == "gpa"
         if averages and schedule in ("constant", "constant_with_warmup"):  # the lr never decays
             warnings.warn(
                 f"--optim {optim} with --lr_scheduler_type {schedule}: GPA's evaluation weights x average the last "
@@ -286,19 +296,20 @@ class GPATrainingArguments(TrainingArguments):
             )
 
     @contextlib.contextmanager
-    def _stock_name_inside(self, optim: str) -> Iterator[None]:
-        """Inside, ``self.optim`` is a stock name; on exit (also by an exception) it is ``optim``'s enum member.
+    def _stock_name_inside(self, optim: str) -> Iterator[str | OptimizerNames]:
+        """Inside, ``self.optim`` is a stock name, the one yielded; on exit (also by an exception) it is ``optim``'s
+        enum member.
 
         The one place where hf_gpa's names meet transformers' code that converts ``optim`` with
         ``OptimizerNames(...)`` (`__post_init__`, `set_optimizer`): it is handed a stock name, and the object never
         keeps a name the user did not give.
         """
         if optim not in HF_GPA_OPTIMIZERS:
-            yield
+            yield optim
             return
         self.optim = OptimizerNames.ADAMW_TORCH
         try:
-            yield
+            yield self.optim
         finally:
             self.optim = GPAOptimizerNames(optim)
 
@@ -357,7 +368,7 @@ class GPATrainingArguments(TrainingArguments):
             return
         route = self._deepspeed_route
         if route is not None:
-            raise ValueError(f"--optim {optim} cannot run under {route}: {DEEPSPEED_REFUSAL}")
+            raise deepspeed_refusal(f"--optim {optim}", route)
 
     def _check_step_in_backward(self, optim: str) -> None:
         """--gpa_step_in_backward: refuse, by name and with the reason, every setting it cannot honour."""
@@ -550,8 +561,7 @@ class GPATrainingArguments(TrainingArguments):
         value = optim_value(name)
         before = dict(self.__dict__)
         try:
-            with self._stock_name_inside(value):
-                stock_name = OptimizerNames.ADAMW_TORCH if value in HF_GPA_OPTIMIZERS else value
+            with self._stock_name_inside(value) as stock_name:
                 super().set_optimizer(stock_name, learning_rate, weight_decay, beta1, beta2, epsilon, args)
             self._check_gpa_flags(value)
         except BaseException:

@@ -24,7 +24,7 @@ from distributed_workers import build_mlp, mse
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_gpa.optim import DiLoCo, island_allreduce_hook
-from hf_gpa.optim._workers import _timeout
+from hf_gpa.optim._diloco_workers import _timeout
 
 #: The collective timeout of every launch: a process left alone in a collective fails after this, not after gloo's
 #: default 30 minutes.

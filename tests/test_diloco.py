@@ -17,7 +17,7 @@ from diloco_simulation import ADAMW_KW, FRAGMENTS, OUTER_LR, OUTER_MOMENTUM, ran
 from distributed_workers import build_mlp, mse
 
 from hf_gpa import DiLoCo
-from hf_gpa.optim._workers import fragment_due, fragment_of_each
+from hf_gpa.optim._diloco_workers import fragment_due, fragment_of_each
 
 
 def _grad(y: torch.Tensor, t: int) -> torch.Tensor:

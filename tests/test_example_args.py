@@ -27,7 +27,6 @@ class DataArgs:
 def _parse(argv: list[str], tmp_path) -> GPATrainingArguments:
     args, _ = parse_with_defaults(
         (GPATrainingArguments, DataArgs),
-        DataArgs,
         ("dataset_name",),
         {},
         {},
@@ -133,6 +132,16 @@ def test_default_of_a_flag_the_given_optim_ignores_is_left_out(tmp_path) -> None
     assert args.gpa_inner_steps == 4
     _, _, args = module.parse_args(["--output_dir", str(tmp_path), "--optim", "diloco_adamw"])
     assert args.gpa_inner_steps is None
+
+
+def test_defaults_follow_the_value_the_parse_keeps(tmp_path) -> None:
+    """A flag given twice: the script's defaults follow its last value, the one argparse keeps (argv is read once,
+    with the same rule as the full parse). --optim adamw_torch, then gpa_adamw: GPA-AdamW, with the default H."""
+    module = _load_script("run_clm_gpa")
+    argv = ["--output_dir", str(tmp_path), "--optim", "adamw_torch", "--optim=gpa_adamw", "--do_eval", "--do_eval=0"]
+    _, _, args = module.parse_args(argv)
+    assert args.optim.value == "gpa_adamw" and args.gpa_inner_steps == 4
+    assert args.do_train and not args.do_eval  # --do_eval off: --do_train is no longer the default's alone
 
 
 def test_logged_size_counts_parameters_as_the_trainer_does() -> None:

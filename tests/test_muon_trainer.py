@@ -41,7 +41,7 @@ def test_decay_rule_is_the_stock_trainers(tmp_path) -> None:
     from helpers import TinyRegressor
     from transformers import Trainer, TrainingArguments
 
-    from hf_gpa.optimizers import decay_parameter_names
+    from hf_gpa.optim_table import decay_parameter_names
 
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     for model in (tiny_llama(), TinyRegressor()):

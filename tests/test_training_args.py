@@ -480,7 +480,7 @@ def test_inner_steps_whose_mu_x_rounds_to_one_is_refused_at_parse_time(tmp_path)
 
 def test_optimizer_table_covers_every_name_and_flag():
     """The one table: every hf_gpa --optim name has an entry, and every gpa_*/diloco_* field is read by one."""
-    from hf_gpa.optimizers import HF_GPA_OPTIMIZERS
+    from hf_gpa.optim_table import HF_GPA_OPTIMIZERS
 
     assert [m.value for m in GPAOptimizerNames] == list(HF_GPA_OPTIMIZERS)
     hf_fields = {f.name for f in dataclasses.fields(GPATrainingArguments) if f.name.startswith(("gpa_", "diloco_"))}
@@ -492,7 +492,7 @@ def test_optimizer_table_covers_every_name_and_flag():
 def test_builders_take_the_values_they_read(name, tmp_path):
     """Each builder takes a BuildContext (the flags it reads, nothing of GPATrainingArguments): the one from the
     arguments builds what optimizer_cls_and_kwargs builds, and one written by hand builds without any arguments."""
-    from hf_gpa.optimizers import HF_GPA_OPTIMIZERS, BuildContext, optimizer_cls_and_kwargs
+    from hf_gpa.optim_table import HF_GPA_OPTIMIZERS, BuildContext, optimizer_cls_and_kwargs
     from hf_gpa.trainer import GPATrainer
 
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
@@ -622,7 +622,7 @@ def test_diloco_distributed_builds_diloco_across_processes(optim, tmp_path, monk
     DiLoCo's, as before."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_gpa.optimizers import optimizer_cls_and_kwargs
+    from hf_gpa.optim_table import optimizer_cls_and_kwargs
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     args = parse(["--optim", optim, "--diloco_distributed", "true", "--diloco_workers", "2", "--diloco_fragments",
@@ -645,7 +645,7 @@ def test_diloco_distributed_builds_diloco_across_processes(optim, tmp_path, monk
 def test_more_fragments_than_tensors_is_refused_when_the_optimizer_is_built(tmp_path, monkeypatch):
     """P larger than the model's trainable tensors (known only with the model): refused by name as the optimizer is
     built, before the optimizer (whose construction communicates) exists."""
-    from hf_gpa.optimizers import optimizer_cls_and_kwargs
+    from hf_gpa.optim_table import optimizer_cls_and_kwargs
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = parse([*DISTRIBUTED, "--diloco_fragments", "3"], tmp_path)

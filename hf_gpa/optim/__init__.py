@@ -29,6 +29,7 @@ from ._checks import (
     check_outer_momentum,
     check_weight_decay,
 )
+from ._diloco_workers import WorkerLayout, island_allreduce_hook, saved_diloco_layout
 from ._loading import saved_optimizer_name
 from ._train_eval import TrainEvalOptimizer
 from ._types import (
@@ -41,7 +42,6 @@ from ._types import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
 )
-from ._workers import WorkerLayout, island_allreduce_hook, saved_diloco_layout
 from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
 from .diloco import DiLoCo
 from .gpa import GPA

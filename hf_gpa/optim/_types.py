@@ -111,7 +111,8 @@ INNER_STEPS = "inner_steps"
 OUTER_LR = "outer_lr"
 OUTER_MOMENTUM = "outer_momentum"
 INNER_STEP = "inner_step"  # DiLoCo's count of inner steps taken
-#: DiLoCo, in the param groups of a state dict only: the worker layout that saved it (``_workers.WorkerLayout``).
+#: DiLoCo, in the param groups of a state dict only: the worker layout that saved it
+#: (``_diloco_workers.WorkerLayout``).
 DILOCO_LAYOUT = "diloco_layout"
 
 # ---- GPAAdamW's state_dtype ----

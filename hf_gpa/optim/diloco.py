@@ -25,6 +25,15 @@ from typing import Any
 import torch
 
 from ._checks import check_diloco, check_num_fragments
+from ._diloco_workers import (
+    WorkerLayout,
+    averaged_pseudo_gradients,
+    broadcast_,
+    fragment_due,
+    fragment_of_each,
+    saved_diloco_layout,
+    worker_layout,
+)
 from ._loading import saved_optimizer_name
 from ._residual import bits_differ
 from ._state_layout import wide_dtype
@@ -43,15 +52,6 @@ from ._types import (
     OUTER_LR,
     OUTER_MOMENTUM,
     OUTER_MOMENTUM_BUFFER,
-)
-from ._workers import (
-    WorkerLayout,
-    averaged_pseudo_gradients,
-    broadcast_,
-    fragment_due,
-    fragment_of_each,
-    saved_diloco_layout,
-    worker_layout,
 )
 from ._wrapper import BaseOptimizerWrapper
 

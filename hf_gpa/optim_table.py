@@ -1,6 +1,6 @@
-"""The `--optim` names hf_gpa adds: one table (`HF_GPA_OPTIMIZERS`) of what each name is, how it is built and which
-flags it reads, the enum `GPAOptimizerNames` made from it, and `optimizer_cls_and_kwargs`, which builds the optimizer
-of an ``--optim`` value (ours from the table, a stock one by the stock Trainer).
+"""The `--optim` table: the names hf_gpa adds, in one table (`HF_GPA_OPTIMIZERS`) of what each name is, how it is
+built and which flags it reads, the enum `GPAOptimizerNames` made from it, and `optimizer_cls_and_kwargs`, which
+builds the optimizer of an ``--optim`` value (ours from the table, a stock one by the stock Trainer).
 
 Why a module of its own: `GPATrainingArguments` parses and checks the flags, `GPATrainer` builds what they name; both
 read this table, and neither needs the other's code to do so. A builder takes a `BuildContext`, the few values it
