@@ -224,18 +224,16 @@ def _stated(**changes: float) -> dict[str, Any]:
     return record
 
 
-def test_headlines_quick_measures_every_figure(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """``--quick --check``: every figure of the headline table measured (tiny sizes), printed beside the stated one;
-    the exact ones (aten ops, state bytes) equal the README's at any size, the timed ones stated loosely pass."""
+def test_headlines_quick_measures_every_figure(capsys: pytest.CaptureFixture) -> None:
+    """``--quick --check``: every figure of the headline table measured (tiny sizes) and printed beside the committed
+    one; the exact ones (aten ops, state bytes) are the committed ones at any size, the timed ones are not compared."""
     from benchmarks import headlines
 
-    loose = {key: 100.0 for key, f in headlines.FIGURES.items() if f.better == "lower"}
-    loose |= {key: 1e-6 for key, f in headlines.FIGURES.items() if f.better == "higher"}
-    results = tmp_path / "headlines.json"
-    results.write_text(json.dumps(_stated(**loose)))
-    assert headlines.main(["--quick", "--check", "--results", str(results)]) == 0
+    assert headlines.main(["--quick", "--check"]) == 0
     out = capsys.readouterr().out
     assert all(f.label in out for f in headlines.FIGURES.values()) and "WORSE" not in out
+    timed = [f for f in headlines.FIGURES.values() if f.better != "exact"]
+    assert out.count("not compared (--quick)") == len(timed)
 
 
 def test_headlines_check_fails_where_a_figure_is_worse_than_stated(
