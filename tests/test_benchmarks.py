@@ -286,3 +286,19 @@ def test_the_readme_headline_rows_are_the_results_file() -> None:
     from benchmarks import headlines
 
     assert headlines.readme_block(headlines.README.read_text()) == headlines.readme_rows(headlines.load()["figures"])
+
+
+def test_step_time_thread_clock_needs_one_thread(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--clock thread`` (this thread's CPU time) is refused before any work unless the step runs on one CPU thread,
+    naming the flags; with ``--threads 1`` the results record the clock."""
+    from benchmarks import step_time
+
+    with pytest.raises(SystemExit) as exit_info:
+        step_time.main(["--clock", "thread", "--threads", "2"])
+    assert exit_info.value.code == 2 and "--clock thread needs --threads 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="clock='thread' times one torch thread"):
+        step_time.run("host_bound", 1, 0, "cpu", 2, clock="thread")
+    argv = ["--size", "host_bound", "--rounds", "1", "--warmup", "0", "--threads", "1", "--clock", "thread"]
+    step_time.main([*argv, "--only", "GPAAdamW (fused)", "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "step_time_host_bound_cpu.json").read_text())
+    assert data["meta"]["clock"] == "thread" and all(r["ms_per_step"] > 0 for r in data["results"])
