@@ -12,7 +12,8 @@ bytes, `benchmarks.throughput` for tokens/s), and the README's rows of these fig
     python -m benchmarks.headlines --quick    # tiny sizes, seconds: the pipeline, and the exact figures compared
 
 The steps run on one torch thread, timed by its CPU time (steady on a shared machine). A step ratio's tolerance is
-10% (what noise gives on a shared 2-core machine), the throughput ratio's 15%; aten ops and state bytes are exact.
+10% (what noise gives on a shared 2-core machine), a host-bound one's 20%, the throughput ratio's 15%; aten ops and
+state bytes are exact.
 A benchmark, never a timed test: run it on a quiet machine, before stopping work that touches ``hf_gpa/optim`` or the
 Trainer's step path.
 """
@@ -66,13 +67,15 @@ class Figure:
 
 
 STEP = 0.10  # a step ratio's noise on a shared 2-core machine
+HOST = 0.20  # a host-bound step ratio's
 FIGURES: dict[str, Figure] = {
     "step_fp32": Figure("GPAAdamW (fused) / fused AdamW, fp32, 58M", "lower", STEP),
     "step_fp32_trainer": Figure("Trainer's 2 groups, gpa_adamw / adamw_torch_fused, fp32, 58M", "lower", STEP),
     "step_bf16": Figure("GPAAdamW (fused, compact) / fused AdamW, bf16, 58M", "lower", STEP),
     "step_bf16_float32_state": Figure("GPAAdamW (fused, state_dtype=float32) / fused AdamW, bf16, 58M", "lower", STEP),
-    "host_bound": Figure("GPAAdamW (fused) / fused AdamW, 219 tiny fp32 tensors", "lower", STEP),
-    "host_bound_trainer": Figure("Trainer's 2 groups, 219 tiny fp32 tensors", "lower", STEP),
+    # Steps of about a millisecond: 0.71x-0.81x over four runs on the shared machine.
+    "host_bound": Figure("GPAAdamW (fused) / fused AdamW, 219 tiny fp32 tensors", "lower", HOST),
+    "host_bound_trainer": Figure("Trainer's 2 groups, 219 tiny fp32 tensors", "lower", HOST),
     "ops_gpa": Figure("aten ops per step, gpa_adamw, 1 group, 20 and 200 tensors", "exact", fmt="{:.0f}"),
     "ops_gpa_trainer": Figure("aten ops per step, gpa_adamw, 2 groups, 20 and 200 tensors", "exact", fmt="{:.0f}"),
     "state_adamw_fp32": Figure("state bytes per weight, AdamW, fp32", "exact", fmt="{:.2f}"),
