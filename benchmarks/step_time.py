@@ -129,20 +129,23 @@ def _train_mode(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 class _Clock:
     """Times one ``step()``: CUDA events on a GPU (from an idle device, so host launch overhead counts), else the
-    wall clock; and its host time, the wall time of the ``step()`` call itself without a synchronization (on CPU the
-    kernels run inside the call: host time is the step time)."""
+    wall clock, or with ``clock="thread"`` the CPU time of this thread (one torch thread only: the step then runs in
+    this thread, and the time it spends descheduled by other jobs on a shared machine is left out); and its host
+    time, the wall time of the ``step()`` call itself without a synchronization (on CPU the kernels run inside the
+    call: host time is the step time)."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, clock: str = "wall") -> None:
         self.cuda = device.startswith("cuda")
+        self.now = time.thread_time if clock == "thread" else time.perf_counter
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def time(self, opt: torch.optim.Optimizer) -> tuple[float, float]:
         """(step time, host time) in seconds."""
         if not self.cuda:
-            t0 = time.perf_counter()
+            t0 = self.now()
             opt.step()
-            elapsed = time.perf_counter() - t0
+            elapsed = self.now() - t0
             return elapsed, elapsed
         torch.cuda.synchronize()
         self.start.record()
@@ -172,7 +175,9 @@ def _params(init: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.n
     return params
 
 
-def _start(name: str, factory: Factory, init: list[torch.Tensor], grads: list[torch.Tensor], device: str) -> dict:
+def _start(
+    name: str, factory: Factory, init: list[torch.Tensor], grads: list[torch.Tensor], device: str, clock: str = "wall"
+) -> dict:
     """A fresh copy of the weights, its optimizer, and its first two steps (lazy state, kernel build or compile).
 
     On CUDA the peak memory of construction and both steps is taken above what was allocated before (the weights
@@ -191,7 +196,7 @@ def _start(name: str, factory: Factory, init: list[torch.Tensor], grads: list[to
         torch.cuda.synchronize()
     first = time.perf_counter() - t0
     opt.step()
-    entry = {"name": name, "opt": opt, "params": params, "first_step_s": first, "clock": _Clock(device)}
+    entry = {"name": name, "opt": opt, "params": params, "first_step_s": first, "clock": _Clock(device, clock)}
     if cuda:
         torch.cuda.synchronize()
         entry["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
@@ -199,7 +204,14 @@ def _start(name: str, factory: Factory, init: list[torch.Tensor], grads: list[to
 
 
 def _session(
-    names: list[str], cands: dict[str, Candidate], init: list, grads: list, device: str, rounds: int, warmup: int
+    names: list[str],
+    cands: dict[str, Candidate],
+    init: list,
+    grads: list,
+    device: str,
+    rounds: int,
+    warmup: int,
+    clock: str = "wall",
 ) -> tuple[dict[str, dict], dict[str, str]]:
     """Time ``names`` side by side in interleaved rounds (`report.interleaved_rounds`).
 
@@ -209,7 +221,7 @@ def _session(
     entries, failed = {}, {}
     for name in names:
         try:
-            entries[name] = _start(name, cands[name].factory, init, grads, device)
+            entries[name] = _start(name, cands[name].factory, init, grads, device, clock)
         except Exception as error:  # noqa: BLE001 -- a failing candidate is a result: its row says why
             logger.exception("%s failed", name)
             failed[name] = f"{type(error).__name__}: {error}"
@@ -241,14 +253,19 @@ def run(
     dtype: str = "float32",
     sessions: str = "all",
     only: list[str] | None = None,
+    clock: str = "wall",
 ) -> list[dict]:
     """Median step time of every candidate, its ratio to its baseline's median in the same session, and its memory.
 
     ``sessions="all"`` times every optimizer in one session (all alive at once: fine for the CPU sizes);
     ``"pairs"`` times each against its own baseline and frees both before the next (a 1B-parameter list takes 5 GB
     per fp32 copy, and the optimizers' states together would not fit on one GPU). A candidate that fails is reported
-    with its error, and the others still run.
+    with its error, and the others still run. ``clock="thread"``: CPU time of this thread (`_Clock`; one thread, CPU).
     """
+    if clock not in ("wall", "thread"):
+        raise ValueError(f"Invalid clock: {clock!r} (wall or thread)")
+    if clock == "thread" and (device != "cpu" or (threads or torch.get_num_threads()) != 1):
+        raise ValueError("clock='thread' times one torch thread on CPU: use threads=1 and device 'cpu'")
     if threads:
         torch.set_num_threads(threads)
     init, grads = _tensors(size, dtype, device)
@@ -271,7 +288,7 @@ def run(
     rows: dict[str, dict] = {}
     baseline_times: dict[str, list[float]] = {b: [] for b in baselines}
     for names in plan:
-        timed, failed = _session(names, cands, init, grads, device, rounds, warmup)
+        timed, failed = _session(names, cands, init, grads, device, rounds, warmup, clock)
         for name, error in failed.items():
             rows[name] = {"optimizer": name, "error": error}
         for name in names:
@@ -429,6 +446,12 @@ def main(argv: list[str] | None = None) -> None:
         help="time only the rows whose names start so (and their baselines)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="CPU: wall time, or thread: this thread's CPU time (with --threads 1; steadier on a shared machine)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
         "--end-to-end",
@@ -439,11 +462,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         parser.error("--rounds must be >= 1 and --warmup >= 0")
+    if args.clock == "thread" and (args.threads != 1 or args.device != "cpu"):
+        parser.error("--clock thread needs --threads 1 and --device cpu (it times this one thread)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device_type = args.device.split(":")[0]
     size = args.size or DEFAULT_SIZE[device_type]
     sessions = args.sessions if args.sessions != "auto" else ("all" if device_type == "cpu" else "pairs")
-    results = run(size, args.rounds, args.warmup, args.device, args.threads, args.dtype, sessions, args.only)
+    results = run(
+        size, args.rounds, args.warmup, args.device, args.threads, args.dtype, sessions, args.only, args.clock
+    )
     text = markdown_table(results) + "\n\n" + _verdict(results)
     data: dict = {"meta": _meta(args, size, sessions), "results": results}
     if size == "host_bound":
@@ -480,6 +507,7 @@ def _meta(args: argparse.Namespace, size: str, sessions: str) -> dict:
         "rounds": args.rounds,
         "sessions": sessions,
         "threads": torch.get_num_threads(),
+        "clock": args.clock,
         "torch": torch.__version__,
     }
 

@@ -10,6 +10,7 @@ import pkgutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -222,3 +223,92 @@ def test_a_launch_of_ranks_past_its_timeout_is_killed() -> None:
     with pytest.raises(TimeoutError, match="_sleeps on 2 processes was not done after 3 s"):
         run_ranks(_sleeps, 2, (600.0,), timeout_s=3)
     assert time.monotonic() - start < 60
+
+
+def _stated(**changes: float) -> dict[str, Any]:
+    """The committed headline figures, with ``changes``."""
+    from benchmarks import headlines
+
+    record = headlines.load()
+    record["figures"] = {**record["figures"], **changes}
+    return record
+
+
+def test_headlines_quick_measures_every_figure(capsys: pytest.CaptureFixture) -> None:
+    """``--quick --check``: every figure of the headline table measured (tiny sizes) and printed beside the committed
+    one; the exact ones (aten ops, state bytes) are the committed ones at any size, the timed ones are not compared."""
+    from benchmarks import headlines
+
+    assert headlines.main(["--quick", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert all(f.label in out for f in headlines.FIGURES.values()) and "WORSE" not in out
+    timed = [f for f in headlines.FIGURES.values() if f.better != "exact"]
+    assert out.count("not compared (--quick)") == len(timed)
+
+
+def test_headlines_check_fails_where_a_figure_is_worse_than_stated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``--check`` exits 1 where a measured ratio is worse than stated beyond its tolerance or an exact figure
+    differs, and 0 within the tolerance; without ``--check`` it only reports."""
+    from benchmarks import headlines
+
+    stated = headlines.load()["figures"]
+    results = tmp_path / "headlines.json"
+    results.write_text(json.dumps(_stated()))
+    argv = ["--check", "--results", str(results)]
+    for fake, code in (
+        ({}, 0),
+        ({"step_bf16": stated["step_bf16"] * 1.08}, 0),  # within +10%
+        ({"step_bf16": stated["step_bf16"] * 1.2}, 1),
+        ({"step_fp32": stated["step_fp32"] * 0.5}, 0),  # better is never a failure
+        ({"throughput": stated["throughput"] * 0.8}, 1),  # tokens/s: lower is worse
+        ({"ops_gpa": stated["ops_gpa"] + 1}, 1),  # exact
+        ({"state_gpa_bf16": stated["state_gpa_bf16"] + 0.01}, 1),
+    ):
+        monkeypatch.setattr(headlines, "measure", lambda plan, fake=fake: {**stated, **fake})
+        assert headlines.main(argv) == code, fake
+        assert ("WORSE" in capsys.readouterr().out) == bool(code)
+    assert headlines.main(["--results", str(results)]) == 0  # a worse figure, reported only
+
+
+def test_headlines_write_rewrites_the_results_and_the_readme_rows(tmp_path: Path, monkeypatch) -> None:
+    """``--write``: the measured figures go to the results file and the README's rows between the markers, and
+    nothing else of the README changes."""
+    from benchmarks import headlines
+
+    readme, results = tmp_path / "README.md", tmp_path / "headlines.json"
+    readme.write_text(headlines.README.read_text())
+    results.write_text(json.dumps(_stated()))
+    measured = {**headlines.load()["figures"], "step_bf16": 1.234}
+    monkeypatch.setattr(headlines, "measure", lambda plan: measured)
+    headlines.main(["--write", "--results", str(results), "--readme", str(readme)])
+    assert headlines.load(results)["figures"] == measured
+    text = readme.read_text()
+    assert "1.23x torch's fused AdamW" in headlines.readme_block(text)
+    before = headlines.README.read_text()
+    old = headlines.readme_block(before)
+    assert text == before.replace(old, headlines.readme_rows(measured))
+
+
+def test_the_readme_headline_rows_are_the_results_file() -> None:
+    """The README's CPU headline rows are what benchmarks/results/headlines.json says, as --write renders them."""
+    from benchmarks import headlines
+
+    assert headlines.readme_block(headlines.README.read_text()) == headlines.readme_rows(headlines.load()["figures"])
+
+
+def test_step_time_thread_clock_needs_one_thread(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--clock thread`` (this thread's CPU time) is refused before any work unless the step runs on one CPU thread,
+    naming the flags; with ``--threads 1`` the results record the clock."""
+    from benchmarks import step_time
+
+    with pytest.raises(SystemExit) as exit_info:
+        step_time.main(["--clock", "thread", "--threads", "2"])
+    assert exit_info.value.code == 2 and "--clock thread needs --threads 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="clock='thread' times one torch thread"):
+        step_time.run("host_bound", 1, 0, "cpu", 2, clock="thread")
+    argv = ["--size", "host_bound", "--rounds", "1", "--warmup", "0", "--threads", "1", "--clock", "thread"]
+    step_time.main([*argv, "--only", "GPAAdamW (fused)", "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "step_time_host_bound_cpu.json").read_text())
+    assert data["meta"]["clock"] == "thread" and all(r["ms_per_step"] > 0 for r in data["results"])
