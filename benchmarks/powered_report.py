@@ -155,13 +155,14 @@ def cost_lines(data: dict[str, Any]) -> list[str]:
 
     sizes = {m: grid_size(axes) for m, axes in plan["grid"].items()}
     planned = sum(sizes.values()) * len(plan["tuning_seeds"]) + len(plan["seeds"]) * len(sizes)
-    mean_s = statistics.fmean(run["wall_s"] for run in runs)
-    spent = sum(run["wall_s"] for run in runs) / 3600
+    cpu = [run.get("cpu_s", run["wall_s"]) for run in runs]  # records without cpu_s: their wall time
+    mean_s, wall_s = statistics.fmean(cpu), statistics.fmean(run["wall_s"] for run in runs)
     return [
         f"Runs: {len(runs)} recorded of {planned} planned ({sum(sizes.values())} configurations x "
         f"{len(plan['tuning_seeds'])} tuning seeds + {len(plan['seeds'])} seeds x {len(sizes)} methods; a slid grid "
-        f"adds its new points). Mean run {mean_s:.0f} s on one thread; spent {spent:.2f} core-hours; the plan "
-        f"{planned * mean_s / 3600:.1f} core-hours at that rate."
+        f"adds its new points). Mean run {mean_s:.0f} s of CPU on one thread (wall {wall_s:.0f} s "
+        f"on a shared machine); spent {sum(cpu) / 3600:.2f} core-hours; the plan {planned * mean_s / 3600:.1f} "
+        "core-hours at that rate."
     ]
 
 
