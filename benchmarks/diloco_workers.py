@@ -28,6 +28,13 @@ Each part runs in one launch of W spawned processes with a timeout; results are 
     python -m benchmarks.diloco_workers --parts bytes speed        # 4 processes, about 7 minutes
     nohup python -m benchmarks.diloco_workers --parts quality > quality.log 2>&1 &
     python -m benchmarks.diloco_workers --tiny --out outputs/dl    # 2 processes, 1 minute: the whole pipeline
+
+The default quality setting (4 windows per worker a step, 1,024 steps) is outside DiLoCo's regime: with so small a
+per-worker batch the workers end about where one of them would alone on its quarter of the data. ``--regime`` runs
+the quality part where DiLoCo is meant to run (`REGIME_PLAN`: 16 windows per worker, 4,096 steps, the outer lr and
+momentum swept around the scaling-law study's 0.6 / 0.9 at M = 4), into its own ``--out``:
+
+    nice -n 19 python -m benchmarks.diloco_workers --regime --parts quality --out benchmarks/results/diloco_regime
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class Method:
     inner_steps: int | None = None
     num_workers: int | None = None
     num_fragments: int = 1
+    #: DiLoCo's (outer lr, outer momentum); None: the paper recipe's (``paper_recipe.DILOCO_OUTER_LR`` / ``_MOMENTUM``)
+    outer: tuple[float, float] | None = None
 
     @property
     def name(self) -> str:
@@ -80,6 +89,8 @@ class Method:
         name = f"DiLoCo H={self.inner_steps}"
         if self.num_fragments > 1:
             name = f"streaming {name} P={self.num_fragments}"
+        if self.outer is not None:
+            name = f"{name}, outer {self.outer[0]:g}/{self.outer[1]:g}"
         return name if self.num_workers is None else f"{name}, M={self.num_workers} islands"
 
 
@@ -125,6 +136,9 @@ class Plan:
         }
     )
     timeout_s: float = 7200.0
+    #: DiLoCo's (outer lr, outer momentum) pairs tried in the quality part at each H's best lr (first seed), beside
+    #: the recipe's; the best of them all runs the other seeds. Empty: the recipe's only.
+    outer_grid: tuple[tuple[float, float], ...] = ()
 
     def bytes_methods(self) -> list[Method]:
         methods = [DDP_ADAMW, Method("gpa", self.gpa_inner_steps)]
@@ -140,6 +154,12 @@ class Plan:
     def quality_methods(self) -> list[Method]:
         return [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps), Method("gpa", self.gpa_inner_steps)]
 
+    def outer_variants(self, method: Method) -> list[Method]:
+        """``method`` with each pair of ``outer_grid`` (DiLoCo only; none for the other families)."""
+        if method.family != "diloco":
+            return []
+        return [dataclasses.replace(method, outer=pair) for pair in self.outer_grid]
+
 
 #: The quality budget: the paper bench's tiny Llama, 16 windows of 64 tokens a step (4 per process on 4 processes),
 #: 1,024 steps (1.05M tokens, a multiple of every H), evaluated every 128 steps on 128 fixed validation windows.
@@ -148,7 +168,19 @@ TINY_WORKLOAD = dataclasses.replace(pr.QUICK_WORKLOAD, steps=8, eval_every=4)
 TINY_PLAN = Plan(
     world_size=2, inner_steps=(2, 4), streaming_inner_steps=4, fragments=(2,), islands=None, gpa_inner_steps=2,
     bytes_steps=4, speed_steps=4, speed_rounds=1, links=(LOOPBACK, Link("WAN", latency_s=0.001, bandwidth=100e6)),
-    seeds=(0,), lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,)}, timeout_s=300.0,
+    seeds=(0, 1), lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,)}, timeout_s=300.0,
+    outer_grid=((0.6, 0.9),),
+)  # fmt: skip
+#: DiLoCo in the regime it is built for: 4 workers with 16 windows (1,024 tokens) each a step, 4,096 steps (16.8M
+#: tokens, 512 outer steps at H = 8), evaluated every 256 steps. The outer grid holds the DiLoCo scaling-law study's
+#: values at M = 4 (Charles et al. 2025, Table 4: Nesterov momentum 0.9, outer lr about 0.6) and brackets them, beside
+#: the recipe's 0.75 / 0.75 (single worker). Quality only (``--parts quality``); about 32 runs of ~8 CPU-minutes each
+#: (4 processes x ~115 ms of CPU per step, measured from the single-process 16-window step): ~4.3 core-hours.
+REGIME_WORKLOAD = pr.Workload(batch_size=64, steps=4096, eval_every=256, val_windows=128)
+REGIME_PLAN = Plan(
+    world_size=4, inner_steps=(8, 32), seeds=(0, 1, 2),
+    lrs={"adamw": (1e-2, 2e-2, 4e-2), "diloco": (2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2), "gpa": (1e-2, 2e-2, 4e-2)},
+    outer_grid=((0.4, 0.9), (0.6, 0.9), (0.8, 0.9), (0.6, 0.75)), timeout_s=86400.0,
 )  # fmt: skip
 
 
@@ -191,10 +223,13 @@ def optimizer_entries(plan: Plan, workload: pr.Workload) -> dict[Method, tuple[t
     """The ``--optim`` table's entry (class, keyword arguments) of every method of the plan: the paper recipe's flags
     (`paper_recipe.optimizer_flags`) read by the one table, once, in the launching process; each run sets its lr."""
     methods = {*plan.bytes_methods(), *plan.speed_methods(), *plan.quality_methods()}
+    methods |= {variant for method in plan.quality_methods() for variant in plan.outer_variants(method)}
     entries = {}
     for method in sorted(methods, key=lambda m: m.name):
         mu_y = plan.gpa_mu_y if method.family == "gpa" else None
-        spec = pr.RunSpec(method.family, plan.comm_lr, 0, workload.steps, STEM, method.inner_steps, mu_y)
+        spec = pr.RunSpec(
+            method.family, plan.comm_lr, 0, workload.steps, STEM, method.inner_steps, mu_y, outer=method.outer
+        )
         entries[method] = workloads.optimizer_cls_and_kwargs(pr.optimizer_flags(spec, workload))
     return entries
 
@@ -358,14 +393,18 @@ def measure_speed(context: Context) -> None:
 
 
 def measure_quality(context: Context) -> None:
-    """Each quality method: its lr grid at the first seed, then every other seed at the grid's best lr."""
+    """Each quality method: its lr grid at the first seed; for DiLoCo then each outer (lr, momentum) pair of the plan
+    at that lr, also at the first seed; then every other seed at the best of them."""
     plan = context.plan
     for method in plan.quality_methods():
         grid, first = plan.lrs[method.family], plan.seeds[0]
         finals = {lr: quality_run(context, method, lr, first) for lr in grid}
         best = min(grid, key=lambda lr: finals[lr])
+        candidates = {method: finals[best]}
+        candidates |= {variant: quality_run(context, variant, best, first) for variant in plan.outer_variants(method)}
+        chosen = min(candidates, key=lambda m: candidates[m])
         for seed in plan.seeds[1:]:
-            quality_run(context, method, best, seed)
+            quality_run(context, chosen, best, seed)
 
 
 def quality_key(method: Method, lr: float, seed: int) -> str:
@@ -555,8 +594,10 @@ def report_text(data: dict[str, Any]) -> str:
             f"{spec.steps * spec.batch_size * spec.seq_len:,} tokens)\n",
             f"The paper bench's recipe (betas {pr.BETAS['adamw']}, weight decay {spec.weight_decay} on every tensor, "
             f"clipping {spec.grad_clip}, {spec.warmup_fraction:.0%} warmup then cosine; DiLoCo's outer lr "
-            f"{pr.DILOCO_OUTER_LR} and momentum {pr.DILOCO_OUTER_MOMENTUM}; GPA's mu_y {data['plan']['gpa_mu_y']}); "
-            "each method's lr the best of its grid at the first seed, the other seeds at it. DiLoCo: every process a "
+            f"{pr.DILOCO_OUTER_LR} and momentum {pr.DILOCO_OUTER_MOMENTUM} unless its row names another outer pair, "
+            f"which was tried at the first seed at that H's best lr; GPA's mu_y {data['plan']['gpa_mu_y']}); "
+            "each method's lr the best of its grid at the first seed, the other seeds at it (for DiLoCo at the best "
+            "outer pair of its H). DiLoCo: every process a "
             "worker, each with its share of the global batch. The loss is that of the evaluation weights (DiLoCo's "
             "outer weights, GPA's x) on the fixed validation windows.\n",
             text + "\n",
@@ -622,11 +663,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--out", type=Path, default=Path(f"benchmarks/results/{STEM}"))
     parser.add_argument("--tiny", action="store_true", help="2 processes, a tiny Llama, a few steps: seconds")
+    parser.add_argument(
+        "--regime",
+        action="store_true",
+        help="DiLoCo's regime: 4 workers x 16 windows a step, 4,096 steps, outer lr / momentum swept (hours)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch (default: plan's)")
     parser.add_argument("--again", action="store_true", help="measure --parts again, replacing their recorded runs")
     parser.add_argument("--report-only", action="store_true", help="rewrite the table and the plot from the JSON")
     args = parser.parse_args(argv)
+    if args.tiny and args.regime:
+        parser.error("--tiny and --regime are two presets: give one")
     plan, workload = (TINY_PLAN, TINY_WORKLOAD) if args.tiny else (Plan(), WORKLOAD)
+    if args.regime:
+        plan, workload = REGIME_PLAN, REGIME_WORKLOAD
     if args.timeout is not None:
         if args.timeout <= 0:
             parser.error(f"--timeout: {args.timeout} (must be > 0 seconds)")
