@@ -188,7 +188,8 @@ def markdown(data: dict[str, Any]) -> str:
     tuning = data.get("tuning", {})
     for method in _methods(data):
         if method not in tuning:
-            lines.append(f"| {LABELS[method]} | — | not tuned yet | — | — |")
+            done = sum(1 for run in data["runs"] if run["spec"]["phase"] == "tune" and run["spec"]["method"] == method)
+            lines.append(f"| {LABELS[method]} | — | not tuned yet ({done} tuning runs recorded) | — | — |")
             continue
         t = tuning[method]
         search = "; ".join(

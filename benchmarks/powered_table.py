@@ -303,10 +303,12 @@ def run_pipeline(
     results.data.update(parameters=total, non_embedding_parameters=non_embedding)
     results.write()
     runner = Runner(results, workload, max_runs)
+    tuning: dict[str, Any] = {}
+    results.data["tuning"] = tuning  # rebuilt from the recorded runs (instantly) for this call's grid
     try:
-        tuning = {method: tune(method, plan.grid[method], tuning_score(runner, method, plan)) for method in METHODS}
-        results.data["tuning"] = tuning
-        results.write()
+        for method in METHODS:
+            tuning[method] = tune(method, plan.grid[method], tuning_score(runner, method, plan))
+            results.write()  # a method's search is in the record as soon as it ends
         edges = {m: t["edges"] for m, t in tuning.items() if t["edges"]}
         if edges:
             logger.warning("Best on a grid edge: %s", {m: [e["extend"] for e in e_] for m, e_ in edges.items()})

@@ -170,14 +170,17 @@ def test_the_default_plan_has_equal_budgets_and_the_grids_the_issue_names():
 
 
 def test_quick_pipeline_resumes_in_pieces_and_reports_every_method(tmp_path, monkeypatch):
-    """--quick --max-runs 7 stops after 7 runs; the rerun skips them and finishes: equal tuning counts, 10 final seeds
-    per method apart from the tuning seeds, DiLoCo evaluated at its outer-step boundaries, a report with intervals."""
-    powered_table.main(["--quick", "--out", str(tmp_path), "--allow-edges", "--max-runs", "7"])
-    first = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert len(first) == 7
+    """--quick --max-runs 12 stops after 12 runs, GPA's finished search already in the record and the report; the
+    rerun skips them and finishes: equal tuning counts, 10 final seeds per method apart from the tuning seeds, DiLoCo
+    evaluated at its outer-step boundaries, a report with intervals."""
+    powered_table.main(["--quick", "--out", str(tmp_path), "--allow-edges", "--max-runs", "12"])
+    partial = json.loads((tmp_path / "results.json").read_text())
+    first = partial["runs"]
+    assert len(first) == 12 and list(partial["tuning"]) == ["gpa"]  # GPA's 5 configurations x 2 seeds, then AdamW's
+    assert "| AdamW | — | not tuned yet (2 tuning runs recorded) |" in (tmp_path / "powered_table.md").read_text()
     powered_table.main(["--quick", "--out", str(tmp_path), "--allow-edges"])
     data = json.loads((tmp_path / "results.json").read_text())
-    assert [run["key"] for run in data["runs"][:7]] == [run["key"] for run in first]
+    assert [run["key"] for run in data["runs"][:12]] == [run["key"] for run in first]
     assert len({run["key"] for run in data["runs"]}) == len(data["runs"])  # nothing ran twice
     tuning = data["tuning"]
     assert {t["configurations"] for t in tuning.values()} == {5} and set(tuning) == set(powered_table.METHODS)
