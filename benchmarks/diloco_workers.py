@@ -34,6 +34,13 @@ Each part runs in one launch of W spawned processes with a timeout; results are 
 
 The quality table and the "loss against bytes" panel give each method's final loss (mean and seed range) beside the
 bytes between workers per step that the bytes part counted for it.
+
+The default quality setting (4 windows per worker a step, 1,024 steps) is outside DiLoCo's regime: with so small a
+per-worker batch the workers end about where one of them would alone on its quarter of the data. ``--regime`` runs
+the quality part where DiLoCo is meant to run (`REGIME_PLAN`: 16 windows per worker, 4,096 steps, the outer lr and
+momentum swept around the scaling-law study's 0.6 / 0.9 at M = 4), into its own ``--out``:
+
+    nice -n 19 python -m benchmarks.diloco_workers --regime --parts quality --out benchmarks/results/diloco_regime
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ class Method:
     #: GPA across workers ("gpa_diloco", `hf_gpa.optim.GPADiLoCo`): the outer step's mu_x and mu_y
     mu_x: float | None = None
     mu_y: float | None = None
+    #: DiLoCo's (outer lr, outer momentum); None: the paper recipe's (``paper_recipe.DILOCO_OUTER_LR`` / ``_MOMENTUM``)
+    outer: tuple[float, float] | None = None
 
     @property
     def name(self) -> str:
@@ -92,6 +101,8 @@ class Method:
             name = f"GPA-DiLoCo H={self.inner_steps} mu_x={self.mu_x:g} mu_y={self.mu_y:g}"
         if self.num_fragments > 1:
             name = f"streaming {name} P={self.num_fragments}"
+        if self.outer is not None:
+            name = f"{name}, outer {self.outer[0]:g}/{self.outer[1]:g}"
         return name if self.num_workers is None else f"{name}, M={self.num_workers} islands"
 
 
@@ -150,6 +161,9 @@ class Plan:
         }
     )
     timeout_s: float = 7200.0
+    #: DiLoCo's (outer lr, outer momentum) pairs tried in the quality part at each H's best lr (first seed), beside
+    #: the recipe's; the best of them all runs the other seeds. Empty: the recipe's only.
+    outer_grid: tuple[tuple[float, float], ...] = ()
 
     def gpa_diloco_outer_lr(self, mu_x: float, mu_y: float) -> float:
         return outer_lr_like_diloco(pr.DILOCO_OUTER_LR, pr.DILOCO_OUTER_MOMENTUM, mu_x, mu_y)
@@ -183,19 +197,38 @@ class Plan:
             Method("gpa", self.gpa_inner_steps),
         ]
 
+    def outer_variants(self, method: Method) -> list[Method]:
+        """``method`` with each pair of ``outer_grid`` (DiLoCo only; none for the other families)."""
+        if method.family != "diloco":
+            return []
+        return [dataclasses.replace(method, outer=pair) for pair in self.outer_grid]
+
 
 #: The quality budget: the paper bench's tiny Llama, 16 windows of 64 tokens a step (4 per process on 4 processes),
 #: 1,024 steps (1.05M tokens, a multiple of every H), evaluated every 128 steps on 128 fixed validation windows.
 WORKLOAD = pr.Workload(batch_size=16, steps=1024, eval_every=128, val_windows=128)
 TINY_WORKLOAD = dataclasses.replace(pr.QUICK_WORKLOAD, steps=8, eval_every=4)
-#: The regime of the GPA-across-workers question (against DiLoCo and DDP at equal bytes): 16 windows per worker per
-#: step on 4 workers (64 a step), 4,096 steps (16.8M tokens), 3 seeds: many core-hours on CPU, for ``--regime``.
-REGIME_WORKLOAD = dataclasses.replace(WORKLOAD, batch_size=64, steps=4096, eval_every=512)
 TINY_PLAN = Plan(
     world_size=2, inner_steps=(2, 4), streaming_inner_steps=4, fragments=(2,), islands=None, gpa_inner_steps=2,
     bytes_steps=4, speed_steps=4, speed_rounds=1, links=(LOOPBACK, Link("WAN", latency_s=0.001, bandwidth=100e6)),
-    gpa_diloco_mus=((0.9, 0.5),), seeds=(0,),
+    gpa_diloco_mus=((0.9, 0.5),), seeds=(0, 1),
     lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,), "gpa_diloco": (1e-2,)}, timeout_s=300.0,
+    outer_grid=((0.6, 0.9),),
+)  # fmt: skip
+#: DiLoCo in the regime it is built for: 4 workers with 16 windows (1,024 tokens) each a step, 4,096 steps (16.8M
+#: tokens, 512 outer steps at H = 8), evaluated every 256 steps. The outer grid holds the DiLoCo scaling-law study's
+#: values at M = 4 (Charles et al. 2025, Table 4: Nesterov momentum 0.9, outer lr about 0.6) and brackets them, beside
+#: the recipe's 0.75 / 0.75 (single worker); GPA across workers sweeps its (mu_x, mu_y) (`Plan.gpa_diloco_mus`).
+#: About 32 DiLoCo runs of ~8 CPU-minutes each (4 processes x ~115 ms of CPU per step, measured from the
+#: single-process 16-window step), ~4.3 core-hours, and as much again for GPA across workers.
+REGIME_WORKLOAD = pr.Workload(batch_size=64, steps=4096, eval_every=256, val_windows=128)
+REGIME_PLAN = Plan(
+    world_size=4, inner_steps=(8, 32), seeds=(0, 1, 2),
+    lrs={
+        "adamw": (1e-2, 2e-2, 4e-2), "diloco": (2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2), "gpa": (1e-2, 2e-2, 4e-2),
+        "gpa_diloco": (5e-3, 1e-2, 2e-2),
+    },
+    outer_grid=((0.4, 0.9), (0.6, 0.9), (0.8, 0.9), (0.6, 0.75)), timeout_s=86400.0,
 )  # fmt: skip
 
 
@@ -238,11 +271,12 @@ def optimizer_entries(plan: Plan, workload: pr.Workload) -> dict[Method, tuple[t
     """The ``--optim`` table's entry (class, keyword arguments) of every method of the plan: the paper recipe's flags
     (`paper_recipe.optimizer_flags`) read by the one table, once, in the launching process; each run sets its lr."""
     methods = {*plan.bytes_methods(), *plan.speed_methods(), *plan.quality_methods()}
+    methods |= {variant for method in plan.quality_methods() for variant in plan.outer_variants(method)}
     entries = {}
     for method in sorted(methods, key=lambda m: m.name):
         mu_y = plan.gpa_mu_y if method.family == "gpa" else None
         family = "diloco" if method.family == "gpa_diloco" else method.family
-        spec = pr.RunSpec(family, plan.comm_lr, 0, workload.steps, STEM, method.inner_steps, mu_y)
+        spec = pr.RunSpec(family, plan.comm_lr, 0, workload.steps, STEM, method.inner_steps, mu_y, outer=method.outer)
         entries[method] = workloads.optimizer_cls_and_kwargs(pr.optimizer_flags(spec, workload))
         if method.family == "gpa_diloco":
             entries[method] = gpa_diloco_entry(entries[method], method, plan)
@@ -417,14 +451,18 @@ def measure_speed(context: Context) -> None:
 
 
 def measure_quality(context: Context) -> None:
-    """Each quality method: its lr grid at the first seed, then every other seed at the grid's best lr."""
+    """Each quality method: its lr grid at the first seed; for DiLoCo then each outer (lr, momentum) pair of the plan
+    at that lr, also at the first seed; then every other seed at the best of them."""
     plan = context.plan
     for method in plan.quality_methods():
         grid, first = plan.lrs[method.family], plan.seeds[0]
         finals = {lr: quality_run(context, method, lr, first) for lr in grid}
         best = min(grid, key=lambda lr: finals[lr])
+        candidates = {method: finals[best]}
+        candidates |= {variant: quality_run(context, variant, best, first) for variant in plan.outer_variants(method)}
+        chosen = min(candidates, key=lambda m: candidates[m])
         for seed in plan.seeds[1:]:
-            quality_run(context, method, best, seed)
+            quality_run(context, chosen, best, seed)
 
 
 def quality_key(method: Method, lr: float, seed: int) -> str:
@@ -626,14 +664,16 @@ def report_text(data: dict[str, Any]) -> str:
             f"{spec.steps * spec.batch_size * spec.seq_len:,} tokens)\n",
             f"The paper bench's recipe (betas {pr.BETAS['adamw']}, weight decay {spec.weight_decay} on every tensor, "
             f"clipping {spec.grad_clip}, {spec.warmup_fraction:.0%} warmup then cosine; DiLoCo's outer lr "
-            f"{pr.DILOCO_OUTER_LR} and momentum {pr.DILOCO_OUTER_MOMENTUM}; GPA's mu_y {data['plan']['gpa_mu_y']}); "
-            "each method's lr the best of its grid at the first seed, the other seeds at it. DiLoCo: every process a "
-            "worker, each with its share of the global batch. GPA-DiLoCo (GPA across workers, `hf_gpa.optim."
-            "GPADiLoCo`): DiLoCo's inner AdamW and H, the outer step GPA's primal averaging with outer lr "
-            f"{pr.DILOCO_OUTER_LR} (1 + {pr.DILOCO_OUTER_MOMENTUM}) / (1 - mu_x mu_y) (its first move of the restart "
-            "point the recipe DiLoCo's); mu_x = mu_y = the momentum is the recipe's DiLoCo again (the control). The "
-            "loss is that of the evaluation weights (DiLoCo's outer weights, GPA's x) on the fixed validation "
-            "windows; bytes between workers per step as the bytes part counted them for the same family, H, M, P.\n",
+            f"{pr.DILOCO_OUTER_LR} and momentum {pr.DILOCO_OUTER_MOMENTUM} unless its row names another outer pair, "
+            f"which was tried at the first seed at that H's best lr; GPA's mu_y {data['plan']['gpa_mu_y']}); "
+            "each method's lr the best of its grid at the first seed, the other seeds at it (for DiLoCo at the best "
+            "outer pair of its H). DiLoCo: every process a worker, each with its share of the global batch. "
+            "GPA-DiLoCo (GPA across workers, `hf_gpa.optim.GPADiLoCo`): DiLoCo's inner AdamW and H, the outer step "
+            f"GPA's primal averaging with outer lr {pr.DILOCO_OUTER_LR} (1 + {pr.DILOCO_OUTER_MOMENTUM}) / (1 - mu_x "
+            "mu_y) (its first move of the restart point the recipe DiLoCo's); mu_x = mu_y = the momentum is the "
+            "recipe's DiLoCo again (the control). The loss is that of the evaluation weights (DiLoCo's outer weights, "
+            "GPA's x) on the fixed validation windows; bytes between workers per step as the bytes part counted them "
+            "for the same family, H, M, P.\n",
             text + "\n",
         ]
     return "\n".join(parts)
@@ -712,19 +752,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(f"benchmarks/results/{STEM}"))
     parser.add_argument("--tiny", action="store_true", help="2 processes, a tiny Llama, a few steps: seconds")
     parser.add_argument(
-        "--regime", action="store_true",
-        help="4 processes, 16 windows per worker per step, 4,096 steps, 3 seeds: GPA across workers against DiLoCo "
-        "and DDP (many core-hours)",
-    )  # fmt: skip
+        "--regime",
+        action="store_true",
+        help="DiLoCo's regime: 4 workers x 16 windows a step, 4,096 steps, DiLoCo's outer lr / momentum and GPA "
+        "across workers' mu_x / mu_y swept (many core-hours)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds for the whole launch (default: plan's)")
     parser.add_argument("--again", action="store_true", help="measure --parts again, replacing their recorded runs")
     parser.add_argument("--report-only", action="store_true", help="rewrite the table and the plot from the JSON")
     args = parser.parse_args(argv)
     if args.tiny and args.regime:
-        parser.error("--tiny and --regime: choose one")
-    plan, workload = (
-        (TINY_PLAN, TINY_WORKLOAD) if args.tiny else (Plan(), REGIME_WORKLOAD if args.regime else WORKLOAD)
-    )
+        parser.error("--tiny and --regime are two presets: give one")
+    plan, workload = (TINY_PLAN, TINY_WORKLOAD) if args.tiny else (Plan(), WORKLOAD)
+    if args.regime:
+        plan, workload = REGIME_PLAN, REGIME_WORKLOAD
     if args.timeout is not None:
         if args.timeout <= 0:
             parser.error(f"--timeout: {args.timeout} (must be > 0 seconds)")

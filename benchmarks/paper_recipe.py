@@ -141,6 +141,8 @@ class RunSpec:
     mu_y: float | None = None
     #: Adam's (beta1, beta2); None: ``BETAS[method]``.
     betas: tuple[float, float] | None = None
+    #: DiLoCo's (outer lr, outer momentum); None: ``DILOCO_OUTER_LR``, ``DILOCO_OUTER_MOMENTUM``.
+    outer: tuple[float, float] | None = None
 
     @property
     def key(self) -> str:
@@ -151,6 +153,8 @@ class RunSpec:
             parts.append(f"muy{self.mu_y:g}")
         if self.betas is not None:
             parts.append(f"b{self.betas[0]:g},{self.betas[1]:g}")
+        if self.outer is not None:
+            parts.append(f"o{self.outer[0]:g},{self.outer[1]:g}")
         return "/".join(parts)
 
 
@@ -196,9 +200,10 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return total, total - embedding
 
 
-def results_file(path: Path, workload: Workload, plan: Plan) -> report.ResultsFile:
-    """The resumable record of ``workload`` at ``path`` (records written before a workload field existed hold its
-    default: CPU, the stdlib corpus, tied embeddings)."""
+def results_file(path: Path, workload: Workload, plan: Any) -> report.ResultsFile:
+    """The resumable record of ``workload`` at ``path`` under ``plan`` (a dataclass: `Plan`, or another benchmark's
+    plan of the same workload); records written before a workload field existed hold its default: CPU, the stdlib
+    corpus, tied embeddings."""
     device = "cpu" if workload.device == "cpu" else report.device_name(f"cuda:{torch.cuda.current_device()}")
     environment = {"torch": torch.__version__, "num_threads": 1, "device": device}
     return report.ResultsFile(path, asdict(workload), asdict(plan), environment, asdict(Workload()))
@@ -226,8 +231,10 @@ def optimizer_flags(spec: RunSpec, workload: Workload) -> dict[str, Any]:
     flags |= {"adam_epsilon": 1e-8, "weight_decay": workload.weight_decay}
     if spec.method in WITH_H:
         flags["gpa_inner_steps" if spec.method in GPA_FAMILIES else "diloco_inner_steps"] = spec.inner_steps
-    if spec.method in GPA_FAMILIES and spec.mu_y is not None:
-        flags["gpa_mu_y"] = spec.mu_y
+    if (spec.method in GPA_FAMILIES or spec.method == "sf") and spec.mu_y is not None:
+        flags["gpa_mu_y"] = spec.mu_y  # Schedule-Free's beta is its mu_y
+    if spec.method in ("diloco", "diloco_muon") and spec.outer is not None:
+        flags["diloco_outer_lr"], flags["diloco_outer_momentum"] = spec.outer
     if spec.method == "sf_ref":  # schedulefree warms up by itself, over the same share of the run
         flags["warmup_steps"] = max(1, round(workload.warmup_fraction * spec.steps))
     return flags

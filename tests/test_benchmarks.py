@@ -199,10 +199,16 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     assert all(ratio > 0 for run in speed for ratio in run["ratio_to_ddp"].values())
     assert speed[1]["modelled_link_s_per_step"]["DDP-AdamW"] >= plan.links[1].latency_s
 
-    quality = diloco_workers.quality_summary(runs)
-    assert [row["method"] for row in quality] == [method.name for method in plan.quality_methods()]
-    assert all(0 < row["mean"] < 10 for row in quality)
-    assert sum(row["method"].startswith("GPA-DiLoCo") for row in quality) == len(plan.inner_steps) * len(
+    quality = {row["method"]: row for row in diloco_workers.quality_summary(runs)}
+    expected = [m.name for method in plan.quality_methods() for m in (method, *plan.outer_variants(method))]
+    assert list(quality) == expected and any(", outer 0.6/0.9" in name for name in expected)
+    assert all(0 < row["mean"] < 10 for row in quality.values())
+    for h in plan.inner_steps:  # the recipe's outer pair and the grid's, at the first seed; the better one every seed
+        recipe, swept = quality[f"DiLoCo H={h}"], quality[f"DiLoCo H={h}, outer 0.6/0.9"]
+        better, worse = (recipe, swept) if recipe["finals"][0] <= swept["finals"][0] else (swept, recipe)
+        assert [run["seed"] for run in better["runs"]] == list(plan.seeds)
+        assert [run["seed"] for run in worse["runs"]] == [plan.seeds[0]]
+    assert sum(name.startswith("GPA-DiLoCo") for name in quality) == len(plan.inner_steps) * len(
         plan.gpa_diloco_mus
     )
     text = (tmp_path / "diloco_workers.md").read_text()
@@ -312,3 +318,19 @@ def test_step_time_thread_clock_needs_one_thread(tmp_path: Path, capsys: pytest.
     step_time.main([*argv, "--only", "GPAAdamW (fused)", "--out-dir", str(tmp_path)])
     data = json.loads((tmp_path / "step_time_host_bound_cpu.json").read_text())
     assert data["meta"]["clock"] == "thread" and all(r["ms_per_step"] > 0 for r in data["results"])
+
+
+def test_diloco_workers_regime_preset_is_the_regime_diloco_is_built_for() -> None:
+    """``--regime``: 4 workers with at least 16 windows each a step, at least 4,096 steps, H = 8 and 32 (both dividing
+    the evaluation interval), the scaling-law study's outer pair (0.6, Nesterov 0.9) inside a swept grid, 3 seeds."""
+    from benchmarks import diloco_workers as dw
+
+    plan, workload = dw.REGIME_PLAN, dw.REGIME_WORKLOAD
+    assert plan.world_size == 4 and workload.batch_size // plan.world_size >= 16 and workload.steps >= 4096
+    assert set(plan.inner_steps) == {8, 32} and all(workload.eval_every % h == 0 for h in plan.inner_steps)
+    assert (0.6, 0.9) in plan.outer_grid and min(lr for lr, _ in plan.outer_grid) < 0.6 < max(
+        lr for lr, _ in plan.outer_grid
+    )
+    assert len(plan.seeds) >= 3
+    names = [variant.name for variant in plan.outer_variants(dw.Method("diloco", 8))]
+    assert "DiLoCo H=8, outer 0.6/0.9" in names and plan.outer_variants(dw.DDP_ADAMW) == []
