@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
-from ._gpa_switch import GPASwitch, follow_half_cast_, to_eval_, to_train_, x_mu_y
+from ._gpa_switch import GPASwitch, follow_half_cast_, to_eval_, x_mu_y, y_across_cast
 from ._state_layout import (
     COMPACT,
     FLOAT32,
@@ -47,7 +47,6 @@ from ._state_layout import (
     layout_for,
     layout_of,
     refusal,
-    saved_param_dtype,
 )
 from ._tensors import chunks, is_dtensor, local_tensor, real_view
 from ._types import (
@@ -252,12 +251,9 @@ class GPAAdamW(GPASwitch):
             follow_half_cast_(p, self.state[p], mu_y, train_mode=train_mode)
         for p in unfit:
             state = self.state[p]
-            # y in the form the state was made for: the parameter cast back, and in eval mode train()'s y from it.
-            y_saved = local_tensor(p).to(saved_param_dtype(state, p), copy=True)
-            switched = not train_mode and mu_y != 1.0
-            if switched:
-                to_train_(y_saved, state, mu_y)
-            convert_(p, state, y_saved, train_mode=not switched)
+            switched = not train_mode and mu_y != 1.0  # mu_y = 1: x = y, eval() switched nothing
+            wide = layout_of(state).wide_state(state)
+            convert_(p, state, y_across_cast(p, state, wide[0], mu_y, train_mode=not switched), wide)
             if switched:
                 to_eval_(p, state, mu_y)
 
