@@ -612,3 +612,35 @@ def test_wrapper_at_zero_lr_moves_y_towards_z_and_rests_where_x_equals_z() -> No
     for p, r, m in zip(params, ref_params, moved):
         torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
         assert not torch.equal(p.detach(), m)
+
+
+@pytest.mark.parametrize("eval_mode", [False, True])
+def test_gpa_bf16_parameters_cast_to_fp32_receive_y_exactly(eval_mode: bool) -> None:
+    """GPA(AdamW) on bf16 parameters, the model cast to fp32 (in train mode, or between eval() and train()): the
+    parameter holds y's float32 copy exactly, the copy goes, and the run steps on bitwise as an fp32 run given those
+    values, as GPAAdamW's state does (the parameter kept y rounded to bf16: one bf16 unit off a run never cast)."""
+    kw = dict(base=torch.optim.AdamW, lr=1e-2, mu_x=0.9, weight_decay=0.1)
+    w = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16))
+    opt = GPA([w], **kw)
+    for t in range(3):
+        w.grad = torch.randn(16, generator=torch.Generator().manual_seed(t)).to(w.dtype)
+        opt.step()
+    y32 = opt.state[w]["y_fp32"].clone()
+    z, base = opt.state[w]["z"].clone(), {k: v.clone() for k, v in opt.state[w]["base"].items()}
+    if eval_mode:
+        opt.eval()
+    w.data = w.data.float()
+    opt.train()
+    assert torch.equal(w.detach(), y32) and "y_fp32" not in opt.state[w]
+    ref = torch.nn.Parameter(y32.clone())
+    ref_opt = GPA([ref], **kw)
+    ref_opt.init_state()
+    ref_opt.state[ref]["z"].copy_(z)
+    for key, value in base.items():
+        ref_opt.state[ref]["base"][key].copy_(value)
+    for t in range(3, 6):
+        for p in (w, ref):
+            p.grad = torch.randn(16, generator=torch.Generator().manual_seed(t))
+        opt.step()
+        ref_opt.step()
+    assert torch.equal(w.detach(), ref.detach()) and torch.equal(opt.state[w]["z"], ref_opt.state[ref]["z"])

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ._residual import bits_differ, bits_equal, decode_residual_, encode_residual, residual_dtype
-from ._state_layout import FLOAT32, HALF_DTYPES, layout_of, wide_dtype
+from ._state_layout import FLOAT32, HALF_DTYPES, held_through_half, layout_of, wide_dtype
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
 from ._types import EVAL_MU_Y, MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
@@ -137,10 +137,8 @@ def y_across_cast(
     wide = wide_dtype(local.dtype)
     if source is FLOAT32:
         y32 = local_tensor(state[Y_FP32])
-        held = y32 if train_mode else _x_from_y(y32, z, mu_y)  # before its rounding to the old dtype, bf16 or fp16
-        kept = torch.zeros_like(local, dtype=torch.bool)
-        for old in source.saved_dtypes(state):
-            kept |= ~bits_differ(local, held.to(old).to(local.dtype))
+        # What the parameter held before its rounding to the old dtype, bf16 or fp16.
+        kept = held_through_half(local, y32 if train_mode else _x_from_y(y32, z, mu_y))
         y_state = y32
     else:
         (old,) = source.saved_dtypes(state)

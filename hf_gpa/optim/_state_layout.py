@@ -45,6 +45,7 @@ __all__ = [
     "join24",
     "layout_for",
     "layout_of",
+    "held_through_half",
     "refusal",
     "split24_",
     "wide_dtype",
@@ -360,11 +361,28 @@ def widest(dtype: torch.dtype) -> StateLayout:
     return FLOAT32 if dtype in HALF_DTYPES else PARAM
 
 
-def refusal(state: dict[str, Any], dtype: torch.dtype) -> str | None:
+def held_through_half(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Where ``param`` (cast from bf16 or fp16 to its dtype) holds ``value`` rounded to bf16 or to fp16: what a cast
+    left of a half-precision parameter that held ``value`` rounded (bit patterns compared, a NaN equals itself)."""
+    int_view = {torch.float64: torch.int64, torch.float32: torch.int32}.get(param.dtype, torch.int16)
+    bits = param.view(int_view)
+    held = torch.zeros_like(param, dtype=torch.bool)
+    for half in HALF_DTYPES:
+        held |= bits == value.to(half).to(param.dtype).view(int_view)
+    return held
+
+
+def refusal(
+    state: dict[str, Any],
+    dtype: torch.dtype,
+    keys: tuple[str, ...] = (*_MOMENTS, Y_FP32),
+    wide: torch.dtype | None = None,
+) -> str | None:
     """Why ``state`` cannot become the state of a parameter of ``dtype`` exactly (a sentence to go after "the state
-    of parameter ..."), or None where it fits or converts exactly: only a float64 state into narrower parameters."""
-    wide = wide_dtype(dtype)
-    for key in (*_MOMENTS, Y_FP32):
+    of parameter ..."), or None where it fits or converts exactly: only a float64 state into narrower parameters.
+    ``keys``: the state's tensors to check; ``wide``: the dtype they would become (`wide_dtype` of ``dtype``)."""
+    wide = wide or wide_dtype(dtype)
+    for key in keys:
         value = state.get(key)
         exact = torch.is_tensor(value) and (value.is_floating_point() or value.is_complex())
         if exact and torch.promote_types(value.dtype, wide) != wide:
