@@ -173,10 +173,11 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
                         ys.append(real_view(local_tensor(p)))
                         zs.append(real_view(local_tensor(z)))
                         y32s.append(real_view(local_tensor(state[Y_FP32])) if Y_FP32 in state else None)
+                    lr = float(group.get(LR, 0.0))
+                    # Every group's step counts in Schedule-Free's weight sum, with gradients or not.
+                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM])
                     if not ys:
                         continue
-                    lr = float(group.get(LR, 0.0))
-                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM])
                     mu_y = group[MU_Y]
                     if mu_x != 0.0:
                         # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x, in place (its float32 copy alone, where there is

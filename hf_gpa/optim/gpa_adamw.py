@@ -198,6 +198,8 @@ class GPAAdamW(GPASwitch):
         }
         # Each group's cached step (`_plan`); before torch's constructor, which adds the groups.
         self._plans: dict[Hashable, _Plan] = {}
+        # ids of the groups whose steps are taken inside backward (`in_backward`): step() is none of theirs.
+        self._stepped_in_backward: set[int] = set()
         super().__init__(params, defaults)  # every group, these defaults filled in, passes `_check_group`
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -211,6 +213,7 @@ class GPAAdamW(GPASwitch):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._plans = {}  # unpickled, or loaded (torch's load_state_dict ends here): plans of the old state go
+        self._stepped_in_backward = set()  # a copy has no hooks
 
     # ---- the state ----
 
@@ -334,8 +337,9 @@ class GPAAdamW(GPASwitch):
         return plan
 
     def _begin_group_step(self, group: dict[str, Any]) -> AdamWHyper:
-        """What is done once per group and training step: this step's mu_x (advancing Schedule-Free's weight sum)
-        and the resolved hyper-parameters."""
+        """What is done once per group and training step, whether or not it has gradients: this step's mu_x
+        (advancing Schedule-Free's weight sum, as schedule_free's optimizers do for every group at every step) and the
+        resolved hyper-parameters."""
         mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], group[LR], group[WEIGHT_SUM])
         beta1, beta2 = group[BETAS]
         return AdamWHyper(group[LR], beta1, beta2, group[EPS], group[WEIGHT_DECAY], mu_x, group[MU_Y], group[MAXIMIZE])
@@ -358,6 +362,10 @@ class GPAAdamW(GPASwitch):
         plans = [self._plan(group, params) for group, params in work]  # a refused conversion raises here
         for (group, _), plan in zip(work, plans):
             _run(plan, plan.grads(), self._begin_group_step(group))
+        stepped = {id(group) for group, _ in work} | self._stepped_in_backward
+        for group in self.param_groups:
+            if id(group) not in stepped:  # a step without gradients still counts in Schedule-Free's weight sum
+                self._begin_group_step(group)
         return loss
 
 
