@@ -422,3 +422,114 @@ def test_the_layout_travels_only_in_the_state_dict() -> None:
     opt.load_state_dict(copy.deepcopy(state))
     with pytest.raises(ValueError, match=r"num_fragments \(P\) = 1, this optimizer runs with 2"):
         _diloco(build_mlp(torch.float32), inner_steps=4, num_fragments=2).load_state_dict(state)
+
+
+_CAST_KW = dict(base=torch.optim.AdamW, inner_steps=2, lr=1e-2, weight_decay=0.1)
+
+
+def _cast_run(dtype: torch.dtype) -> tuple[torch.nn.Parameter, DiLoCo]:
+    """DiLoCo(AdamW) over a weight of ``dtype`` after 3 steps (an outer step among them)."""
+    w = torch.nn.Parameter(torch.randn(12, generator=torch.Generator().manual_seed(6)).to(dtype))
+    opt = DiLoCo([w], **_CAST_KW)
+    _cast_steps(opt, w, 0, 3)
+    return w, opt
+
+
+def _cast_steps(opt: DiLoCo, w: torch.Tensor, start: int, stop: int) -> None:
+    for t in range(start, stop):  # gradients that do not depend on the weight's dtype
+        w.grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(100 + t)).to(w.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("how", ["live", "loaded"])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.float64),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float64),
+    ],
+    ids=str,
+)
+def test_a_cast_model_steps_on_as_a_run_of_its_new_dtype(source: torch.dtype, target: torch.dtype, how: str) -> None:
+    """DiLoCo(AdamW) whose parameters are cast (``model.bfloat16()``, ``.half()``, ``.double()``, ``.float()``), live
+    or by loading the state into a cast copy of the model: the next steps are bitwise those of a run of the new dtype
+    given the state's values, the inner weights being the float32 copy (exact) where the parameter was bf16/fp16 and
+    the cast parameter otherwise (every step raised torch's "expected dtype float for 'end'")."""
+    w, opt = _cast_run(source)
+    state = opt.state[w]
+    inner = state.get("inner_fp32", w.detach()).clone()
+    values = {k: state[k].clone() for k in ("outer", "outer_momentum_buffer")}
+    base = {k: v.clone() for k, v in state["base"].items()}
+    if how == "live":
+        w.data = w.data.to(target)
+        cast, cast_opt = w, opt
+    else:
+        cast = torch.nn.Parameter(w.detach().to(target))
+        cast_opt = DiLoCo([cast], **_CAST_KW)
+        cast_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    half = target in (torch.bfloat16, torch.float16)
+    ref = torch.nn.Parameter(inner.to(target))
+    ref_opt = DiLoCo([ref], **_CAST_KW)
+    ref_opt.init_state()
+    for key, value in values.items():
+        ref_opt.state[ref][key].copy_(value)
+    for key, value in base.items():
+        ref_opt.state[ref]["base"][key].copy_(value)
+    ref_opt.param_groups[0]["inner_step"] = opt.param_groups[0]["inner_step"]
+    _cast_steps(cast_opt, cast, 3, 8)
+    _cast_steps(ref_opt, ref, 3, 8)
+    assert torch.equal(cast.detach(), ref.detach())
+    mine, theirs = cast_opt.state[cast], ref_opt.state[ref]
+    keys = {"outer", "outer_momentum_buffer", "base"} | ({"inner_fp32"} if half else set())
+    assert set(mine) == set(theirs) == keys
+    for key in set(theirs) - {"base"}:
+        assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key]), key
+    for key, value in theirs["base"].items():
+        assert mine["base"][key].dtype == value.dtype and torch.equal(mine["base"][key], value), key
+
+
+def test_a_cast_in_eval_mode_keeps_both_weights() -> None:
+    """eval(), the model cast (bf16 -> fp32, then fp32 -> bf16), train(): the inner weights come back exactly as the
+    float32 values they were (the float32 copy of a bf16 parameter, an fp32 parameter itself) and the outer weights
+    as exactly as the cast left them."""
+    w, opt = _cast_run(torch.bfloat16)
+    inner, outer = opt.state[w]["inner_fp32"].clone(), opt.state[w]["outer"].clone()
+    opt.eval()
+    w.data = w.data.float()
+    opt.train()
+    assert torch.equal(w.detach(), inner) and torch.equal(opt.state[w]["outer"], outer)
+    assert "inner_fp32" not in opt.state[w]
+    opt.eval()
+    assert torch.equal(w.detach(), outer)
+    w.data = w.data.to(torch.bfloat16)
+    opt.train()
+    assert torch.equal(opt.state[w]["inner_fp32"], inner) and torch.equal(w.detach(), inner.to(torch.bfloat16))
+    assert torch.equal(opt.state[w]["outer"], outer.to(torch.bfloat16).float())  # what the cast left of them
+    _cast_steps(opt, w, 3, 5)
+
+
+def test_a_float64_state_into_float32_parameters_is_refused_before_anything_changes() -> None:
+    """fp64 outer weights, momentum and AdamW moments cannot be held exactly by an fp32 parameter's state: the next
+    step raises a ValueError naming the parameter and both dtypes, and nothing changed."""
+    w, opt = _cast_run(torch.float64)
+    w.data = w.data.float()
+    before = w.detach().clone()
+    saved = copy.deepcopy(opt.state_dict())
+    w.grad = torch.ones_like(w)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] .*float64.*float32"):
+        opt.step()
+    assert torch.equal(w.detach(), before)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(opt.state_dict()), _tensors(saved)))
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(obj):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for key in sorted(obj, key=str) for t in _tensors(obj[key])]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    return []

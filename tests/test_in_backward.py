@@ -92,6 +92,36 @@ def test_in_backward_is_bitwise_the_ordinary_step(impl: str) -> None:
         assert torch.equal(p, r)
 
 
+def test_a_schedule_free_group_without_gradients_counts_its_steps_in_backward_too() -> None:
+    """A Schedule-Free group whose only parameter gets no gradient in every other backward pass: its weight sum grows
+    at every step inside backward, once (the optimizer.step() after backward adds nothing), as in the ordinary step;
+    y and x bitwise."""
+
+    def run(in_backward: bool) -> tuple[_Net, GPAAdamW]:
+        net = _Net(torch.float32)
+        groups = [
+            {"params": [net.w1, net.b1, net.w2]},
+            {"params": [net.unused], "averaging": "schedule_free"},
+        ]
+        opt = GPAAdamW(groups, lr=1e-2, mu_x=0.9, foreach=False)
+        gen = torch.Generator().manual_seed(1)
+        handle = step_in_backward(opt) if in_backward else None
+        for t in range(6):
+            net(torch.randn(8, 7, generator=gen), skip=t % 2 == 1).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        return net, opt
+
+    (ref_net, ref_opt), (net, opt) = run(False), run(True)
+    assert opt.param_groups[1]["weight_sum"] == ref_opt.param_groups[1]["weight_sum"] == pytest.approx(6e-4)
+    ref_opt.eval()
+    opt.eval()
+    for p, r in zip(net.parameters(), ref_net.parameters()):
+        assert torch.equal(p, r)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: run `python -m pytest -m gpu`")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

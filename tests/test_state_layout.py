@@ -335,3 +335,67 @@ def test_a_pure_bf16_checkpoint_resumed_in_fp16_trains_on(tmp_path) -> None:
     resumed = run(torch.float16, resume=str(tmp_path / "run" / "checkpoint-3"))
     for step in (4, 5, 6):  # the resumed run's log history begins with the checkpoint's steps 1-3
         assert abs(resumed[step][0] - full[step][0]) < 0.02 * full[step][0], (step, resumed[step], full[step])
+
+
+def _half_run(dtype: torch.dtype, state_dtype: str) -> tuple[list[torch.nn.Parameter], GPAAdamW]:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in ((16, 8), (8,))]
+    opt = GPAAdamW(params, lr=1e-2, weight_decay=0.1, mu_x=0.9, state_dtype=state_dtype)
+    _steps(opt, params, 0, 3)
+    return params, opt
+
+
+def _y_z(opt: GPAAdamW, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y and z of a bf16/fp16 parameter's state exactly, in float32 (train mode)."""
+    s = opt.state[p]
+    if "y_lo" in s:
+        return join24(p.detach(), s["y_lo"]), join24(s["z"], s["z_lo"])
+    return s["y_fp32"].clone(), s["z"].clone()
+
+
+@pytest.mark.parametrize("wide", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("value", [0.123456789, 1e5 + 0.1234])
+@pytest.mark.parametrize(
+    "dtype, state_dtype",
+    [(torch.bfloat16, "float32"), (torch.float16, "float32"), (torch.bfloat16, "compact")],
+    ids=["bf16-float32", "fp16-float32", "bf16-compact"],
+)
+def test_x_written_in_eval_mode_after_a_widening_cast_gives_y_exactly(
+    dtype: torch.dtype, state_dtype: str, value: float, wide: torch.dtype
+) -> None:
+    """eval(), the model cast to fp32/fp64, x written in part of a weight, train(): y = mu_y x + (1 - mu_y) z there,
+    computed in the new dtype from the written x (it went through fp16: 6e-4 off, NaN for |x| = 1e5), and y exactly
+    as it was elsewhere."""
+    params, opt = _half_run(dtype, state_dtype)
+    exact = [_y_z(opt, p) for p in params]
+    opt.eval()
+    for p in params:
+        p.data = p.data.to(wide)
+    with torch.no_grad():
+        params[0][:3].fill_(value)
+    opt.train()
+    y0, z0 = exact[0]
+    expected = torch.lerp(z0[:3].to(wide), torch.full_like(z0[:3], value, dtype=wide), 0.7)
+    assert torch.equal(params[0][:3], expected)
+    assert torch.equal(params[0][3:], y0[3:].to(wide))
+    assert torch.equal(params[1], exact[1][0].to(wide))
+
+
+@pytest.mark.parametrize("target", [torch.float16, torch.float32], ids=str)
+def test_a_weight_written_after_a_cast_of_a_compact_state_is_kept(target: torch.dtype) -> None:
+    """bf16 parameters with the compact state, the model cast (``model.half()``, ``model.float()``), a weight written
+    with values bf16 cannot hold, eval(), train(): the weight is back as written (an eighth of it came back through
+    bf16 with the stale low word, up to 7.8e-3 off), the other weight holds y exactly (24 bits, rounded to fp16)."""
+    params, opt = _half_run(torch.bfloat16, "compact")
+    y_other = _y_z(opt, params[1])[0]
+    for p in params:
+        p.data = p.data.to(target)
+    written = torch.randn(params[0].shape, generator=torch.Generator().manual_seed(5)).to(target)
+    with torch.no_grad():
+        params[0].copy_(written)
+    opt.eval()
+    opt.train()
+    assert torch.equal(params[0].detach(), written)
+    assert torch.equal(params[1].detach(), y_other.to(target))
+    if target == torch.float16:
+        assert torch.equal(opt.state[params[1]]["y_fp32"], y_other)

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from ._residual import bits_differ, bits_equal, decode_residual_, encode_residual, residual_dtype
-from ._state_layout import FLOAT32, HALF_DTYPES, layout_of
+from ._state_layout import FLOAT32, HALF_DTYPES, held_through_half, layout_of, wide_dtype
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
 from ._train_eval import TrainEvalOptimizer
 from ._types import EVAL_MU_Y, MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
 from .kernels import kernel_for, kernel_module, same_dense_layout
 
-__all__ = ["GPASwitch", "follow_half_cast_", "to_eval_", "to_train_", "x_mu_y"]
+__all__ = ["GPASwitch", "follow_half_cast_", "to_eval_", "to_train_", "x_mu_y", "y_across_cast"]
 
 #: The dtypes whose train() the C++ kernel takes (``gpa_train_residual``); bf16/fp16 with state in their own dtype
 #: round every operation to 16 bits, which the torch ops below do.
@@ -119,6 +119,42 @@ def follow_half_cast_(p: torch.Tensor, state: dict[str, Any], mu_y: float, *, tr
             pc.copy_(wide_of(zc, y32c))
 
 
+def y_across_cast(
+    p: torch.Tensor, state: dict[str, Any], z: torch.Tensor, mu_y: float, *, train_mode: bool
+) -> torch.Tensor:
+    """y exactly, in `wide_dtype` of ``p``'s dtype, of a parameter whose dtype changed under its state (a cast model,
+    a checkpoint loaded into parameters of another dtype), for `_state_layout.convert_`; ``z``: z exactly
+    (`StateLayout.wide_state`), ``train_mode``: whether the parameter holds y (else x, as eval() wrote it).
+
+    Element by element, where the parameter holds what the state says it held (y, or eval()'s x) rounded to the old
+    dtype, y is the state's, exactly; elsewhere it was written since and wins: y is the parameter in train mode, and
+    mu_y x + (1 - mu_y) z computed in the new dtype's state dtype from the written x in eval mode (nothing rounds the
+    written value through the old dtype). Under ``"compact"`` in train mode y's high word is the parameter alone, so a
+    write shows only as values bf16 cannot hold: the tensor is the unit there, one such value and the whole tensor is
+    taken as written (y = the parameter, no stale low word); a write of bf16 values only reads as the cast."""
+    source = layout_of(state)
+    local = local_tensor(p)
+    wide = wide_dtype(local.dtype)
+    if source is FLOAT32:
+        y32 = local_tensor(state[Y_FP32])
+        # What the parameter held before its rounding to the old dtype, bf16 or fp16.
+        kept = held_through_half(local, y32 if train_mode else _x_from_y(y32, z, mu_y))
+        y_state = y32
+    else:
+        (old,) = source.saved_dtypes(state)
+        narrow = local.to(old, copy=True)
+        kept = ~bits_differ(narrow.to(local.dtype), local)
+        if not train_mode:  # y where eval()'s x was not written, and where it was
+            found = torch.zeros_like(narrow, dtype=torch.bool)
+            to_train_(narrow, state, mu_y, written_out=found)
+            kept &= ~found
+        elif source.switch_tensors(state) and not bool(kept.all()):
+            kept.zero_()
+        y_state = source.wide_y(narrow, state)
+    written = local.to(wide) if train_mode else torch.lerp(z.to(wide), local.to(wide), mu_y)
+    return torch.where(kept, y_state.to(wide), written)
+
+
 def to_eval_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:
     """eval() of one parameter: y -> x in ``p`` (a parameter, or a plain tensor standing for one), with what gives y
     back stored in ``state``."""
@@ -146,14 +182,18 @@ def to_eval_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:
         state[Y_RESIDUAL_OVERFLOW] = torch.cat(overflows)
 
 
-def to_train_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:
-    """train() of one parameter: x -> y in ``p``, bitwise the y `to_eval_` found (where x was not written since)."""
+def to_train_(p: torch.Tensor, state: dict[str, Any], mu_y: float, written_out: torch.Tensor | None = None) -> None:
+    """train() of one parameter: x -> y in ``p``, bitwise the y `to_eval_` found (where x was not written since).
+    ``written_out`` (bool, ``p``'s shape, contiguous), if given, is set where x was written since."""
     x, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
     layout = layout_of(state)
+    marks = () if written_out is None else (real_view(written_out),)
     if layout is FLOAT32:
         y32 = real_view(local_tensor(state[Y_FP32]))
-        for _, (xc, zc, y32c) in chunks(x, z, y32):
+        for _, (xc, zc, y32c, *mark) in chunks(x, z, y32, *marks):
             written = bits_differ(xc, _x_from_y(y32c, zc, mu_y).to(xc.dtype))  # eval()'s x, recomputed
+            if mark:
+                mark[0].copy_(written)
             if bool(written.any()):
                 y32c.copy_(torch.where(written, _y_from_x(xc.to(y32c.dtype), zc, mu_y), y32c))
             xc.copy_(y32c)
@@ -162,16 +202,21 @@ def to_train_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:
         extra = layout.switch_tensors(state)
         _, z_exact = layout.exact(x, z, extra)
         x.copy_(layout.store_y(torch.lerp(z_exact, x.to(z_exact.dtype), mu_y), x, extra))
+        if written_out is not None:
+            written_out.fill_(True)  # nothing tells eval()'s x: every element is taken from x, as if written
         return
     residual = local_tensor(state.pop(Y_RESIDUAL))
     overflow = state.pop(Y_RESIDUAL_OVERFLOW, None)
-    pieces = chunks(x, z, residual, *layout.switch_tensors(state))
+    pieces = chunks(x, z, residual, *marks, *layout.switch_tensors(state))
     if overflow is not None and overflow.numel():
         # Where each piece's entries start in the (index-sorted) list: one search, one read to the host.
         starts = torch.tensor([offset for offset, _ in pieces] + [x.numel()], device=overflow.device)
         rows = torch.searchsorted(overflow[:, 0].contiguous(), starts).tolist()
     kernel = kernel_module("cpu") if x.dtype in _TRAIN_KERNEL_DTYPES and kernel_for(x) == "cpu" else None
-    for k, (offset, (xc, zc, rc, *extra)) in enumerate(pieces):
+    if marks:
+        kernel = None  # it tells no written elements
+    for k, (offset, (xc, zc, rc, *rest)) in enumerate(pieces):
+        mark, extra = rest[: len(marks)], rest[len(marks) :]
         listed = None
         if overflow is not None and overflow.numel():
             listed = overflow[rows[k] : rows[k + 1]] - torch.tensor([offset, 0], device=overflow.device)
@@ -189,6 +234,8 @@ def to_train_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:
         x_again = _x_from_y(y_exact, z_exact, mu_y).to(xc.dtype)
         if not bits_equal(xc, x_again):
             written = bits_differ(xc, x_again)
+            if mark:
+                mark[0].copy_(written)
             y_lo = extra[0].clone() if extra else None
             y_new = layout.store_y(torch.lerp(z_exact, xc.to(z_exact.dtype), mu_y), xc, extra)
             if extra:  # the low words of the elements not written stay those eval() kept

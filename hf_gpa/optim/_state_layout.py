@@ -45,8 +45,8 @@ __all__ = [
     "join24",
     "layout_for",
     "layout_of",
+    "held_through_half",
     "refusal",
-    "saved_param_dtype",
     "split24_",
     "wide_dtype",
     "widest",
@@ -181,12 +181,13 @@ class StateLayout:
 
     # ---- conversion ----
 
-    def saved_dtype(self, state: dict[str, Any], p: torch.Tensor) -> torch.dtype:
-        """The dtype of the parameters this state was made for."""
-        return state[Z].dtype
+    def saved_dtypes(self, state: dict[str, Any]) -> tuple[torch.dtype, ...]:
+        """The dtypes the parameters this state was made for may have had (one, but for `FLOAT32`'s bf16 or fp16)."""
+        return (state[Z].dtype,)
 
     def wide_y(self, y: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-        """y exactly, from ``y`` (the parameter in `saved_dtype`, train mode) and the state, in float32 or wider."""
+        """y exactly, from ``y`` (the parameter in one of `saved_dtypes`, holding y) and the state, in float32 or
+        wider."""
         return y.to(torch.promote_types(y.dtype, torch.float32))
 
     def wide_state(self, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -256,11 +257,8 @@ class _Float32(StateLayout):
         torch._foreach_copy_(cols[3], wide[0])
         torch._foreach_copy_(ys, wide[0])
 
-    def saved_dtype(self, state: dict[str, Any], p: torch.Tensor) -> torch.dtype:
-        # The parameters were bf16 or fp16: bf16 where the parameter still holds bf16 values throughout (a bf16 tensor
-        # cast to another dtype does; an fp16 one, with 11 significant bits, nearly never).
-        local = local_tensor(p)
-        return torch.bfloat16 if torch.equal(local.to(torch.bfloat16).to(local.dtype), local) else torch.float16
+    def saved_dtypes(self, state: dict[str, Any]) -> tuple[torch.dtype, ...]:
+        return HALF_DTYPES  # the state fits both
 
     def wide_y(self, y: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         return authoritative_y(y, local_tensor(state[Y_FP32]), torch.float32)
@@ -320,8 +318,8 @@ class _Compact(StateLayout):
         split24_(y_wide, hi, extra[0])
         return hi
 
-    def saved_dtype(self, state: dict[str, Any], p: torch.Tensor) -> torch.dtype:
-        return torch.bfloat16
+    def saved_dtypes(self, state: dict[str, Any]) -> tuple[torch.dtype, ...]:
+        return (torch.bfloat16,)
 
     def wide_y(self, y: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         return join24(y, local_tensor(state[Y_LO]))
@@ -363,11 +361,28 @@ def widest(dtype: torch.dtype) -> StateLayout:
     return FLOAT32 if dtype in HALF_DTYPES else PARAM
 
 
-def refusal(state: dict[str, Any], dtype: torch.dtype) -> str | None:
+def held_through_half(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Where ``param`` (cast from bf16 or fp16 to its dtype) holds ``value`` rounded to bf16 or to fp16: what a cast
+    left of a half-precision parameter that held ``value`` rounded (bit patterns compared, a NaN equals itself)."""
+    int_view = {torch.float64: torch.int64, torch.float32: torch.int32}.get(param.dtype, torch.int16)
+    bits = param.view(int_view)
+    held = torch.zeros_like(param, dtype=torch.bool)
+    for half in HALF_DTYPES:
+        held |= bits == value.to(half).to(param.dtype).view(int_view)
+    return held
+
+
+def refusal(
+    state: dict[str, Any],
+    dtype: torch.dtype,
+    keys: tuple[str, ...] = (*_MOMENTS, Y_FP32),
+    wide: torch.dtype | None = None,
+) -> str | None:
     """Why ``state`` cannot become the state of a parameter of ``dtype`` exactly (a sentence to go after "the state
-    of parameter ..."), or None where it fits or converts exactly: only a float64 state into narrower parameters."""
-    wide = wide_dtype(dtype)
-    for key in (*_MOMENTS, Y_FP32):
+    of parameter ..."), or None where it fits or converts exactly: only a float64 state into narrower parameters.
+    ``keys``: the state's tensors to check; ``wide``: the dtype they would become (`wide_dtype` of ``dtype``)."""
+    wide = wide or wide_dtype(dtype)
+    for key in keys:
         value = state.get(key)
         exact = torch.is_tensor(value) and (value.is_floating_point() or value.is_complex())
         if exact and torch.promote_types(value.dtype, wide) != wide:
@@ -378,24 +393,15 @@ def refusal(state: dict[str, Any], dtype: torch.dtype) -> str | None:
     return None
 
 
-def saved_param_dtype(state: dict[str, Any], p: torch.Tensor) -> torch.dtype:
-    """The dtype of the parameters ``state`` was made for."""
-    return layout_of(state).saved_dtype(state, p)
-
-
-def convert_(p: torch.Tensor, state: dict[str, Any], y_saved: torch.Tensor, *, train_mode: bool) -> None:
+def convert_(
+    p: torch.Tensor, state: dict[str, Any], y: torch.Tensor, wide: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
     """Turn ``state`` (not fitting ``p``'s dtype; `refusal` said it converts) into `widest` of ``p``'s dtype, exactly:
-    24-bit y and z, bf16 m and v widen to float32 losslessly, and ``p`` receives y in its own form. ``y_saved``: y in
-    the parameter's form the state was made for (`saved_param_dtype`), a local tensor: in train mode the parameter
-    cast to that dtype, and where the parameter is no longer that value cast back (written since), the parameter
-    wins; in eval mode what train() gave back from the parameter's x (which decided about written values)."""
-    source = layout_of(state)
+    ``wide`` is z, m and v exactly (`StateLayout.wide_state`: 24-bit z and bf16 m and v widen to float32 losslessly),
+    ``y`` y exactly in `wide_dtype` of ``p``'s dtype (a local tensor; which value the parameter's cast or a write left
+    there is the caller's to decide), and ``p`` receives y in its own form."""
     local = local_tensor(p)
-    y = source.wide_y(y_saved, state)
-    if train_mode:
-        y = torch.where(y_saved.to(local.dtype) == local, y, local.to(y.dtype))
-    wide = source.wide_state(state)
-    for key in source.keys:
+    for key in layout_of(state).keys:
         del state[key]
     for key, value in widest(p.dtype).from_wide(local, y, wide).items():
         state[key] = shard_like(value, p)

@@ -17,7 +17,12 @@ its step. Everything about holding that base lives here, once:
 * its step runs without torch's step hooks, so global optimizer hooks fire once per wrapper step, around it;
 * a step whose base raises leaves the parameters and this optimizer's state as they were (``_rollback_on_error``);
 * a state dict saved by the base class itself is adopted: switching a base-optimizer run to the wrapper mid-training
-  (the base's state is created as a first step would, in the base's own modes, and the saved values copied into it).
+  (the base's state is created as a first step would, in the base's own modes, and the saved values copied into it);
+* parameters cast under it (``model.bfloat16()``, ``model.float()``, a state loaded into a model of another dtype)
+  get their state converted at the next step, ``eval()`` or ``train()`` (``_fit_casts``): the subclass's own tensors
+  (``_follow_cast``), then the base's state of the tensor it moves, widened to that tensor's dtype exactly, and the
+  base rebuilt on it; a state that cannot be held exactly (float64 into narrower parameters) is refused with a
+  ``ValueError`` naming the parameter and both dtypes, before anything changes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Any
 import torch
 
 from ._checks import check_common
+from ._state_layout import refusal, wide_dtype
+from ._tensors import local_tensor
 from ._train_eval import TrainEvalOptimizer
 from ._types import BASE, LR, OPTIMIZER, STEP, TRAIN_MODE
 
@@ -114,6 +121,14 @@ def _drop_new_keys(state: dict[str, Any], old: dict[str, set[str] | None]) -> No
         elif old[key] is not None and isinstance(state[key], dict):
             for inner in [k for k in state[key] if k not in old[key]]:  # type: ignore[operator]
                 del state[key][inner]
+
+
+def _follows(key: str, value: Any, p: torch.Tensor) -> bool:
+    """Whether a tensor of the base's state of ``p`` follows the dtype of the tensor it moves (m and v: floating, of
+    ``p``'s shape; not a step count)."""
+    if key == STEP or not (torch.is_tensor(value) and value.is_floating_point()):
+        return False
+    return local_tensor(value).shape == local_tensor(p).shape
 
 
 def _forward_hypers(base_group: dict[str, Any], hypers: dict[str, Any]) -> None:
@@ -231,6 +246,7 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
         """The base, rebuilt first if a parameter has its first gradient (it then needs the base's attention) or if
         the state it was built on is no longer this optimizer's (``state.clear()``, ``del state[p]``, a new dict: the
         state is then created afresh, as torch's optimizers do)."""
+        self._fit_casts()
         known = {id(p) for p, _ in self._base_pairs}
         if any(p.grad is not None and id(p) not in known for g in self.param_groups for p in g["params"]):
             self._base = None
@@ -239,6 +255,62 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
         ):
             self._base = None
         return self.base_optimizer
+
+    # ---- parameters cast under it ----
+
+    #: The subclass's state tensors kept in `wide_dtype` of the parameter's dtype (DiLoCo: outer weights, momentum).
+    _wide_keys: tuple[str, ...] = ()
+
+    def _cast_under(self, p: torch.Tensor, state: dict[str, Any]) -> bool:
+        """Whether ``p``'s dtype changed under its ``state`` (the state no longer fits it); a dtype check, no pass."""
+        raise NotImplementedError
+
+    def _base_dtype(self, p: torch.Tensor, state: dict[str, Any]) -> torch.dtype:
+        """The dtype of the tensor the base moves for ``p`` (its state's dtype) once ``p``'s state was converted."""
+        return wide_dtype(p.dtype)
+
+    def _follow_cast(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Convert the subclass's own tensors of ``p``'s ``state`` (``_cast_under`` said so, nothing refused) to
+        ``p``'s dtype, in the group's mode; the base's state is converted after it."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def _fit_casts(self) -> None:
+        """Convert the state of every parameter cast under this optimizer, or refuse (a float64 state into narrower
+        parameters: a ``ValueError`` naming the parameter and both dtypes) before anything changes."""
+        unfit = []
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                state = self.state.get(p)
+                if not state or not self._cast_under(p, state):
+                    continue
+                base = state.get(BASE) or {}
+                reason = refusal(state, p.dtype, self._wide_keys) or refusal(
+                    base, p.dtype, tuple(k for k, v in base.items() if _follows(k, v, p)), self._base_dtype(p, state)
+                )
+                if reason is not None:
+                    where = f"param_groups[{g}]['params'][{i}]"
+                    raise ValueError(f"{self.optimizer_name}: the optimizer state of {where} {reason}")
+                unfit.append((group, p, state))
+        for group, p, state in unfit:
+            self._follow_cast(group, p, state)
+            dtype = self._base_dtype(p, state)
+            base = state.get(BASE) or {}
+            for key, value in list(base.items()):
+                if _follows(key, value, p) and value.dtype != dtype:
+                    base[key] = value.to(dtype)
+        if unfit:
+            self._base = None  # rebuilt on the tensors it moves now
+
+    @torch.no_grad()
+    def eval(self) -> None:
+        self._fit_casts()
+        super().eval()
+
+    @torch.no_grad()
+    def train(self) -> None:
+        self._fit_casts()
+        super().train()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load this optimizer's state and the base's nested in it; the base is rebuilt on the loaded tensors."""

@@ -36,8 +36,8 @@ from ._diloco_workers import (
 )
 from ._loading import saved_optimizer_name
 from ._residual import bits_differ
-from ._state_layout import wide_dtype
-from ._tensors import authoritative_y, is_dtensor, local_tensor
+from ._state_layout import HALF_DTYPES, held_through_half, wide_dtype
+from ._tensors import authoritative_y, is_dtensor, local_tensor, shard_like
 from ._types import (
     DEFAULT_INNER_STEPS,
     DEFAULT_NUM_FRAGMENTS,
@@ -52,6 +52,7 @@ from ._types import (
     OUTER_LR,
     OUTER_MOMENTUM,
     OUTER_MOMENTUM_BUFFER,
+    TRAIN_MODE,
 )
 from ._wrapper import BaseOptimizerWrapper
 
@@ -349,6 +350,36 @@ class DiLoCo(BaseOptimizerWrapper):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._fragments = []
+
+    # ---- parameters cast under it (see ``_wrapper``): the outer weights and momentum follow in wide_dtype, the
+    # float32 inner weights of a bf16/fp16 parameter come or go ----
+
+    _wide_keys = (OUTER, OUTER_MOMENTUM_BUFFER)
+
+    def _cast_under(self, p: torch.Tensor, state: dict[str, Any]) -> bool:
+        return OUTER in state and (
+            state[OUTER].dtype != wide_dtype(p.dtype) or (INNER_FP32 in state) != (p.dtype in HALF_DTYPES)
+        )
+
+    def _follow_cast(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+        # In train mode the parameter holds the inner weights, in eval mode the outer ones (and state["outer"] the
+        # inner ones where there is no float32 copy): rounded to bf16 or fp16 where it was one of them.
+        param, wide, train_mode = local_tensor(p), wide_dtype(p.dtype), group[TRAIN_MODE]
+        if INNER_FP32 in state and p.dtype not in HALF_DTYPES:  # from bf16/fp16: the parameter takes the float32 value
+            inner = local_tensor(state.pop(INNER_FP32))
+            held = inner if train_mode else local_tensor(state[OUTER])
+            param.copy_(torch.where(held_through_half(param, held), held.to(param.dtype), param))  # written ones win
+            if not train_mode:
+                state[OUTER] = shard_like(inner.to(wide), p)
+        elif INNER_FP32 not in state and p.dtype in HALF_DTYPES:  # to bf16/fp16: the float32 copy is made
+            if train_mode:
+                state[INNER_FP32] = shard_like(param.to(wide), p)
+            else:
+                state[INNER_FP32] = shard_like(local_tensor(state[OUTER]).to(wide, copy=True), p)
+                state[OUTER] = shard_like(param.to(wide), p)
+        for key in self._wide_keys:
+            if state[key].dtype != wide:
+                state[key] = shard_like(local_tensor(state[key]).to(wide), p)
 
     # Where the outer weights have the parameter's dtype, the switch exchanges the contents of the parameter and of
     # state["outer"], keeping the key names (checkpoint loaders fill only keys their template has): in eval mode

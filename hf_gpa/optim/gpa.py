@@ -17,10 +17,22 @@ from typing import Any
 import torch
 
 from ._checks import check_averaging, check_mu
-from ._gpa_switch import GPASwitch
+from ._gpa_switch import GPASwitch, to_eval_, x_mu_y, y_across_cast
 from ._state_layout import HALF_DTYPES, wide_dtype
-from ._tensors import local_tensor, real_view
-from ._types import AVERAGING, DEFAULT_AVERAGING, DEFAULT_MU_X, DEFAULT_MU_Y, LR, MU_X, MU_Y, WEIGHT_SUM, Y_FP32, Z
+from ._tensors import local_tensor, real_view, shard_like
+from ._types import (
+    AVERAGING,
+    DEFAULT_AVERAGING,
+    DEFAULT_MU_X,
+    DEFAULT_MU_Y,
+    LR,
+    MU_X,
+    MU_Y,
+    TRAIN_MODE,
+    WEIGHT_SUM,
+    Y_FP32,
+    Z,
+)
 from ._wrapper import BaseOptimizerWrapper
 from ._wrapper_passes import pass_after_base_, pass_before_base_
 from .averaging import averaging_mu_x
@@ -107,6 +119,28 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
         self.state[p][Z] = z
         return z
 
+    # ---- parameters cast under it (see ``_wrapper``): y's float32 copy comes or goes, z and the base stay ----
+
+    def _cast_under(self, p: torch.Tensor, state: dict[str, Any]) -> bool:
+        return Z in state and (Y_FP32 in state) != (p.dtype in HALF_DTYPES)
+
+    def _base_dtype(self, p: torch.Tensor, state: dict[str, Any]) -> torch.dtype:
+        return state[Z].dtype
+
+    def _follow_cast(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
+        # y exactly, as GPAAdamW converts it (`y_across_cast`): from a bf16/fp16 parameter the fp32/fp64 one receives
+        # y's float32 copy (where the cast left it, else the written value wins); to one, the copy is made from y.
+        mu_y = x_mu_y(group)
+        switched = not group[TRAIN_MODE] and mu_y != 1.0  # mu_y = 1: x = y, eval() switched nothing
+        y = y_across_cast(p, state, local_tensor(state[Z]), mu_y, train_mode=not switched)
+        if Y_FP32 in state:
+            del state[Y_FP32]
+        else:
+            state[Y_FP32] = shard_like(y.to(torch.float32), p)
+        local_tensor(p).copy_(y)
+        if switched:
+            to_eval_(p, state, mu_y)
+
     def _init_y_fp32(self, p: torch.Tensor) -> None:
         """y in float32 beside a bf16/fp16 parameter that holds it rounded, as in GPAAdamW: x stays as exact as z."""
         state = self.state[p]
@@ -139,10 +173,11 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
                         ys.append(real_view(local_tensor(p)))
                         zs.append(real_view(local_tensor(z)))
                         y32s.append(real_view(local_tensor(state[Y_FP32])) if Y_FP32 in state else None)
+                    lr = float(group.get(LR, 0.0))
+                    # Every group's step counts in Schedule-Free's weight sum, with gradients or not.
+                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM])
                     if not ys:
                         continue
-                    lr = float(group.get(LR, 0.0))
-                    mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], lr, group[WEIGHT_SUM])
                     mu_y = group[MU_Y]
                     if mu_x != 0.0:
                         # y <- mu_x (y - (1 - mu_y) z) = mu_x mu_y x, in place (its float32 copy alone, where there is

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ._checks import check_adam, check_averaging, check_implementation, check_mu, check_state_dtype
-from ._gpa_switch import GPASwitch, follow_half_cast_, to_eval_, to_train_, x_mu_y
+from ._gpa_switch import GPASwitch, follow_half_cast_, to_eval_, x_mu_y, y_across_cast
 from ._state_layout import (
     COMPACT,
     FLOAT32,
@@ -47,7 +47,6 @@ from ._state_layout import (
     layout_for,
     layout_of,
     refusal,
-    saved_param_dtype,
 )
 from ._tensors import chunks, is_dtensor, local_tensor, real_view
 from ._types import (
@@ -199,6 +198,8 @@ class GPAAdamW(GPASwitch):
         }
         # Each group's cached step (`_plan`); before torch's constructor, which adds the groups.
         self._plans: dict[Hashable, _Plan] = {}
+        # ids of the groups whose steps are taken inside backward (`in_backward`): step() is none of theirs.
+        self._stepped_in_backward: set[int] = set()
         super().__init__(params, defaults)  # every group, these defaults filled in, passes `_check_group`
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -212,6 +213,7 @@ class GPAAdamW(GPASwitch):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._plans = {}  # unpickled, or loaded (torch's load_state_dict ends here): plans of the old state go
+        self._stepped_in_backward = set()  # a copy has no hooks
 
     # ---- the state ----
 
@@ -252,12 +254,9 @@ class GPAAdamW(GPASwitch):
             follow_half_cast_(p, self.state[p], mu_y, train_mode=train_mode)
         for p in unfit:
             state = self.state[p]
-            # y in the form the state was made for: the parameter cast back, and in eval mode train()'s y from it.
-            y_saved = local_tensor(p).to(saved_param_dtype(state, p), copy=True)
-            switched = not train_mode and mu_y != 1.0
-            if switched:
-                to_train_(y_saved, state, mu_y)
-            convert_(p, state, y_saved, train_mode=not switched)
+            switched = not train_mode and mu_y != 1.0  # mu_y = 1: x = y, eval() switched nothing
+            wide = layout_of(state).wide_state(state)
+            convert_(p, state, y_across_cast(p, state, wide[0], mu_y, train_mode=not switched), wide)
             if switched:
                 to_eval_(p, state, mu_y)
 
@@ -338,8 +337,9 @@ class GPAAdamW(GPASwitch):
         return plan
 
     def _begin_group_step(self, group: dict[str, Any]) -> AdamWHyper:
-        """What is done once per group and training step: this step's mu_x (advancing Schedule-Free's weight sum)
-        and the resolved hyper-parameters."""
+        """What is done once per group and training step, whether or not it has gradients: this step's mu_x
+        (advancing Schedule-Free's weight sum, as schedule_free's optimizers do for every group at every step) and the
+        resolved hyper-parameters."""
         mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], group[LR], group[WEIGHT_SUM])
         beta1, beta2 = group[BETAS]
         return AdamWHyper(group[LR], beta1, beta2, group[EPS], group[WEIGHT_DECAY], mu_x, group[MU_Y], group[MAXIMIZE])
@@ -362,6 +362,10 @@ class GPAAdamW(GPASwitch):
         plans = [self._plan(group, params) for group, params in work]  # a refused conversion raises here
         for (group, _), plan in zip(work, plans):
             _run(plan, plan.grads(), self._begin_group_step(group))
+        stepped = {id(group) for group, _ in work} | self._stepped_in_backward
+        for group in self.param_groups:
+            if id(group) not in stepped:  # a step without gradients still counts in Schedule-Free's weight sum
+                self._begin_group_step(group)
         return loss
 
 

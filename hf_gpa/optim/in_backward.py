@@ -6,11 +6,12 @@ z, m and v at once, 20 bytes per weight against AdamW's 16. Stepping each parame
 exists: GPA then needs AdamW's memory, with the same numbers (bitwise) as stepping after ``backward()``.
 
 One ``backward()`` is one training step. The first hook of a group in a backward pass runs the group's once-per-step
-work (``_begin_group_step``: the learning rate of this step, the Schedule-Free weight sum); every hook then updates
-its one parameter (``_step_params``); at the end of the pass the step is closed. A parameter that gets no gradient
-is not stepped, as in ``step()``. ``optimizer.step()`` and ``zero_grad()`` find no gradients left and do nothing
-for the hooked parameters, so a loop or a Trainer that calls them keeps working, and the LR scheduler, ``eval()``/
-``train()``, ``state_dict()`` and resuming are unchanged.
+work (``_begin_group_step``: the learning rate of this step, the Schedule-Free weight sum); every hook then updates its
+one parameter (``_step_params``); at the end of the pass the step is closed, the hooked groups that got no gradient in
+it running their once-per-step work then (as ``step()`` runs it for a group without gradients). A parameter that gets
+no gradient is not stepped, as in ``step()``. ``optimizer.step()`` and ``zero_grad()`` find no gradients left and do
+nothing for the hooked groups (their step was the backward pass), so a loop or a Trainer that calls them keeps working,
+and the LR scheduler, ``eval()``/``train()``, ``state_dict()`` and resuming are unchanged.
 
 What cannot work this way: gradient accumulation (every backward steps), clipping by the global gradient norm (the
 norm is known only after the last gradient, when every other parameter has moved), loss scaling that skips steps on
@@ -61,10 +62,13 @@ class StepInBackward:
         self._handles: list[Any] = []
         self._lock = threading.Lock()
         seen: set[int] = set()
+        self._groups: list[int] = []  # indices of the hooked groups
         for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if not p.requires_grad or id(p) in seen:
                     continue
+                if not self._groups or self._groups[-1] != index:
+                    self._groups.append(index)
                 if is_dtensor(p):
                     self.remove()
                     raise ValueError(
@@ -73,6 +77,9 @@ class StepInBackward:
                     )
                 seen.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(index)))
+        # Their steps are taken here: the optimizer's step() is none of theirs.
+        self._marked = [id(optimizer.param_groups[i]) for i in self._groups]
+        getattr(optimizer, "_stepped_in_backward", set()).update(self._marked)
 
     def _hook(self, index: int) -> Any:
         def step_param(p: torch.Tensor) -> None:
@@ -109,6 +116,9 @@ class StepInBackward:
         p.grad = None  # the point of it all: the gradient is gone before the next one is computed
 
     def _end_step(self) -> None:
+        for index in self._groups:
+            if index not in self._hypers:  # a hooked group without gradients in this pass: its step all the same
+                self.optimizer._begin_group_step(self.optimizer.param_groups[index])
         self._hypers.clear()
         self._pass = None
         if self.track_grad_norm:
@@ -121,6 +131,8 @@ class StepInBackward:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        getattr(self.optimizer, "_stepped_in_backward", set()).difference_update(getattr(self, "_marked", ()))
+        self._marked = []
 
     @property
     def active(self) -> bool:
