@@ -14,7 +14,7 @@ keeps z) plus the base's state.
 
 Across processes, each of M workers takes its inner steps on its own data and p is the average of the M workers'
 pseudo-gradients, so that the outer weights stay the same bits on every process; the processes, islands, collectives
-and fragments are ``_workers``' affair.
+and fragments are ``_diloco_workers``' affair.
 """
 
 from __future__ import annotations
