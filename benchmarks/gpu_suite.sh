@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, on one GPU, in under 10 minutes: the GPU tests (pytest -m gpu), the optimizer step-time
-# benchmark on Llama-1B shapes in fp32 and bf16, the end-to-end throughput benchmark (110M Llama, bf16 autocast) and
-# the optimizer memory table with CUDA peak memory (benchmarks.memory_table).
+# benchmark on Llama-1B shapes in fp32 and bf16 and on 219 tiny tensors (host work), the end-to-end throughput
+# benchmark (110M Llama, bf16 autocast) and the optimizer memory table with CUDA peak memory (benchmarks.memory_table).
+#
+# It fills the table "What is not yet measured on a GPU" in docs/gpu.md: each row there names the step below that
+# measures it; put the figures of OUT_DIR/summary.md into the pages the rows link to and drop those rows.
 #
 #   bash benchmarks/gpu_suite.sh OUT_DIR
 #
@@ -69,6 +72,9 @@ step gpu_tests 240 "$PY" -m pytest -m gpu -p no:cacheprovider -q -ra --junitxml 
     "${gpu_tests[@]}"
 step step_time_fp32 80 "$PY" -m benchmarks.step_time --device cuda --dtype float32 --rounds 20 --out-dir "$OUT"
 step step_time_bf16 70 "$PY" -m benchmarks.step_time --device cuda --dtype bfloat16 --rounds 20 --out-dir "$OUT"
+# Host time and aten ops of a step over 219 tiny tensors (the Triton path's host work).
+step step_time_host_bound 60 "$PY" -m benchmarks.step_time --device cuda --size host_bound --rounds 30 \
+    --out-dir "$OUT"
 step throughput 150 "$PY" -m benchmarks.throughput --device cuda --out-dir "$OUT"
 # Optimizer state and CUDA peak memory (torch.cuda.max_memory_allocated) of a step and of a save, Llama-1B shapes;
 # the torchao rows need torchao (hf_gpa[lowbit]) and are left out where it does not import.
@@ -86,6 +92,8 @@ step training_step 180 "$PY" -m benchmarks.memory_table --training-step --device
     echo
     echo "Failed steps: ${failed[*]:-none}"
     tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null | sed 's/^/    /' || true
+    echo
+    echo "These figures fill docs/gpu.md's table \"What is not yet measured on a GPU\" (its rows name the steps)."
     for table in "$OUT"/step_time_*.md "$OUT"/throughput_cuda.md "$OUT"/memory_cuda/table.md \
         "$OUT"/memory_cuda/training_step.md; do
         [ -f "$table" ] || continue
