@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,6 +68,22 @@ def run_logged_together(
         pytest.fail(f"{what} hung for {timeout} s:\n{logs_text}")
     if any(codes):
         pytest.fail(f"{what} exited with {codes}:\n{logs_text}")
+
+
+def launch_ranks(workers: Path, scenario: str, world_size: int, out: Path) -> list[dict[str, Any]]:
+    """Run ``workers`` (a script beside the tests) as ``world_size`` ranks of ``scenario`` at once, ``python WORKERS
+    SCENARIO OUT RANK WORLD_SIZE`` each, and load each rank's record ``OUT/SCENARIO_rank{r}.pt``. A failure or a hang
+    fails the test."""
+    import sys
+
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    cmds = [[sys.executable, str(workers), scenario, str(out), str(r), str(world_size)] for r in range(world_size)]
+    logs = [out / f"rank{r}.log" for r in range(world_size)]
+    repo = Path(__file__).resolve().parents[1]
+    run_logged_together(cmds, logs, launch_env(repo, workers.parent), what=f"{scenario} on {world_size} processes")
+    return [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 def run_together(

@@ -29,7 +29,7 @@ import diloco_workers as dw
 import pytest
 import torch
 from diloco_simulation import Snapshot, simulate
-from launching import LAUNCH_TIMEOUT_S, launch_env, run_logged, run_logged_together, run_together, tail
+from launching import LAUNCH_TIMEOUT_S, launch_env, launch_ranks, run_logged, run_together, tail
 
 WORKERS = Path(__file__).with_name("diloco_workers.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -39,11 +39,7 @@ FOUR_WORKERS_TOL = dict(rtol=0.0, atol=1e-6)  # measured: at most 1.2e-7 after 7
 
 def launch(scenario: str, world_size: int, out: Path) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world_size`` processes; each rank's record. A failure or a hang fails the test."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmds = [[sys.executable, str(WORKERS), scenario, str(out), str(r), str(world_size)] for r in range(world_size)]
-    logs = [out / f"rank{r}.log" for r in range(world_size)]
-    run_logged_together(cmds, logs, launch_env(REPO, WORKERS.parent), what=f"{scenario} on {world_size} processes")
-    return [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return launch_ranks(WORKERS, scenario, world_size, out)
 
 
 @pytest.fixture(scope="module")

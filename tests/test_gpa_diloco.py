@@ -11,7 +11,6 @@ same bits on every rank.
 from __future__ import annotations
 
 import copy
-import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,11 @@ import torch
 from diloco_simulation import ADAMW_KW
 from distributed_workers import build_mlp, global_batch, mse
 from gpa_diloco_simulation import MU_X, MU_Y, OUTER_LR, Snapshot, simulate
-from launching import launch_env, run_logged_together
+from launching import launch_ranks
 
 from hf_gpa.optim import DiLoCo, GPADiLoCo, outer_lr_like_diloco
 
 WORKERS = Path(__file__).with_name("gpa_diloco_workers.py")
-REPO = Path(__file__).resolve().parents[1]
 FOUR_WORKERS_TOL = dict(rtol=0.0, atol=1e-6)
 STEPS, INNER_STEPS = 7, 3
 
@@ -164,11 +162,8 @@ def test_distributed_on_a_single_process_is_refused(tmp_path: Path) -> None:
 
 
 def launch(scenario: str, world_size: int, out: Path) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    cmds = [[sys.executable, str(WORKERS), scenario, str(out), str(r), str(world_size)] for r in range(world_size)]
-    logs = [out / f"rank{r}.log" for r in range(world_size)]
-    run_logged_together(cmds, logs, launch_env(REPO, WORKERS.parent), what=f"{scenario} on {world_size} processes")
-    return [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(world_size)]
+    """Run ``scenario`` on ``world_size`` processes; each rank's record. A failure or a hang fails the test."""
+    return launch_ranks(WORKERS, scenario, world_size, out)
 
 
 @pytest.fixture(scope="module")
