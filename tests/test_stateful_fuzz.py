@@ -9,8 +9,9 @@ interpreter path, in each state layout; GPA around AdamW, SGD and Adagrad; DiLoC
 same optimizer on its for-loop (``foreach=False``, the wrappers' passes on foreach ops) over identical copies of a
 small model with the Trainer's two groups (decay, no decay), through steps with random, missing, strided and
 other-dtype gradients, eval()/train(), writes into the weights, hyper-parameter changes, added groups, state dict,
-deepcopy and pickle round trips (of the optimizer under test only: its twin runs on uninterrupted), cleared state and
-casts of the model to another dtype.
+deepcopy and pickle round trips (of the optimizer under test only: its twin runs on uninterrupted), cleared state,
+steps in which a whole group gets no gradient, and casts of the model to another dtype (in train and in eval mode,
+fp64 included, converted at once, at the next step or lazily after a write; GPA's and DiLoCo's models too).
 
 What is compared, after every rule:
 
@@ -22,13 +23,16 @@ What is compared, after every rule:
   accumulate into a false alarm and every later comparison is bitwise again;
 * x, from ``eval()`` on copies of both optimizers, and the absence of NaN in x and y;
 * a model of what the state must hold: each parameter's step count (the wrapper's base's, where it keeps one) counts
-  the steps in which it had a gradient since its state was last cleared, and ``state_dict()`` holds them;
-* after a cast of the model (bf16 to fp16 or fp32, fp32 to bf16, fp16 to fp32), an oracle built here from the exact
-  values of the twin's state before the cast: y, z, m and v widened without rounding into the new dtype's state, which
-  the optimizer under test must hold bitwise after its conversion (at eval()/train(), at the next step, or by
-  ``load_state_dict`` into a cast copy of the model); in eval mode x as eval() computed it (with eval()'s mu_y, which
-  a later change of mu_y leaves alone), and between bf16 and fp16 a tensor written since the last step (or eval())
-  keeps its written values beside y's old copy. The defects it found in the new state layouts are pinned by
+  the steps in which it had a gradient since its state was last cleared, and ``state_dict()`` holds them; each
+  Schedule-Free group's weight sum is the sum of lr^2 over all steps, with gradients or not;
+* after a cast of the model (bf16 to fp16, fp32 or fp64, fp32 to bf16 or fp64, fp16 to fp32 or fp64), an oracle
+  built here from the exact values of the twin's state before the cast: y, z, m and v widened without rounding into
+  the new dtype's state, which the optimizer under test must hold bitwise after its conversion (at eval()/train(), at
+  the parameter's next step, or by ``load_state_dict`` into a cast copy of the model); in eval mode x as eval()
+  computed it (with eval()'s mu_y, which a later change of mu_y leaves alone) and, where x was written since eval()
+  and the cast is into fp32/fp64, y = mu_y x + (1 - mu_y) z computed in the new dtype; between bf16 and fp16 a tensor
+  written since the last step (or eval()) keeps its written values beside y's old copy. The defects it found in the
+  new state layouts are pinned by
   `test_float32_state_cast_to_fp16_keeps_y` (a float32 state under a cast between bf16 and fp16 lost y's copy) and
   ``tests/test_modes.py``'s `test_mu_y_changed_in_eval_mode_applies_from_the_next_step` (train() inverted x with a
   mu_y changed in eval mode; at mu_y = 1 it left the residual in the state).
@@ -72,7 +76,7 @@ from hf_gpa.optim import kernels
 from hf_gpa.optim.kernels import cpu as _kernels
 from hf_gpa.optim.kernels import triton_launch as _triton
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 HALF = (BF16, FP16)
 
 # ---- the configurations: the optimizer under test and its for-loop twin ----
@@ -338,6 +342,16 @@ def _casts_its_state(machine: OptimizerMachine) -> bool:
     return machine.config.family == "adamw"  # GPAAdamW converts its state to the parameters' dtype
 
 
+def _a_wrapper(machine: OptimizerMachine) -> bool:
+    return machine.config.family != "adamw"
+
+
+def _values_tell_a_write(machine: OptimizerMachine) -> bool:
+    """Whether a write of round values (zeros, a layer's init) is told from a pending cast: not under "compact" in
+    train mode, where only values bf16 cannot hold tell it (docs/contract.md)."""
+    return not (machine.pending_compact and machine.train_mode)
+
+
 class OptimizerMachine(RuleBasedStateMachine):
     """An optimizer under test and its for-loop twin, driven alike (subclassed per `Config`: ``config``)."""
 
@@ -370,6 +384,24 @@ class OptimizerMachine(RuleBasedStateMachine):
         self.twin = self._make(self._groups(self.twin_h, weight_decay), twin=True)
         self.train_mode = True
         self.steps: dict[int, int] = defaultdict(int)  # flat index -> steps with a gradient since the state was made
+        # Schedule-Free's weight sum of each group, as schedulefree defines it: lr^2 added at every step, whether
+        # or not the group had gradients.
+        self.weight_sums: list[float] = [0.0, 0.0]
+        # The flat indices of the parameters cast under the optimizer under test whose state it has not converted
+        # yet ("lazy": at its next eval(), train() or load, or the parameter's next step: a step converts only the
+        # parameters it updates), while the twin holds the converted state; whether the cast left "compact" then.
+        self.unconverted: set[int] = set()
+        self.pending_compact = False
+        self.x_at_eval: dict[int, torch.Tensor] = {}  # flat index -> the twin's x as eval() gave it
+
+    @property
+    def pending(self) -> bool:
+        """Whether a cast is pending for some parameter of the optimizer under test."""
+        return bool(self.unconverted)
+
+    def _all_converted(self) -> None:
+        self.unconverted.clear()
+        self.pending_compact = False
 
     @staticmethod
     def _groups(holder: Holder, weight_decay: float) -> list[dict[str, Any]]:
@@ -435,6 +467,12 @@ class OptimizerMachine(RuleBasedStateMachine):
         """Step both, count the steps, and hold the optimizer under test to the twin (bitwise, or within the bounds,
         then synchronized)."""
         self._both("step")
+        self.unconverted -= set(stepped)
+        self.pending_compact = self.pending_compact and self.pending
+        for g, group in enumerate(self.twin.param_groups):
+            if group.get("averaging") == "schedule_free":
+                lr = float(group["lr"])
+                self.weight_sums[g] = self.weight_sums[g] + lr * lr
         for i in stepped:
             self.steps[i] += 1
         for p, q in self._pairs():
@@ -455,6 +493,8 @@ class OptimizerMachine(RuleBasedStateMachine):
     @torch.no_grad()
     def _check_close_and_sync(self) -> None:
         for i, (p, q) in enumerate(self._pairs()):
+            if i in self.unconverted:
+                continue  # not stepped: still the cast parameter and the unconverted state
             s, t = self.sut.state.get(p, {}), self.twin.state.get(q, {})
             where = f"after a step: parameter {i}"
             assert set(s) == set(t), f"{where}: state keys {sorted(s)} != {sorted(t)}"
@@ -478,12 +518,30 @@ class OptimizerMachine(RuleBasedStateMachine):
             self._step(self._set_grads(kinds, scale, seed))
 
     @precondition(_in_train_mode)
+    @rule(group=st.integers(0, 3), seed=SEEDS)
+    def step_without_a_group(self, group: int, seed: int) -> None:
+        """A step in which a whole group gets no gradient (a frozen part, an unused head): it still counts in the
+        group's Schedule-Free weight sum."""
+        self._set_grads(["dense"], 1.0, seed)
+        skipped = {id(p) for p in self.sut.param_groups[group % len(self.sut.param_groups)]["params"]}
+        for p, q in self._pairs():
+            if id(p) in skipped:
+                p.grad = q.grad = None
+        self._step([i for i, (p, _) in enumerate(self._pairs()) if p.grad is not None])
+
+    @precondition(_in_train_mode)
     @rule(seed=SEEDS)
     def step_backward(self, seed: int) -> None:
         """A step with the gradients of a forward and backward pass of the model (the added parameters get none)."""
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed)).to(self.dtype)
         for h in (self.sut_h, self.twin_h):
             h.net(x).float().square().mean().backward()
+        if self.pending:
+            # A cast not converted yet: the model under test holds the cast weights (y's high word in the new dtype
+            # under "compact"), the twin y rounded once, so their backward passes differ. The user's gradients are
+            # the model's: the twin steps on them.
+            for p, q in self._pairs():
+                q.grad = None if p.grad is None else p.grad.clone()
         self._step([i for i, (p, _) in enumerate(self._pairs()) if p.grad is not None])
 
     @precondition(_in_eval_mode)
@@ -510,16 +568,22 @@ class OptimizerMachine(RuleBasedStateMachine):
     def to_eval(self) -> None:
         """optimizer.eval(): x into the weights."""
         self._both("eval")
+        if self.train_mode:  # else nothing is switched, nor converted
+            self._all_converted()
+            self.x_at_eval = {i: q.detach().clone() for i, (_, q) in enumerate(self._pairs())}
         self.train_mode = False
 
     @rule()
     def to_train(self) -> None:
         """optimizer.train(): y back into the weights."""
         self._both("train")
+        if not self.train_mode:
+            self._all_converted()
         self.train_mode = True
 
     # ---- writes into the weights ----
 
+    @precondition(_values_tell_a_write)
     @rule(layer=st.sampled_from((0, 2)))
     @torch.no_grad()
     def zero_bias(self, layer: int) -> None:
@@ -532,10 +596,13 @@ class OptimizerMachine(RuleBasedStateMachine):
     def write_random(self, index: int, seed: int) -> None:
         """Random values written into one parameter (a load of weights, clipping)."""
         for p, q in [self._pairs()[index % len(self._pairs())]]:
-            values = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
+            values = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)).to(p.dtype)
+            if self.pending_compact and self.train_mode and p.dtype == FP16 and values.numel():
+                values.view(-1)[:1].view(torch.int16).bitwise_or_(1)  # a value bf16 cannot hold: the tensor's written
             p.copy_(values)
             q.copy_(values)
 
+    @precondition(_values_tell_a_write)
     @rule(layer=st.sampled_from((0, 2)), seed=SEEDS)
     def reinit_layer(self, layer: int, seed: int) -> None:
         """A layer re-initialised (reset_parameters(), as a new head is)."""
@@ -564,6 +631,7 @@ class OptimizerMachine(RuleBasedStateMachine):
             p = nn.Parameter(values.clone())
             h.extra.append(p)
             opt.add_param_group({"params": [p], "lr": lr, "weight_decay": 0.0})
+        self.weight_sums.append(0.0)
 
     # ---- the state: round trips (of the optimizer under test only), clearing ----
 
@@ -588,6 +656,7 @@ class OptimizerMachine(RuleBasedStateMachine):
                 fresh = self._fresh_sut()
                 fresh.load_state_dict(saved)
                 self.sut = fresh
+                self._all_converted()
             elif how == "deepcopy":
                 self.sut_h, self.sut = copy.deepcopy((self.sut_h, self.sut))
             else:
@@ -596,8 +665,15 @@ class OptimizerMachine(RuleBasedStateMachine):
     @rule(how=st.sampled_from(("clear", "del", "new_dict")), index=st.integers(0, 7))
     def clear_state(self, how: str, index: int) -> None:
         """optimizer.state.clear(), del optimizer.state[p] or a new dict: the next step starts that state afresh."""
+        cleared = [index % len(self._pairs())] if how == "del" else range(len(self._pairs()))
+        with torch.no_grad():  # a state cleared before it converted a cast: the parameter keeps what the cast left
+            for i in self.unconverted.intersection(cleared):
+                p, q = self._pairs()[i]
+                q.copy_(p)
+        self.unconverted.difference_update(cleared)
+        self.pending_compact = self.pending_compact and self.pending
         if how == "del":
-            i = index % len(self._pairs())
+            i = cleared[0]
             for opt, p in zip((self.sut, self.twin), self._pairs()[i]):
                 opt.state.pop(p, None)
             self.steps[i] = 0
@@ -612,24 +688,26 @@ class OptimizerMachine(RuleBasedStateMachine):
     # ---- casts of the model (GPAAdamW) ----
 
     def _cast_allowed(self, dtype: torch.dtype, how: str) -> bool:
-        if self.config.family != "adamw" or dtype == self.dtype:
+        if self.config.family != "adamw" or dtype == self.dtype or self.pending:
             return False
-        allowed = {BF16: (FP16, FP32), FP32: (BF16,), FP16: (FP32,)}
-        if dtype not in allowed[self.dtype]:
-            return False
-        if not self.train_mode and (self.dtype != BF16 or how == "live_step"):
+        allowed = {BF16: (FP16, FP32, FP64), FP32: (BF16, FP64), FP16: (FP32, FP64), FP64: ()}
+        if dtype not in allowed[self.dtype] or (dtype == FP64 and self.config.backend == "triton"):
+            return False  # (the Triton kernel takes no fp64: fused=True refuses it)
+        if not self.train_mode and (how == "live_step" or (dtype in HALF and self.dtype != BF16)):
             return False  # x in a narrower dtype is a write; a step needs train mode
         return True
 
     @precondition(_casts_its_state)
-    @rule(dtype=st.sampled_from((FP16, FP32, BF16)), how=st.sampled_from(("checkpoint", "live_switch", "live_step")),
-          seed=SEEDS)  # fmt: skip
+    @rule(dtype=st.sampled_from((FP16, FP32, BF16, FP64)),
+          how=st.sampled_from(("checkpoint", "live_switch", "live_step", "lazy")), seed=SEEDS)  # fmt: skip
     def cast(self, dtype: torch.dtype, how: str, seed: int) -> None:
         """The model cast to another dtype with its optimizer state: a checkpoint loaded into a cast copy of the model
-        and a fresh optimizer, or the model cast under the live optimizer (model.half(), model.float()), converted at
-        eval()/train() or at the next step; the twin is rebuilt from the exact values of its state (the oracle)."""
+        and a fresh optimizer, or the model cast under the live optimizer (model.half(), model.float(), .double()),
+        converted at eval()/train(), at the next step, or lazily at whatever comes next (a write first: the written
+        values win); the twin is rebuilt from the exact values of its state (the oracle)."""
         if not self._cast_allowed(dtype, how):
             return
+        compact = any("y_lo" in s for s in self.sut.state.values())
         if how == "live_switch":  # the optimizer under test goes through eval() and train() (or back): the twin too
             order = ("eval", "train") if self.train_mode else ("train", "eval")
             for action in order:
@@ -653,8 +731,23 @@ class OptimizerMachine(RuleBasedStateMachine):
                     self.sut.train()  # converts in eval mode, then y
                     self.sut.eval()
         self.dtype = dtype
+        if how == "lazy":
+            self.unconverted = {i for i, (p, _) in enumerate(self._pairs()) if self.sut.state.get(p)}
+            self.pending_compact = compact and self.pending
         if how == "live_step":
             self._step(self._set_grads(["dense"], 1.0, seed))
+
+    @precondition(_a_wrapper)
+    @rule(dtype=st.sampled_from((BF16, FP16, FP32, FP64)))
+    def cast_wrapper(self, dtype: torch.dtype) -> None:
+        """GPA's or DiLoCo's model cast (``model.bfloat16()``, ``.half()``, ``.float()``, ``.double()``), both models
+        alike: each optimizer converts its state at its next step, eval() or train() (DiLoCo stepped on none)."""
+        allowed = {FP32: (BF16, FP16, FP64), BF16: (FP32, FP16), FP16: (FP32, BF16), FP64: ()}
+        if dtype not in allowed[self.dtype]:
+            return  # a float64 state into narrower parameters is refused (tests/test_diloco.py)
+        for h in (self.sut_h, self.twin_h):
+            h.to(dtype)
+        self.dtype = dtype
 
     @torch.no_grad()
     def _cast_twin(self, dtype: torch.dtype) -> None:
@@ -677,9 +770,30 @@ class OptimizerMachine(RuleBasedStateMachine):
                     held = y32 if self.train_mode else s["z"] + (y32 - s["z"]) / mu_y  # x = (y - (1 - mu_y) z) / mu_y
                     if not torch.equal(_bits(held.to(p.dtype)), _bits(p.detach())):
                         kept[p] = (y32.clone(), p.detach().clone())
+        # In eval mode, a cast into fp32/fp64 (the state in the parameter's dtype): where x was written since eval()
+        # (it differs from what eval() gives from the state), y is mu_y x + (1 - mu_y) z computed in the new dtype
+        # from the written x (docs/contract.md: "A weight written while in eval mode wins ... for every dtype"), not
+        # train()'s y in the old dtype, which rounds it. Written elements: those that differ from the x eval() gave.
+        written = {}
+        if not self.train_mode and dtype not in HALF:
+            flat = iter(range(len(_flat(twin))))
+            for group, mu_y in zip(twin.param_groups, x_mu_y):
+                for p, i in zip(group["params"], flat):
+                    x_eval = self.x_at_eval.get(i)
+                    if p not in twin.state or x_eval is None or x_eval.dtype != p.dtype:
+                        continue
+                    mask = _bits(p) != _bits(x_eval)
+                    if bool(mask.any()):
+                        written[p] = (mask, p.detach().clone(), mu_y)
         twin.train()
         params = _flat(twin)
         exact = [(_exact(twin, p), twin.state[p]["step"] if p in twin.state else None) for p in params]
+        for i, p in enumerate(params):
+            if p in written and exact[i][0] is not None:
+                mask, x, mu_y = written[p]
+                y, z, *rest = exact[i][0]
+                y = torch.where(mask, torch.lerp(z.to(dtype), x.to(dtype), mu_y), y.to(dtype))
+                exact[i] = ((y, z, *rest), exact[i][1])
         holder.to(dtype)
         fresh = GPAAdamW([{"params": list(g["params"])} for g in twin.param_groups], **self.ctor, **self.config.twin)
         for new_group, group in zip(fresh.param_groups, twin.param_groups):
@@ -699,6 +813,7 @@ class OptimizerMachine(RuleBasedStateMachine):
             fresh.eval()
             for group, mu_y in zip(fresh.param_groups, current):
                 group["mu_y"] = mu_y
+            self.x_at_eval = {i: p.detach().clone() for i, p in enumerate(_flat(fresh))}
             for p, (_, x_written) in kept.items():
                 p.copy_(x_written.to(dtype))
         self.twin_h, self.twin = holder, fresh
@@ -710,6 +825,8 @@ class OptimizerMachine(RuleBasedStateMachine):
         """The weights and every state tensor bitwise the twin's; the modes alike."""
         assert self.sut.train_mode == self.twin.train_mode == self.train_mode
         for i, (p, q) in enumerate(self._pairs()):
+            if i in self.unconverted:
+                continue  # the cast parameter and its unconverted state: compared once converted (x meanwhile)
             _same(p.detach(), q.detach(), f"parameter {i}")
             _same(self.sut.state.get(p, {}), self.twin.state.get(q, {}), f"state of parameter {i}")
 
@@ -729,6 +846,14 @@ class OptimizerMachine(RuleBasedStateMachine):
                 assert count in (None, expected), f"parameter {i}: step count {count}, stepped {expected} times"
                 if state_dict is not None:
                     assert i in state_dict, f"parameter {i}: stepped {expected} times, not in state_dict()"
+
+    @invariant()
+    def schedule_free_weight_sums(self) -> None:
+        """Every Schedule-Free group's weight sum is the sum of lr^2 over the steps taken, with gradients or not."""
+        for opt in (self.sut, self.twin):
+            for g, group in enumerate(opt.param_groups):
+                if group.get("averaging") == "schedule_free":
+                    assert group["weight_sum"] == self.weight_sums[g], f"group {g}: {group['weight_sum']!r}"
 
     @invariant()
     def x_and_y_are_numbers(self) -> None:
