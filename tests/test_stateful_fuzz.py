@@ -301,8 +301,9 @@ def _exact(opt: GPAAdamW, p: torch.Tensor) -> tuple | None:
     if not s or "z" not in s:
         return None
     y = p.detach()
-    if "y_lo" in s:
-        return _join24(y, s["y_lo"]), _join24(s["z"], s["z_lo"]), s["exp_avg"].float(), s["exp_avg_sq"].float(), True
+    if "y_lo" in s:  # keeps_y: the words, for `_converted`
+        words = (y.clone(), s["y_lo"].clone())
+        return _join24(y, s["y_lo"]), _join24(s["z"], s["z_lo"]), s["exp_avg"].float(), s["exp_avg_sq"].float(), words
     if "y_fp32" in s:
         y32 = s["y_fp32"]
         y = torch.where(y32.to(y.dtype) == y, y32, y.float())  # a parameter written since wins (docs/memory.md)
@@ -314,6 +315,13 @@ def _converted(values: tuple, step: torch.Tensor, dtype: torch.dtype) -> tuple[t
     """The parameter and the state a cast to ``dtype`` must give (docs/contract.md, "A parameter's state across casts
     and loads"): bf16/fp16 parameters the float32 state with y's copy, fp32 ones z, m, v in fp32; y rounded once."""
     y, z, m, v, keeps_y = values
+    if isinstance(keeps_y, tuple):
+        # Under the compact state the parameter is y's high word: a cast that cannot hold it (fp16 below 2**-14, its
+        # subnormals, where bf16 is finer) rounds it, and y is then the rounded word joined with the low word. Nothing
+        # in the state or the cast model tells the old word apart (docs/memory.md): y moves by at most half an fp16
+        # subnormal step (2**-25).
+        hi, lo = keeps_y
+        y = _join24(hi.to(dtype).to(hi.dtype), lo)
     p = y.to(dtype)
     if dtype in HALF:
         y32 = y.float() if keeps_y else p.float()
