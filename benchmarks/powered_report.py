@@ -182,7 +182,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"Seeds {data['plan']['tuning_seeds']} (never final seeds); one axis at a time from the middle of the grid; "
         "score: mean final validation loss over the tuning seeds.",
         "",
-        "| Method | configurations | selected | search (axis: value = score) | best on an edge |",
+        "| Method | configurations (evaluated) | selected | search (axis: value = score) | best on an edge |",
         "|---|---|---|---|---|",
     ]
     tuning = data.get("tuning", {})
@@ -197,8 +197,12 @@ def markdown(data: dict[str, Any]) -> str:
             for st in t["stages"]
         )
         edges = "; ".join(f"{e['axis']} {e['value']:g} ({e['side']}): `{e['extend']}`" for e in t["edges"]) or "none"
+        if t.get("slides"):
+            edges += " (grid slid: " + "; ".join(f"`{s}`" for s in t["slides"]) + ")"
+        evaluated = f" ({t['evaluated']} evaluated)" if "evaluated" in t else ""
         lines.append(
-            f"| {LABELS[method]} | {t['configurations']} | {_config_text(t['selected'])} | {search} | {edges} |"
+            f"| {LABELS[method]} | {t['configurations']}{evaluated} | {_config_text(t['selected'])} | {search} | "
+            f"{edges} |"
         )
     summary = summarize(data)
     seeds = summary["seeds"]

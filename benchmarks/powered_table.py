@@ -237,6 +237,35 @@ def tune(
     return {"stages": stages, "selected": current, "edges": edges, "configurations": grid_size(axes)}
 
 
+def tune_sliding(
+    method: str,
+    grid: dict[str, dict[str, Sequence[float]]],
+    score: Callable[[dict[str, float]], float],
+    slides: int,
+) -> dict[str, Any]:
+    """`tune`, and while a best lies on an edge that can move (not a bound such as mu_y's 0), for at most ``slides``
+    rounds: slide every such axis one point past its edge (`slide`: same size, so every method keeps its
+    number of configurations) in ``grid`` (updated in place) and search again. The result also lists the slides made
+    and counts every configuration evaluated on the way (``evaluated``), the cost the equal grid sizes do not show.
+    """
+    made: list[str] = []
+    seen: set[tuple[tuple[str, float], ...]] = set()
+
+    def counted(config: dict[str, float]) -> float:
+        seen.add(tuple(sorted(config.items())))
+        return score(config)
+
+    for round_ in range(slides + 1):
+        result = tune(method, grid[method], counted)
+        movable = [edge for edge in result["edges"] if edge["extend"].startswith("--grid")]
+        if not movable or round_ == slides:
+            break
+        for edge in movable:
+            grid[method][edge["axis"]] = slide(grid[method][edge["axis"]], edge["axis"], edge["side"])
+            made.append(edge["extend"].removeprefix("--grid "))
+    return {**result, "slides": made, "evaluated": len(seen)}
+
+
 # ---- the pipeline ----
 
 
@@ -291,11 +320,13 @@ def run_pipeline(
     stage: str = "all",
     allow_edges: bool = False,
     max_runs: int | None = None,
+    slides: int = 0,
 ) -> str:
     """Tune every method, then (every best inside its grid, or ``allow_edges``) run the final seeds; write the report.
 
     ``stage``: "tune" stops after tuning, "all" goes on to the final runs; both resume from the JSON (a recorded run
-    is never rerun). Returns the report's text.
+    is never rerun). ``slides``: how many times a method's axis whose best is on an edge is slid past it and the
+    search run again (`tune_sliding`); the record's plan holds the grids as slid. Returns the report's text.
     """
     from benchmarks.powered_report import write_report
 
@@ -307,9 +338,11 @@ def run_pipeline(
     runner = Runner(results, workload, max_runs)
     tuning: dict[str, Any] = {}
     results.data["tuning"] = tuning  # rebuilt from the recorded runs (instantly) for this call's grid
+    grid = {method: dict(axes) for method, axes in plan.grid.items()}
     try:
         for method in METHODS:
-            tuning[method] = tune(method, plan.grid[method], tuning_score(runner, method, plan))
+            tuning[method] = tune_sliding(method, grid, tuning_score(runner, method, plan), slides)
+            results.data["plan"]["grid"] = {m: {a: list(v) for a, v in axes.items()} for m, axes in grid.items()}
             results.write()  # a method's search is in the record as soon as it ends
         edges = {m: t["edges"] for m, t in tuning.items() if t["edges"]}
         if edges:
@@ -361,6 +394,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--grid", action="append", default=[], help="replace or add an axis: METHOD.AXIS=v1,v2,... (repeatable)"
     )
     parser.add_argument("--allow-edges", action="store_true", help="run the final seeds even if a best is on an edge")
+    parser.add_argument(
+        "--slide",
+        type=int,
+        default=0,
+        help="slide an axis whose best is on an edge past it and search again, up to this many times per method",
+    )
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -379,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             if not 1 <= args.eval_every <= workload.steps:
                 raise ValueError(f"--eval-every must lie in [1, --steps], got {args.eval_every}")
             workload = dataclasses.replace(workload, eval_every=args.eval_every)
+        if args.slide < 0:
+            raise ValueError(f"--slide must be >= 0, got {args.slide}")
         if args.max_runs is not None and args.max_runs < 1:
             raise ValueError(f"--max-runs must be >= 1, got {args.max_runs}")
         plan = dataclasses.replace(
@@ -392,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"powered_table: {error}") from None
     import_schedulefree()  # before any run, not when the pipeline reaches sf_ref
     torch.set_num_threads(1)
-    print(run_pipeline(args.out, workload, plan, args.stage, args.allow_edges, args.max_runs))
+    print(run_pipeline(args.out, workload, plan, args.stage, args.allow_edges, args.max_runs, args.slide))
 
 
 if __name__ == "__main__":

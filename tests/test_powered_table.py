@@ -124,6 +124,25 @@ def test_one_axis_search_runs_its_budget_and_reports_edges_with_the_slid_grid():
     assert powered_table.slide((8, 16, 32), "H", "high") == (16, 32, 64)
 
 
+def test_sliding_search_moves_an_edge_until_the_best_is_inside_and_counts_what_it_evaluated():
+    """Minimum at lr 0.16, past the grid's top: each round slides lr one point up (same size) until 0.16 is inside;
+    a mu_y best at its bound 0 is never slid; the grid passed in holds the slid axes."""
+
+    def score(config):
+        return (math.log2(config["lr"] / 0.16)) ** 2 + config["mu_y"]
+
+    grid = {"gpa": {"lr": (0.01, 0.02, 0.04), "mu_y": (0.0, 0.5, 0.9)}}
+    result = powered_table.tune_sliding("gpa", grid, score, slides=5)
+    assert grid["gpa"]["lr"] == (0.08, 0.16, 0.32) and grid["gpa"]["mu_y"] == (0.0, 0.5, 0.9)
+    assert result["selected"] == {"lr": 0.16, "mu_y": 0.0}
+    assert result["slides"] == ["gpa.lr=0.02,0.04,0.08", "gpa.lr=0.04,0.08,0.16", "gpa.lr=0.08,0.16,0.32"]
+    # lr 0.01..0.32 at mu_y 0.5 (6), mu_y 0 and 0.9 at lr 0.04, 0.08 and 0.16 (6)
+    assert result["configurations"] == 5 and result["evaluated"] == 12
+    assert [e["extend"] for e in result["edges"]] == ["none: 0 is the bound of mu_y"]
+    capped = powered_table.tune_sliding("gpa", {"gpa": {"lr": (0.01, 0.02, 0.04), "mu_y": (0.0, 0.5)}}, score, 1)
+    assert capped["slides"] == ["gpa.lr=0.02,0.04,0.08"] and capped["edges"][0]["value"] == 0.08
+
+
 def test_run_spec_carries_every_axis_into_the_optimizer_flags():
     """DiLoCo's outer lr and momentum, Schedule-Free's beta (mu_y for ours, beta1 for schedulefree) reach the flags."""
     from benchmarks.paper_recipe import Workload, optimizer_flags
