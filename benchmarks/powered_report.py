@@ -27,9 +27,8 @@ PAPER_SAVING = 0.0871
 
 
 def _methods(data: dict[str, Any]) -> list[str]:
-    from benchmarks.powered_table import METHODS
-
-    return [m for m in METHODS if m in data.get("plan", {}).get("grid", METHODS)]
+    """The methods of the record's plan, in its order (the order of ``powered_table.METHODS``)."""
+    return list(data.get("plan", {}).get("grid", {}))
 
 
 def final_runs(data: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -151,18 +150,21 @@ def cost_lines(data: dict[str, Any]) -> list[str]:
     runs = data["runs"]
     if not runs:
         return ["No run recorded yet."]
-    from benchmarks.powered_table import grid_size
-
-    sizes = {m: grid_size(axes) for m, axes in plan["grid"].items()}
-    planned = sum(sizes.values()) * len(plan["tuning_seeds"]) + len(plan["seeds"]) * len(sizes)
+    tuning = data.get("tuning", {})
+    methods = _methods(data)
+    evaluated = {m: tuning[m].get("evaluated", tuning[m]["configurations"]) for m in methods if m in tuning}
+    planned = sum(evaluated.values()) * len(plan["tuning_seeds"]) + len(plan["seeds"]) * len(methods)
     cpu = [run.get("cpu_s", run["wall_s"]) for run in runs]  # records without cpu_s: their wall time
     mean_s, wall_s = statistics.fmean(cpu), statistics.fmean(run["wall_s"] for run in runs)
+    spent = f"Mean run {mean_s:.0f} s of CPU on one thread (wall {wall_s:.0f} s on a shared machine); spent " + (
+        f"{sum(cpu) / 3600:.2f} core-hours"
+    )
+    if len(evaluated) < len(methods):
+        return [f"Runs: {len(runs)} recorded; {len(evaluated)} of {len(methods)} methods tuned so far. {spent}."]
     return [
-        f"Runs: {len(runs)} recorded of {planned} planned ({sum(sizes.values())} configurations x "
-        f"{len(plan['tuning_seeds'])} tuning seeds + {len(plan['seeds'])} seeds x {len(sizes)} methods; a slid grid "
-        f"adds its new points). Mean run {mean_s:.0f} s of CPU on one thread (wall {wall_s:.0f} s "
-        f"on a shared machine); spent {sum(cpu) / 3600:.2f} core-hours; the plan {planned * mean_s / 3600:.1f} "
-        "core-hours at that rate."
+        f"Runs: {len(runs)} recorded of {planned} planned ({sum(evaluated.values())} configurations evaluated x "
+        f"{len(plan['tuning_seeds'])} tuning seeds, slides included, + {len(plan['seeds'])} seeds x {len(methods)} "
+        f"methods). {spent}; the plan {planned * mean_s / 3600:.1f} core-hours at that rate."
     ]
 
 
