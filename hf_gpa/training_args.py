@@ -667,8 +667,10 @@ class GPATrainingArguments(TrainingArguments):
 
     @property
     def gpa_effective_inner_steps(self) -> float | None:
-        """H with mu_x = 0.9 ** (1 / H): the DiLoCo inner steps GPA's averaging matches (None when mu_x = 0 or with
-        schedule_free averaging)."""
+        """H with mu_x = 0.9 ** (1 / H): the DiLoCo inner steps GPA's averaging matches (None when mu_x = 0, with
+        schedule_free averaging, and with --gpa_distributed, whose mu_x acts once per outer step)."""
+        if self.gpa_distributed is True:
+            return None
         if self.gpa_inner_steps is not None:
             return float(self.gpa_inner_steps)
         if self.gpa_mu_x is None or not 0.0 < self.gpa_mu_x < 1.0:  # None: schedule_free, which has no mu_x

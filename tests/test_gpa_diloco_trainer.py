@@ -11,6 +11,7 @@ The resume refusals that need no launch are tested here too, on files written in
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -256,3 +257,40 @@ def _run_each(
     wrapped = [["env", *(f"{k}={v}" for k, v in extra.items()), *cmd] for cmd, extra in zip(cmds, envs)]
     return run_together(wrapped, logs, env, timeout)
 
+
+
+# ---------------------------------------------------------------- the documented command
+
+DOC = REPO / "docs" / "distributed.md"
+
+
+@pytest.mark.slow
+def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path) -> None:
+    """docs/distributed.md's accelerate launch of run_clm_gpa.py with --gpa_distributed, as written plus --use_cpu and
+    the README's tiny settings (H = 2): 2 workers of 2 processes train, save a checkpoint with every process's
+    GPADiLoCo state and evaluate."""
+    from test_diloco_trainer import TINY_CLM
+
+    marker = r"<!-- skip-test:[^>]*test_gpa_diloco_trainer[^>]*-->\n```bash\n(.*?)\n```"
+    blocks = re.findall(marker, DOC.read_text(), re.S)
+    assert len(blocks) == 1
+    command = (
+        blocks[0]
+        .replace("\\\n", " ")
+        .replace("accelerate launch", f"accelerate launch --main_process_port {free_port()}")
+    )
+    assert "--gpa_distributed true" in command
+    for entry in ("configs", "run_clm_gpa.py"):
+        (tmp_path / entry).symlink_to(REPO / entry)
+    env = {**launch_env(REPO), **ENV, "HF_GPA_CACHE": str(tmp_path / "cache")}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    tiny = TINY_CLM.replace("--diloco_inner_steps", "--gpa_sync_steps")
+    log = tmp_path / "launch.log"
+    run_logged(["bash", "-e", "-c", f"{command} {tiny}"], log, env, 600, "the documented command", tmp_path)
+    checkpoint = tmp_path / "outputs" / "clm-gpa-workers" / "checkpoint-3"
+    assert {f"optimizer_rank{r}.pt" for r in range(4)} <= {p.name for p in checkpoint.iterdir()}
+    state = torch.load(checkpoint / "optimizer_rank3.pt", weights_only=True)
+    assert state["param_groups"][0]["optimizer"] == "GPADiLoCo(AdamW)"
+    assert state["param_groups"][0]["diloco_layout"] == {"world_size": 4, "num_workers": 2, "num_fragments": 1,
+                                                         "worker": 1}  # fmt: skip
+    assert "eval_loss" in (tmp_path / "outputs" / "clm-gpa-workers" / "all_results.json").read_text()

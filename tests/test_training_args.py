@@ -749,6 +749,7 @@ def test_gpa_distributed_builds_gpa_diloco_across_processes(tmp_path, monkeypatc
     assert (args.gpa_mu_x, args.gpa_mu_y, args.gpa_sync_steps) == (0.9, 0.5, 8)
     assert args.gpa_outer_lr == outer_lr_like_diloco(0.7, 0.9, 0.9, 0.5)
     assert args.across_workers == "--gpa_distributed"
+    assert args.gpa_effective_inner_steps is None  # mu_x is per outer step: no per-step H to match (the model card)
     assert args.accelerator_config.dispatch_batches is False and args.average_tokens_across_devices is False
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
