@@ -396,8 +396,8 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
             f"--save_steps N or --save_strategy epoch); to start a new run from these weights, pass "
             f"--model_name_or_path {checkpoint} instead."
         )
-    # DiLoCo across processes resumes only on the layout that saved it (world size, --diloco_workers, ...), and DiLoCo
-    # only with the outer steps that saved it (--diloco_inner_steps, --diloco_outer_lr, --diloco_outer_momentum).
+    # DiLoCo or GPA across processes resumes only on the layout that saved it (world size, --diloco_workers, ...), and
+    # DiLoCo and GPA only with the constants that saved them (--diloco_inner_steps, ..., --gpa_mu_x, --gpa_sync_steps).
     world_size, rank = training_args.world_size, training_args.process_index
     with _as_refused_argument():
         refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)
