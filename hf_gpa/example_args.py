@@ -72,8 +72,9 @@ GPA_RECIPE_DEFAULTS: dict[str, Any] = {
 }
 
 #: Defaults of both scripts that are left out when the user gives any of the flags they are coupled to: Schedule-Free
-#: averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given --gpa_mu_x.
-GPA_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {"gpa_inner_steps": ("gpa_mu_x", "gpa_averaging")}
+#: averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given --gpa_mu_x; GPA
+#: across the processes (--gpa_distributed) refuses --gpa_inner_steps, whose per-step mu_x it has no use for.
+GPA_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {"gpa_inner_steps": ("gpa_mu_x", "gpa_averaging", "gpa_distributed")}
 
 #: The --help usage line: the full list of flags is the rest of --help.
 USAGE = "%(prog)s [-h] [--FLAG VALUE ...] | %(prog)s ARGS.json"
