@@ -103,7 +103,10 @@ class GPATrainingArguments(TrainingArguments):
     `--optim gpa_adamw` is GPA around AdamW and takes `--learning_rate`, `--adam_beta1`, `--adam_beta2`,
     `--adam_epsilon` and `--weight_decay` exactly as `--optim adamw_torch` does. `--optim gpa --gpa_base_optim NAME`
     wraps whatever the stock Trainer builds for `--optim NAME`. `--optim diloco_adamw` is the single-worker DiLoCo
-    baseline. Every stock `--optim` value keeps working unchanged.
+    baseline. Every stock `--optim` value keeps working unchanged. Across the processes of a launch,
+    `--optim diloco_adamw --diloco_distributed true` is DiLoCo and `--optim gpa_adamw --gpa_distributed true` GPA
+    (`GPADiLoCo`: --gpa_sync_steps, --gpa_outer_lr, --gpa_mu_x and --gpa_mu_y per outer step), both in
+    --diloco_workers islands and --diloco_fragments fragments.
 
     The averaging constant is `--gpa_mu_x` or, equivalently, `--gpa_inner_steps H` with mu_x = 0.9 ** (1 / H)
     (paper, Table 4). Both may be given only when they agree (as they do in a saved configuration). With
@@ -133,13 +136,19 @@ class GPATrainingArguments(TrainingArguments):
             "help": (
                 "GPA's averaging constant mu_x in [0, 1) for the evaluation sequence x; mu_x = 0 recovers the base "
                 "optimizer. Unset: derived from --gpa_inner_steps when that is set, else "
-                f"{DEFAULT_MU_X} (0.9 ** (1 / H) for H = {DEFAULT_INNER_STEPS})."
+                f"{DEFAULT_MU_X} (0.9 ** (1 / H) for H = {DEFAULT_INNER_STEPS}). With --gpa_distributed: once per "
+                f"outer step, unset {DEFAULT_GPA_DILOCO_MU}."
             )
         },
     )
     gpa_mu_y: float = field(
         default=DEFAULT_MU_Y,
-        metadata={"help": "GPA's interpolation constant mu_y in (0, 1] for the gradient point y."},
+        metadata={
+            "help": (
+                "GPA's interpolation constant mu_y in (0, 1] for the gradient point y; with --gpa_distributed, in "
+                "[0, 1], once per outer step."
+            )
+        },
     )
     gpa_inner_steps: int | None = field(
         default=None,
