@@ -1,4 +1,5 @@
-"""DiLoCo across the processes of a `GPATrainer` run (``--diloco_distributed``): what the Trainer does differently.
+"""DiLoCo across the processes of a `GPATrainer` run (``--diloco_distributed``, and GPA across them,
+``--gpa_distributed``, which is DiLoCo with GPA's outer step): what the Trainer does differently.
 
 With W processes and M workers, each worker is an island of W / M processes. Three things differ from a DDP run:
 
@@ -16,7 +17,8 @@ With W processes and M workers, each worker is an island of W / M processes. Thr
   (`broadcast_unstepped`).
 * A checkpoint resumes only on the layout that saved it (world size, M, P): `refuse_other_layout` reads it before
   anything is trained or loaded, and a checkpoint of a run across processes is refused to a run that is not one. So
-  is a DiLoCo state saved with another H, outer lr or outer momentum than the flags give (`refuse_other_outer`).
+  is a DiLoCo state saved with another H, outer lr or outer momentum than the flags give, and a GPA state (across
+  processes or not) saved with other constants (`refuse_other_outer`).
 
 `DiLoCoWorkersMixin` is where `GPATrainer` does all of this: the Trainer's hooks that differ across workers (the
 model's wrapping, the token count, the optimizer files of a checkpoint, the refusal of another run's checkpoint), each
@@ -38,9 +40,9 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.trainer_utils import get_last_checkpoint
 
 from hf_gpa.checkpoint import unwrap_gpa_optimizer
-from hf_gpa.optim import DiLoCo, WorkerLayout, saved_diloco_layout
+from hf_gpa.optim import DiLoCo, WorkerLayout, saved_diloco_layout, saved_optimizer_name
 from hf_gpa.optim._diloco_workers import broadcast_
-from hf_gpa.optim._types import INNER_STEPS, OUTER_LR, OUTER_MOMENTUM
+from hf_gpa.optim._types import AVERAGING, INNER_STEPS, MU_X, MU_Y, OUTER_LR, OUTER_MOMENTUM
 
 if TYPE_CHECKING:
     from torch import nn
@@ -77,7 +79,7 @@ def worker_optimizer_file(checkpoint: str, rank: int) -> str:
 def requested_layout(args: TrainingArguments, world_size: int, rank: int) -> WorkerLayout | None:
     """The layout ``args`` ask for on ``world_size`` processes, seen from process ``rank`` (None: not DiLoCo across
     processes). Nothing is created or communicated."""
-    if not getattr(args, "diloco_distributed", False):
+    if not (getattr(args, "diloco_distributed", False) or getattr(args, "gpa_distributed", False)):
         return None
     workers = args.diloco_workers or world_size
     return WorkerLayout(world_size, workers, args.diloco_fragments, worker=rank // (world_size // workers))
@@ -93,11 +95,14 @@ def refuse_other_layout(checkpoint: str, layout: WorkerLayout | None, rank: int)
     saved_by_workers = sorted(glob.glob(worker_optimizer_file(glob.escape(checkpoint), "*")))
     if layout is None:
         if saved_by_workers and not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
-            saved = _saved_layout(saved_by_workers[0]) or {}
+            state = torch.load(saved_by_workers[0], map_location="cpu", weights_only=True, mmap=True)
+            saved = saved_diloco_layout(state) or {}
+            gpa = (saved_optimizer_name(state) or "").startswith("GPADiLoCo")
+            what, mode = ("GPA", "--gpa_distributed") if gpa else ("DiLoCo", "--diloco_distributed")
             raise ValueError(
-                f"resume_from_checkpoint {checkpoint} holds the optimizer states of a DiLoCo run across processes "
+                f"resume_from_checkpoint {checkpoint} holds the optimizer states of a {what} run across processes "
                 f"({_describe(saved)}), one file per process; this run is not one. Resume it as it was run "
-                f"(--diloco_distributed true{_flags(saved)} on {saved.get('world_size')!r} processes), or start a "
+                f"({mode} true{_flags(saved)} on {saved.get('world_size')!r} processes), or start a "
                 f"new run from its weights (--model_name_or_path {checkpoint})"
             )
         return
@@ -134,17 +139,51 @@ _OUTER_FLAGS = {
     OUTER_LR: "diloco_outer_lr",
     OUTER_MOMENTUM: "diloco_outer_momentum",
 }
+#: The same for GPA across the processes (``--gpa_distributed``, a `GPADiLoCo` state).
+_GPA_OUTER_FLAGS = {
+    INNER_STEPS: "gpa_sync_steps",
+    OUTER_LR: "gpa_outer_lr",
+    MU_X: "gpa_mu_x",
+    MU_Y: "gpa_mu_y",
+}
+#: And for GPA on its own (``--optim gpa_adamw`` or ``gpa``): its averaging, which a GPA state keeps too.
+_GPA_FLAGS = {MU_X: "gpa_mu_x", MU_Y: "gpa_mu_y", AVERAGING: "gpa_averaging"}
+#: How a state of each kind records its optimizer (``saved_optimizer_name`` up to the base), and the flags of the
+#: run that resumes it.
+_ACROSS_WORKERS = {
+    "DiLoCo": ("DiLoCo", "--optim diloco_adamw (or diloco_muon)", _OUTER_FLAGS),
+    "GPADiLoCo": ("GPA across workers", "--optim gpa_adamw --gpa_distributed true", _GPA_OUTER_FLAGS),
+}
+_GPA_KINDS = ("GPAAdamW", "GPA")
+
+
+def _outer_kind(args: TrainingArguments) -> str | None:
+    """Which optimizer's constants ``args`` set: ``"DiLoCo"`` (--optim diloco_*), ``"GPADiLoCo"``
+    (--gpa_distributed), ``"GPA"`` (--optim gpa_adamw or gpa on its own), or None (another)."""
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim.startswith("diloco"):
+        return "DiLoCo"
+    if optim == "gpa_adamw" and getattr(args, "gpa_distributed", False):
+        return "GPADiLoCo"
+    if optim in ("gpa_adamw", "gpa"):
+        return "GPA"
+    return None
 
 
 def refuse_other_outer(checkpoint: str, args: TrainingArguments, rank: int) -> None:
     """Raise a ``ValueError`` naming the flag when the DiLoCo state that process ``rank`` resumes from ``checkpoint``
     (its ``optimizer_rank{r}.pt``, else ``optimizer.pt``) was saved with another ``--diloco_inner_steps``,
-    ``--diloco_outer_lr`` or ``--diloco_outer_momentum`` than ``args`` give, before anything is loaded.
+    ``--diloco_outer_lr`` or ``--diloco_outer_momentum`` than ``args`` give, before anything is loaded; under
+    ``--gpa_distributed`` (a `GPADiLoCo` state), another ``--gpa_sync_steps``, ``--gpa_outer_lr``, ``--gpa_mu_x`` or
+    ``--gpa_mu_y``; and a state of the other kind (DiLoCo's resumed with ``--gpa_distributed``, or the reverse).
+    With ``--optim gpa_adamw`` or ``gpa`` on its own, a GPA state (``optimizer.pt``) saved with another
+    ``--gpa_mu_x``, ``--gpa_mu_y`` or ``--gpa_averaging``.
 
     Loading the state would keep the saved values over the flags without a word (torch's ``load_state_dict`` takes a
     group's hyper-parameters from the state), and H was checked against the fragments with the flag's value.
     """
-    if not str(getattr(args.optim, "value", args.optim)).startswith("diloco"):
+    kind = _outer_kind(args)
+    if kind is None:
         return
     path = worker_optimizer_file(checkpoint, rank)
     if not os.path.isfile(path):
@@ -152,16 +191,34 @@ def refuse_other_outer(checkpoint: str, args: TrainingArguments, rank: int) -> N
         if not os.path.isfile(path):
             return
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    if saved_diloco_layout(state) is None:
-        return  # not a DiLoCo state: the optimizer's own load names what it is
+    saved_kind = (saved_optimizer_name(state) or "").split("(")[0]
+    if kind == "GPA":
+        if saved_kind not in _GPA_KINDS:
+            return  # another optimizer's state (or none of hf_gpa's): the optimizer's own load names what it is
+        what, flags = "GPA", dict(_GPA_FLAGS)
+        if args.gpa_averaging == "schedule_free":
+            del flags[MU_X]  # Schedule-Free's average has no mu_x (the state keeps the unused default)
+    else:
+        if saved_diloco_layout(state) is None:
+            return  # not a DiLoCo state: the optimizer's own load names what it is
+        saved_kind = saved_kind or "DiLoCo"
+        if saved_kind != kind and saved_kind in _ACROSS_WORKERS:
+            saved_what, resumed_by, _ = _ACROSS_WORKERS[saved_kind]
+            raise ValueError(
+                f"resume_from_checkpoint {checkpoint}: its state was saved by {saved_what}, which this run "
+                f"({_ACROSS_WORKERS[kind][1]}) cannot resume: resume it with {resumed_by}, or start a new run from "
+                f"the checkpoint's evaluation weights (--model_name_or_path {checkpoint})"
+            )
+        what, _, flags = _ACROSS_WORKERS[kind]
     saved = state["param_groups"][0]
-    for key, flag in _OUTER_FLAGS.items():
+    for key, flag in flags.items():
         if key in saved and saved[key] != getattr(args, flag):
             raise ValueError(
-                f"resume_from_checkpoint {checkpoint}: its DiLoCo state was saved with --{flag} {saved[key]!r}, "
-                f"this run asks for {getattr(args, flag)!r}. A DiLoCo run resumes with the outer steps that saved it "
-                f"(H, the outer lr and momentum are in its state): resume with --{flag} {saved[key]!r}, or start a "
-                f"new run from the checkpoint's outer weights (--model_name_or_path {checkpoint})"
+                f"resume_from_checkpoint {checkpoint}: its {what} state was saved with --{flag} {saved[key]!r}, "
+                f"this run asks for {getattr(args, flag)!r}. A {what} run resumes with the constants that saved it "
+                f"(its state keeps them, and loading it would keep them over the flag): resume with --{flag} "
+                f"{saved[key]!r}, or start a new run from the checkpoint's evaluation weights (--model_name_or_path "
+                f"{checkpoint})"
             )
 
 
@@ -235,8 +292,8 @@ class DiLoCoWorkersMixin:
 
     def refuse_other_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         """Given `train`'s arguments: refuse the checkpoint it would resume when it was saved on another layout of
-        DiLoCo across processes, or holds a DiLoCo state saved with other outer steps (H, outer lr, outer momentum),
-        before anything is loaded (`refuse_other_layout`, `refuse_other_outer`)."""
+        DiLoCo (or GPA) across processes, or holds a DiLoCo or GPA state saved with other constants (H, the outer
+        step's, mu_x, mu_y), before anything is loaded (`refuse_other_layout`, `refuse_other_outer`)."""
         checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         if checkpoint is True and os.path.isdir(self.args.output_dir):
             checkpoint = get_last_checkpoint(self.args.output_dir)  # None: the next class says there is none

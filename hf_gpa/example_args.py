@@ -72,8 +72,9 @@ GPA_RECIPE_DEFAULTS: dict[str, Any] = {
 }
 
 #: Defaults of both scripts that are left out when the user gives any of the flags they are coupled to: Schedule-Free
-#: averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given --gpa_mu_x.
-GPA_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {"gpa_inner_steps": ("gpa_mu_x", "gpa_averaging")}
+#: averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given --gpa_mu_x; GPA
+#: across the processes (--gpa_distributed) refuses --gpa_inner_steps, whose per-step mu_x it has no use for.
+GPA_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {"gpa_inner_steps": ("gpa_mu_x", "gpa_averaging", "gpa_distributed")}
 
 #: The --help usage line: the full list of flags is the rest of --help.
 USAGE = "%(prog)s [-h] [--FLAG VALUE ...] | %(prog)s ARGS.json"
@@ -396,8 +397,8 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
             f"--save_steps N or --save_strategy epoch); to start a new run from these weights, pass "
             f"--model_name_or_path {checkpoint} instead."
         )
-    # DiLoCo across processes resumes only on the layout that saved it (world size, --diloco_workers, ...), and DiLoCo
-    # only with the outer steps that saved it (--diloco_inner_steps, --diloco_outer_lr, --diloco_outer_momentum).
+    # DiLoCo or GPA across processes resumes only on the layout that saved it (world size, --diloco_workers, ...), and
+    # DiLoCo and GPA only with the constants that saved them (--diloco_inner_steps, ..., --gpa_mu_x, --gpa_sync_steps).
     world_size, rank = training_args.world_size, training_args.process_index
     with _as_refused_argument():
         refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)

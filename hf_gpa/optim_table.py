@@ -24,7 +24,7 @@ from transformers.trainer_pt_utils import get_parameter_names
 from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
 
-from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, MuonWithAuxAdam, check_num_fragments, muon_param_groups
+from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, GPADiLoCo, MuonWithAuxAdam, check_num_fragments, muon_param_groups
 
 __all__ = [
     "GPA_OPTIM_NAMES",
@@ -74,6 +74,9 @@ class BuildContext:
     gpa_mu_x: float | None  # None with Schedule-Free averaging, which has no averaging constant
     gpa_mu_y: float
     gpa_averaging: str
+    gpa_distributed: bool
+    gpa_sync_steps: int
+    gpa_outer_lr: float | None  # None unless --gpa_distributed, which derives it when unset
     diloco_inner_steps: int
     diloco_outer_lr: float
     diloco_outer_momentum: float
@@ -145,7 +148,23 @@ def _gpa_kwargs(ctx: BuildContext) -> dict[str, Any]:
 
 
 def _build_gpa_adamw(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    if ctx.gpa_distributed:
+        return _build_gpa_across_workers(ctx, model)
     return GPAAdamW, {**_adam_kwargs(ctx), **_gpa_kwargs(ctx)}
+
+
+def _build_gpa_across_workers(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
+    """``--optim gpa_adamw --gpa_distributed``: GPA across the processes, `GPADiLoCo` around AdamW, its outer step
+    GPA's with --gpa_mu_x and --gpa_mu_y per outer step, every --gpa_sync_steps inner steps."""
+    return GPADiLoCo, {
+        "base": torch.optim.AdamW,
+        "inner_steps": ctx.gpa_sync_steps,
+        "outer_lr": ctx.gpa_outer_lr,
+        "mu_x": ctx.gpa_mu_x,
+        "mu_y": ctx.gpa_mu_y,
+        **_adam_kwargs(ctx),
+        **_diloco_workers_kwargs(ctx, model),
+    }
 
 
 def _build_base(ctx: BuildContext, model: nn.Module | None) -> tuple[Any, dict[str, Any]]:
@@ -189,9 +208,9 @@ def _build_diloco_adamw(ctx: BuildContext, model: nn.Module | None) -> tuple[typ
 
 
 def _diloco_workers_kwargs(ctx: BuildContext, model: nn.Module | None) -> dict[str, Any]:
-    """DiLoCo across the processes of the run (``--diloco_distributed``): M workers, P fragments. P is checked here
-    against the model's trainable tensors, which the flags alone cannot know."""
-    if not ctx.diloco_distributed:
+    """DiLoCo (or GPA) across the processes of the run (``--diloco_distributed``, ``--gpa_distributed``): M workers, P
+    fragments. P is checked here against the model's trainable tensors, which the flags alone cannot know."""
+    if not (ctx.diloco_distributed or ctx.gpa_distributed):
         return {}
     if model is not None:
         num_tensors = sum(1 for p in model.parameters() if p.requires_grad)
@@ -245,22 +264,25 @@ def _build_diloco_muon(ctx: BuildContext, model: nn.Module | None) -> tuple[type
 _GPA_AVERAGING_FLAGS = ("gpa_mu_x", "gpa_inner_steps", "gpa_mu_y", "gpa_averaging")
 #: Read by the Trainer for any hf_gpa optimizer with evaluation weights x.
 _EVALUATION_FLAGS = ("gpa_bn_recalibration_batches",)
-#: DiLoCo's flags: its constants, and where it runs (across the processes of the run, in M islands, P fragments).
+#: Where an optimizer runs across the processes of the run: in M islands, P fragments.
+_WORKERS_FLAGS = ("diloco_workers", "diloco_fragments")
+#: DiLoCo's flags: its constants, and where it runs.
 _DILOCO_FLAGS = (
     "diloco_inner_steps",
     "diloco_outer_lr",
     "diloco_outer_momentum",
     "diloco_distributed",
-    "diloco_workers",
-    "diloco_fragments",
+    *_WORKERS_FLAGS,
 )
+#: GPA across the processes (``--gpa_distributed``): H, the outer lr, and where it runs.
+_GPA_WORKERS_FLAGS = ("gpa_distributed", "gpa_sync_steps", "gpa_outer_lr", *_WORKERS_FLAGS)
 
 #: Every --optim name hf_gpa adds. Adding a name is one entry here (the enum below and --help follow).
 HF_GPA_OPTIMIZERS: dict[str, OptimizerSpec] = {
     "gpa_adamw": OptimizerSpec(
-        "GPA around AdamW",
+        "GPA around AdamW; across the processes with --gpa_distributed",
         _build_gpa_adamw,
-        (*_GPA_AVERAGING_FLAGS, *_EVALUATION_FLAGS, "gpa_step_in_backward"),  # the one per-parameter step
+        (*_GPA_AVERAGING_FLAGS, *_EVALUATION_FLAGS, "gpa_step_in_backward", *_GPA_WORKERS_FLAGS),
         "GPAAdamW",
     ),
     "gpa": OptimizerSpec(

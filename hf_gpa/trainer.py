@@ -492,8 +492,8 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         """The next class's `train`; afterwards the model holds x (the next training step switches back to y). A
-        checkpoint of DiLoCo across processes saved on another layout, or a DiLoCo state saved with other outer steps
-        (H, outer lr, outer momentum), is refused first, before anything is loaded."""
+        checkpoint of DiLoCo across processes saved on another layout, or a DiLoCo or GPA state saved with other
+        constants (H, outer lr, outer momentum, mu_x, mu_y), is refused first, before anything is loaded."""
         self.refuse_other_checkpoint(*args, **kwargs)
         self._log_run_summary()
         try:

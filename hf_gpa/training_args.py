@@ -58,6 +58,7 @@ from hf_gpa.optim import (
     inner_steps_from_mu_x,
     mu_x_from_inner_steps,
 )
+from hf_gpa.optim.gpa_diloco import DEFAULT_GPA_DILOCO_MU, check_outer_mu_y, outer_lr_like_diloco
 from hf_gpa.optim_table import (
     FLAG_READERS,
     GPA_OPTIM_NAMES,
@@ -102,7 +103,10 @@ class GPATrainingArguments(TrainingArguments):
     `--optim gpa_adamw` is GPA around AdamW and takes `--learning_rate`, `--adam_beta1`, `--adam_beta2`,
     `--adam_epsilon` and `--weight_decay` exactly as `--optim adamw_torch` does. `--optim gpa --gpa_base_optim NAME`
     wraps whatever the stock Trainer builds for `--optim NAME`. `--optim diloco_adamw` is the single-worker DiLoCo
-    baseline. Every stock `--optim` value keeps working unchanged.
+    baseline. Every stock `--optim` value keeps working unchanged. Across the processes of a launch,
+    `--optim diloco_adamw --diloco_distributed true` is DiLoCo and `--optim gpa_adamw --gpa_distributed true` GPA
+    (`GPADiLoCo`: --gpa_sync_steps, --gpa_outer_lr, --gpa_mu_x and --gpa_mu_y per outer step), both in
+    --diloco_workers islands and --diloco_fragments fragments.
 
     The averaging constant is `--gpa_mu_x` or, equivalently, `--gpa_inner_steps H` with mu_x = 0.9 ** (1 / H)
     (paper, Table 4). Both may be given only when they agree (as they do in a saved configuration). With
@@ -132,13 +136,19 @@ class GPATrainingArguments(TrainingArguments):
             "help": (
                 "GPA's averaging constant mu_x in [0, 1) for the evaluation sequence x; mu_x = 0 recovers the base "
                 "optimizer. Unset: derived from --gpa_inner_steps when that is set, else "
-                f"{DEFAULT_MU_X} (0.9 ** (1 / H) for H = {DEFAULT_INNER_STEPS})."
+                f"{DEFAULT_MU_X} (0.9 ** (1 / H) for H = {DEFAULT_INNER_STEPS}). With --gpa_distributed: once per "
+                f"outer step, unset {DEFAULT_GPA_DILOCO_MU}."
             )
         },
     )
     gpa_mu_y: float = field(
         default=DEFAULT_MU_Y,
-        metadata={"help": "GPA's interpolation constant mu_y in (0, 1] for the gradient point y."},
+        metadata={
+            "help": (
+                "GPA's interpolation constant mu_y in (0, 1] for the gradient point y; with --gpa_distributed, in "
+                "[0, 1], once per outer step."
+            )
+        },
     )
     gpa_inner_steps: int | None = field(
         default=None,
@@ -192,7 +202,8 @@ class GPATrainingArguments(TrainingArguments):
         default=None,
         metadata={
             "help": (
-                "With --diloco_distributed: the number of workers M, which divides the number of processes W; each "
+                "With --diloco_distributed or --gpa_distributed: the number of workers M, which divides the number "
+                "of processes W; each "
                 "worker is an island of W / M processes with consecutive ranks. Unset: every process is a worker "
                 "(M = W); 1: plain data parallelism around single-worker DiLoCo."
             )
@@ -202,9 +213,39 @@ class GPATrainingArguments(TrainingArguments):
         default=DEFAULT_NUM_FRAGMENTS,
         metadata={
             "help": (
-                "With --diloco_distributed: streaming DiLoCo's P fragments of the parameters, each synchronised at "
-                "its own inner step of the period (at most --diloco_inner_steps and at most the number of parameter "
-                "tensors), so that one outer all-reduce carries about 1/P of the model."
+                "With --diloco_distributed or --gpa_distributed: streaming DiLoCo's P fragments of the parameters, "
+                "each synchronised at its own inner step of the period (at most H, --diloco_inner_steps or "
+                "--gpa_sync_steps, and at most the number of parameter tensors), so that one outer all-reduce "
+                "carries about 1/P of the model."
+            )
+        },
+    )
+    gpa_distributed: bool = field(
+        default=False,
+        metadata={
+            "help": (
+                "With --optim gpa_adamw under accelerate launch or torchrun: GPA across the processes (GPADiLoCo). "
+                "Each of --diloco_workers workers takes --gpa_sync_steps H AdamW steps on its own data; then one "
+                "all-reduce averages the pseudo-gradients across the workers and the outer state takes one GPA "
+                "step: z moves by --gpa_outer_lr, x averages z with --gpa_mu_x and the workers restart from "
+                "y = --gpa_mu_y x + (1 - --gpa_mu_y) z. --gpa_mu_x and --gpa_mu_y are then per outer step (unset "
+                f"--gpa_mu_x: {DEFAULT_GPA_DILOCO_MU}). Needs more than one process; not with FSDP, DeepSpeed, "
+                "--fp16 or --diloco_distributed."
+            )
+        },
+    )
+    gpa_sync_steps: int = field(
+        default=DEFAULT_INNER_STEPS,
+        metadata={"help": "With --gpa_distributed: H >= 1, the inner steps between the workers' synchronisations."},
+    )
+    gpa_outer_lr: float | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "With --gpa_distributed: the rate of z's outer SGD step (finite, > 0). Unset: the rate whose first "
+                f"outer step moves y as far as DiLoCo's defaults (outer lr {DEFAULT_OUTER_LR}, momentum "
+                f"{DEFAULT_OUTER_MOMENTUM}) move its outer weights, {DEFAULT_OUTER_LR} (1 + {DEFAULT_OUTER_MOMENTUM}) "
+                "/ (1 - mu_x mu_y)."
             )
         },
     )
@@ -243,18 +284,28 @@ class GPATrainingArguments(TrainingArguments):
         self._check_step_in_backward(optim)
         self._check_gpa_flags(optim)
         self._refuse_deepspeed(optim)
-        if self.diloco_distributed:
+        if self.across_workers:
             self._refuse_dispatched_batches()
         # transformers sets up the device here, and under a launch (and, with accelerate 1.10, for WORLD_SIZE > 1
         # alone) the process group: every refusal above comes before it.
         with self._stock_name_inside(optim):
             super().__post_init__()
-        if self.diloco_distributed:
+        if self.across_workers:
             self.accelerator_config.dispatch_batches = False
             # The loss's token count is taken over the worker's island (GPATrainer), not all-gathered over every
             # process at every step, which would hold every worker to the slowest one between outer steps.
             self.average_tokens_across_devices = False
         self._warn_constant_schedule(optim)
+
+    @property
+    def across_workers(self) -> str | None:
+        """The flag that runs the optimizer across the processes as workers (``--diloco_distributed`` for DiLoCo,
+        ``--gpa_distributed`` for GPA), None when neither is set."""
+        if self.diloco_distributed is True:
+            return "--diloco_distributed"
+        if self.gpa_distributed is True:
+            return "--gpa_distributed"
+        return None
 
     def _refuse_dispatched_batches(self) -> None:
         """With DiLoCo across the processes, every process reads its own batches: accelerate's default for an
@@ -273,7 +324,7 @@ class GPATrainingArguments(TrainingArguments):
         )
         if dispatch:
             raise ValueError(
-                "--diloco_distributed true cannot run with --accelerator_config dispatch_batches=true: the first "
+                f"{self.across_workers} true cannot run with --accelerator_config dispatch_batches=true: the first "
                 "process would send every batch to all the others at every step, across the workers; leave "
                 "dispatch_batches unset (each process then reads its own batches)"
             )
@@ -437,7 +488,11 @@ class GPATrainingArguments(TrainingArguments):
             self._check_adam_flags()
 
         self.gpa_averaging = check_averaging(self.gpa_averaging, "--gpa_averaging")
-        if self.gpa_averaging == "schedule_free":
+        if not isinstance(self.gpa_distributed, bool):
+            raise ValueError(f"Invalid --gpa_distributed: {self.gpa_distributed!r} (true or false)")
+        if self.gpa_distributed and optim == "gpa_adamw":
+            self._check_gpa_across_workers()
+        elif self.gpa_averaging == "schedule_free":
             # Schedule-Free's average has no constant: a given mu_x or H would be silently ignored.
             for flag in ("gpa_mu_x", "gpa_inner_steps"):
                 if getattr(self, flag) is not None:
@@ -466,7 +521,8 @@ class GPATrainingArguments(TrainingArguments):
             self.gpa_mu_x = mu_x
         else:
             self.gpa_mu_x = check_mu_x(DEFAULT_MU_X if self.gpa_mu_x is None else self.gpa_mu_x, "--gpa_mu_x")
-        self.gpa_mu_y = check_mu_y(self.gpa_mu_y, "--gpa_mu_y")
+        if not (self.gpa_distributed and optim == "gpa_adamw"):
+            self.gpa_mu_y = check_mu_y(self.gpa_mu_y, "--gpa_mu_y")
 
         self.diloco_inner_steps = check_inner_steps(self.diloco_inner_steps, "--diloco_inner_steps")
         self.diloco_outer_lr = check_outer_lr(self.diloco_outer_lr, "--diloco_outer_lr")
@@ -474,12 +530,53 @@ class GPATrainingArguments(TrainingArguments):
         self._refuse_unused_flags(optim, given)
         self._check_diloco_distributed()
 
+    def _check_gpa_across_workers(self) -> None:
+        """--optim gpa_adamw --gpa_distributed: GPA's flags as the outer step of `GPADiLoCo` reads them (mu_x and mu_y
+        per outer step, H from --gpa_sync_steps, the outer lr), each checked against its range by name."""
+        if self.diloco_distributed is True:
+            raise ValueError(
+                "--gpa_distributed true cannot run with --diloco_distributed true: each runs the optimizer across "
+                "the processes, GPA's outer step (--optim gpa_adamw --gpa_distributed) or DiLoCo's Nesterov step "
+                "(--optim diloco_adamw --diloco_distributed); give one of the two"
+            )
+        refused = [
+            f"--{flag} {getattr(self, flag)} ({why})"
+            for flag, why in (
+                ("gpa_averaging", "x is averaged once per outer step with --gpa_mu_x; leave it at gpa"),
+                ("gpa_inner_steps", "it sets a per-step mu_x; H between synchronisations is --gpa_sync_steps"),
+            )
+            if getattr(self, flag) not in (None, DEFAULT_AVERAGING)
+        ]
+        if refused:
+            raise ValueError("--gpa_distributed true cannot run with " + "; ".join(refused) + ".")
+        self.gpa_mu_x = check_mu_x(DEFAULT_GPA_DILOCO_MU if self.gpa_mu_x is None else self.gpa_mu_x, "--gpa_mu_x")
+        self.gpa_mu_y = check_outer_mu_y(self.gpa_mu_y, "--gpa_mu_y")
+        self.gpa_sync_steps = check_inner_steps(self.gpa_sync_steps, "--gpa_sync_steps")
+        if self.gpa_outer_lr is None:
+            self.gpa_outer_lr = outer_lr_like_diloco(
+                DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, self.gpa_mu_x, self.gpa_mu_y
+            )
+        self.gpa_outer_lr = check_outer_lr(self.gpa_outer_lr, "--gpa_outer_lr")
+
     def _check_diloco_distributed(self) -> None:
-        """--diloco_distributed, --diloco_workers, --diloco_fragments: checked against the number of processes the
-        launcher started (``WORLD_SIZE``), and every setting that would let the processes step apart refused."""
+        """--diloco_distributed or --gpa_distributed, --diloco_workers, --diloco_fragments: checked against the number
+        of processes the launcher started (``WORLD_SIZE``), and every setting that would let the processes step apart
+        refused."""
         if not isinstance(self.diloco_distributed, bool):
             raise ValueError(f"Invalid --diloco_distributed: {self.diloco_distributed!r} (true or false)")
-        if not self.diloco_distributed:
+        if not self.gpa_distributed:
+            given = [
+                f"--{flag} {getattr(self, flag)}"
+                for flag in ("gpa_sync_steps", "gpa_outer_lr")
+                if getattr(self, flag) != self.__dataclass_fields__[flag].default
+            ]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} only applies with --gpa_distributed true (GPA across the processes). "
+                    "Add --gpa_distributed true under accelerate launch or torchrun, or leave them out."
+                )
+        flag = self.across_workers
+        if flag is None:
             given = [
                 f"--{flag} {getattr(self, flag)}"
                 for flag in ("diloco_workers", "diloco_fragments")
@@ -487,22 +584,24 @@ class GPATrainingArguments(TrainingArguments):
             ]
             if given:
                 raise ValueError(
-                    f"{' and '.join(given)} only applies with --diloco_distributed true (DiLoCo across the "
-                    "processes); a single worker has no workers to count and no outer all-reduce to spread. Add "
-                    "--diloco_distributed true under accelerate launch or torchrun, or leave them out."
+                    f"{' and '.join(given)} only applies with --diloco_distributed true or --gpa_distributed true "
+                    "(DiLoCo or GPA across the processes); a single worker has no workers to count and no outer "
+                    "all-reduce to spread. Add one of them under accelerate launch or torchrun, or leave them out."
                 )
             return
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size < 2:
+            single = "single-worker DiLoCo" if flag == "--diloco_distributed" else "GPA on one process"
             raise ValueError(
-                f"--diloco_distributed true on a single process (WORLD_SIZE {world_size}): there is no other worker "
+                f"{flag} true on a single process (WORLD_SIZE {world_size}): there is no other worker "
                 "to average with. Launch several processes (accelerate launch --num_processes N, torchrun "
-                "--nproc_per_node N), or leave --diloco_distributed out for single-worker DiLoCo."
+                f"--nproc_per_node N), or leave {flag} out for {single}."
             )
         if self.diloco_workers is not None:
             self.diloco_workers = check_num_workers(self.diloco_workers, world_size, "--diloco_workers")
+        inner_steps = self.diloco_inner_steps if flag == "--diloco_distributed" else self.gpa_sync_steps
         self.diloco_fragments = check_num_fragments(
-            self.diloco_fragments, inner_steps=self.diloco_inner_steps, name="--diloco_fragments"
+            self.diloco_fragments, inner_steps=inner_steps, name="--diloco_fragments"
         )
         refusals = []
         if self._uses_fsdp:
@@ -518,7 +617,7 @@ class GPATrainingArguments(TrainingArguments):
                 "so the workers would reach the outer all-reduce at different steps; use --bf16"
             )
         if refusals:
-            raise ValueError("--diloco_distributed cannot run with " + "; ".join(refusals) + ".")
+            raise ValueError(f"{flag} cannot run with " + "; ".join(refusals) + ".")
 
     def _check_adam_flags(self) -> None:
         """AdamW's flags, checked as the optimizer checks them, where the chosen --optim reads them (an optimizer
@@ -577,8 +676,10 @@ class GPATrainingArguments(TrainingArguments):
 
     @property
     def gpa_effective_inner_steps(self) -> float | None:
-        """H with mu_x = 0.9 ** (1 / H): the DiLoCo inner steps GPA's averaging matches (None when mu_x = 0 or with
-        schedule_free averaging)."""
+        """H with mu_x = 0.9 ** (1 / H): the DiLoCo inner steps GPA's averaging matches (None when mu_x = 0, with
+        schedule_free averaging, and with --gpa_distributed, whose mu_x acts once per outer step)."""
+        if self.gpa_distributed is True:
+            return None
         if self.gpa_inner_steps is not None:
             return float(self.gpa_inner_steps)
         if self.gpa_mu_x is None or not 0.0 < self.gpa_mu_x < 1.0:  # None: schedule_free, which has no mu_x

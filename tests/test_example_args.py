@@ -10,8 +10,10 @@ from pathlib import Path
 from types import ModuleType
 from unittest import mock
 
+import accelerate
 import pytest
 import torch
+from packaging.version import Version
 from torch import nn
 
 from hf_gpa.example_args import parse_with_defaults
@@ -132,6 +134,20 @@ def test_default_of_a_flag_the_given_optim_ignores_is_left_out(tmp_path) -> None
     assert args.gpa_inner_steps == 4
     _, _, args = module.parse_args(["--output_dir", str(tmp_path), "--optim", "diloco_adamw"])
     assert args.gpa_inner_steps is None
+
+
+@pytest.mark.skipif(
+    Version(accelerate.__version__) < Version("1.15"),
+    reason=f"accelerate {accelerate.__version__} starts a process group from WORLD_SIZE alone while parsing",
+)
+def test_gpa_across_processes_drops_the_script_s_default_h(tmp_path, monkeypatch) -> None:
+    """--gpa_distributed true (which refuses --gpa_inner_steps) without --gpa_mu_x: the script's default
+    --gpa_inner_steps is left out, and mu_x is the outer step's default, 0.9."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    module = _load_script("run_clm_gpa")
+    argv = ["--output_dir", str(tmp_path), "--optim", "gpa_adamw", "--gpa_distributed", "true"]
+    _, _, args = module.parse_args(argv)
+    assert args.gpa_distributed and args.gpa_inner_steps is None and args.gpa_mu_x == 0.9
 
 
 def test_defaults_follow_the_value_the_parse_keeps(tmp_path) -> None:

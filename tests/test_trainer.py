@@ -845,3 +845,32 @@ def test_the_log_says_which_weights_evaluation_and_saves_use(overrides, said, tm
     assert [line.split(" to ")[1].split(";")[0] for line in saves] == [
         os.path.join(str(tmp_path), f"checkpoint-{step}") for step in (1, 2)
     ]
+
+
+@pytest.mark.parametrize(
+    ("optim", "overrides", "named"),
+    [
+        ("gpa_adamw", dict(gpa_mu_x=0.95), "saved with --gpa_mu_x 0.8, this run asks for 0.95"),
+        ("gpa_adamw", dict(gpa_mu_y=0.9), "saved with --gpa_mu_y 0.6, this run asks for 0.9"),
+        ("gpa_adamw", dict(gpa_mu_x=None, gpa_averaging="schedule_free"),
+         "saved with --gpa_averaging 'gpa', this run asks for 'schedule_free'"),
+        ("gpa", dict(gpa_base_optim="sgd", gpa_mu_x=0.95), "saved with --gpa_mu_x 0.8, this run asks for 0.95"),
+    ],
+)  # fmt: skip
+def test_a_resume_with_other_gpa_constants_is_refused_before_training(tmp_path, optim, overrides, named):
+    """A GPA checkpoint (mu_x 0.8, mu_y 0.6) resumed with another --gpa_mu_x, --gpa_mu_y or --gpa_averaging: a
+    ValueError naming the flag and both values before anything is loaded (torch's load_state_dict would keep the
+    saved constants over the flags without a word); with the same flags the resume goes on."""
+    base = {"gpa_base_optim": "sgd"} if optim == "gpa" else {}
+    first = llama_trainer(make_args(tmp_path / "run", optim=optim, gpa_mu_x=0.8, gpa_mu_y=0.6, max_steps=2,
+                                    save_strategy="steps", save_steps=2, **base))  # fmt: skip
+    first.train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    flags = {"gpa_mu_x": 0.8, "gpa_mu_y": 0.6, **base, **overrides}
+    other = llama_trainer(make_args(tmp_path / "other", optim=optim, max_steps=3, **flags))
+    with pytest.raises(ValueError, match=named):
+        other.train(resume_from_checkpoint=checkpoint)
+    assert other.optimizer is None and other.state.global_step == 0
+    same = llama_trainer(make_args(tmp_path / "same", optim=optim, max_steps=3, gpa_mu_x=0.8, gpa_mu_y=0.6, **base))
+    same.train(resume_from_checkpoint=checkpoint)
+    assert same.state.global_step == 3

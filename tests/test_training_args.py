@@ -663,3 +663,104 @@ def test_the_model_card_names_diloco_across_workers(tmp_path, monkeypatch):
     assert "## Optimizer: DiLoCo across workers" in card and "as 2 workers (--diloco_workers)" in card
     assert "in 2 fragment(s)" in card and "single-worker" not in card
     assert "single-worker DiLoCo" in gpa_model_card_section(parse(["--optim", "diloco_adamw"], tmp_path))
+
+
+# ---------------------------------------------------------------- GPA across processes: bad input at parse time
+
+GPA_DISTRIBUTED = ["--optim", "gpa_adamw", "--gpa_distributed", "true"]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "argv", "message"),
+    [
+        (None, GPA_DISTRIBUTED, r"--gpa_distributed true on a single process \(WORLD_SIZE 1\)"),
+        ("1", GPA_DISTRIBUTED, r"--gpa_distributed true on a single process \(WORLD_SIZE 1\)"),
+        ("4", [*GPA_DISTRIBUTED, "--gpa_sync_steps", "0"], r"Invalid --gpa_sync_steps: 0 \(must be an integer >= 1"),
+        ("4", [*GPA_DISTRIBUTED, "--gpa_mu_x", "1.0"], r"Invalid --gpa_mu_x: 1.0 \(must lie in \[0, 1\)\)"),
+        ("4", [*GPA_DISTRIBUTED, "--gpa_mu_x", "-0.1"], r"Invalid --gpa_mu_x: -0.1 \(must lie in \[0, 1\)\)"),
+        ("4", [*GPA_DISTRIBUTED, "--gpa_mu_y", "1.5"], r"Invalid --gpa_mu_y: 1.5 \(must lie in \[0, 1\]\)"),
+        ("4", [*GPA_DISTRIBUTED, "--gpa_mu_y", "-0.5"], r"Invalid --gpa_mu_y: -0.5 \(must lie in \[0, 1\]\)"),
+        ("4", [*GPA_DISTRIBUTED, "--gpa_outer_lr", "0"], r"Invalid --gpa_outer_lr: 0.0 \(must be finite and > 0\)"),
+        ("4", [*GPA_DISTRIBUTED, "--diloco_workers", "3"], r"Invalid --diloco_workers: 3 \(must divide .* 1, 2, 4\)"),
+        ("4", [*GPA_DISTRIBUTED, "--diloco_fragments", "9", "--gpa_sync_steps", "8"], r"--diloco_fragments: 9 .*= 8"),
+        ("4", [*GPA_DISTRIBUTED, "--fsdp", "full_shard"], r"--gpa_distributed cannot run with FSDP"),
+        ("4", [*GPA_DISTRIBUTED, "--deepspeed", "ds.json"], r"--gpa_distributed cannot run with DeepSpeed"),
+        ("4", [*GPA_DISTRIBUTED, "--fp16"], r"--gpa_distributed cannot run with --fp16: its loss scaling skips"),
+        ("4", [*GPA_DISTRIBUTED, "--accelerator_config", '{"dispatch_batches": true}'],
+         r"--gpa_distributed true cannot run with --accelerator_config dispatch_batches=true"),
+        ("4", [*GPA_DISTRIBUTED, "--diloco_distributed", "true"],
+         r"--gpa_distributed true cannot run with --diloco_distributed true"),
+        ("4", [*GPA_DISTRIBUTED, "--gpa_inner_steps", "8"], r"--gpa_distributed true cannot run with --gpa_inner_st"),
+        ("4", [*GPA_DISTRIBUTED, "--gpa_averaging", "schedule_free"], r"cannot run with --gpa_averaging schedule_fr"),
+        ("4", [*GPA_DISTRIBUTED, "--gpa_step_in_backward", "true"], r"--gpa_step_in_backward cannot .*; 4 processes"),
+        ("4", ["--optim", "diloco_adamw", "--gpa_distributed", "true"], r"--gpa_distributed True only applies to --o"),
+        ("4", ["--optim", "gpa", "--gpa_base_optim", "sgd", "--gpa_distributed", "true"],
+         r"--gpa_distributed True only applies to --optim gpa_adamw \(got --optim gpa\)"),
+        ("4", ["--optim", "adamw_torch", "--gpa_distributed", "true"], r"--gpa_distributed True only applies to --o"),
+        ("4", ["--optim", "gpa_adamw", "--gpa_sync_steps", "8"], r"--gpa_sync_steps 8 only applies with --gpa_distr"),
+        ("4", ["--optim", "gpa_adamw", "--gpa_outer_lr", "3"], r"--gpa_outer_lr 3.0 only applies with --gpa_distri"),
+        ("4", ["--optim", "gpa_adamw", "--diloco_workers", "2"], r"--diloco_workers 2 only applies with --diloco_dis"),
+    ],
+)  # fmt: skip
+def test_gpa_distributed_bad_input_is_refused_at_parse_time(world_size, argv, message, tmp_path, monkeypatch):
+    """GPA across processes: H < 1, a mu or the outer lr outside its range, M that does not divide WORLD_SIZE, P > H,
+    a single process, FSDP, DeepSpeed, fp16 loss scaling, dispatched batches, --diloco_distributed beside it, a
+    per-step averaging flag, the step in backward, an --optim it cannot wrap, and its flags without it: a ValueError
+    naming the flag and the allowed range, while parsing, before anything is built."""
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    with pytest.raises(ValueError, match=message):
+        parse(argv, tmp_path)
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_gpa_distributed_under_an_fsdp_or_deepspeed_launch_is_refused(variable, tmp_path, monkeypatch):
+    """accelerate launch with an FSDP or DeepSpeed config (which sets these variables): refused by name."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(ValueError, match="--gpa_distributed cannot run with (FSDP|DeepSpeed)"):
+        parse(GPA_DISTRIBUTED, tmp_path)
+
+
+def test_gpa_distributed_from_python_must_be_a_bool(tmp_path, monkeypatch):
+    """gpa_distributed="yes" from Python is refused, naming the flag."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"Invalid --gpa_distributed: 'yes'"):
+        make(tmp_path, optim="gpa_adamw", gpa_distributed="yes")
+
+
+@needs_a_lazy_process_group
+def test_gpa_distributed_builds_gpa_diloco_across_processes(tmp_path, monkeypatch):
+    """--optim gpa_adamw --gpa_distributed true on 4 processes as 2 workers of 2, P = 2: the optimizer is `GPADiLoCo`
+    around AdamW with H from --gpa_sync_steps, mu_x and mu_y from --gpa_mu_x / --gpa_mu_y (unset mu_x: 0.9 per outer
+    step), the outer lr from --gpa_outer_lr (unset: `outer_lr_like_diloco` of DiLoCo's defaults); each process reads
+    its own batches and counts its loss's tokens in its island; the arguments round-trip through their JSON."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_gpa.optim import GPADiLoCo, outer_lr_like_diloco
+    from hf_gpa.optim_table import optimizer_cls_and_kwargs
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = [*GPA_DISTRIBUTED, "--gpa_sync_steps", "8", "--gpa_mu_y", "0.5", "--diloco_workers", "2",
+            "--diloco_fragments", "2", "--learning_rate", "0.01"]  # fmt: skip
+    args = parse(argv, tmp_path)
+    assert (args.gpa_mu_x, args.gpa_mu_y, args.gpa_sync_steps) == (0.9, 0.5, 8)
+    assert args.gpa_outer_lr == outer_lr_like_diloco(0.7, 0.9, 0.9, 0.5)
+    assert args.across_workers == "--gpa_distributed"
+    assert args.gpa_effective_inner_steps is None  # mu_x is per outer step: no per-step H to match (the model card)
+    assert args.accelerator_config.dispatch_batches is False and args.average_tokens_across_devices is False
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    cls, kwargs = optimizer_cls_and_kwargs(args, LlamaForCausalLM(config))
+    assert cls is GPADiLoCo and kwargs["base"] is torch.optim.AdamW
+    assert {k: kwargs[k] for k in ("inner_steps", "mu_x", "mu_y", "distributed", "num_workers", "num_fragments")} == {
+        "inner_steps": 8, "mu_x": 0.9, "mu_y": 0.5, "distributed": True, "num_workers": 2, "num_fragments": 2
+    }  # fmt: skip
+    assert kwargs["outer_lr"] == args.gpa_outer_lr and kwargs["lr"] == 0.01
+    (again,) = HfArgumentParser(GPATrainingArguments).parse_dict(json.loads(args.to_json_string()))
+    assert (again.gpa_outer_lr, again.gpa_mu_x, again.gpa_distributed) == (args.gpa_outer_lr, 0.9, True)
+    monkeypatch.delenv("WORLD_SIZE")
+    cls, _ = optimizer_cls_and_kwargs(parse(["--optim", "gpa_adamw"], tmp_path))
+    assert cls is GPAAdamW
