@@ -58,6 +58,7 @@ from hf_gpa.optim import (
     inner_steps_from_mu_x,
     mu_x_from_inner_steps,
 )
+from hf_gpa.optim._diloco_workers import OUTER_DTYPES, check_outer_dtype
 from hf_gpa.optim_table import (
     FLAG_READERS,
     GPA_OPTIM_NAMES,
@@ -206,6 +207,19 @@ class GPATrainingArguments(TrainingArguments):
                 "its own inner step of the period (at most --diloco_inner_steps and at most the number of parameter "
                 "tensors), so that one outer all-reduce carries about 1/P of the model."
             )
+        },
+    )
+    diloco_outer_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": (
+                "With --diloco_distributed and more than one worker: the dtype the pseudo-gradients cross the workers "
+                "in at each outer step: float32 (as they are), bfloat16 (half the bytes) or int8 (a float32 scale per "
+                "block of 256 elements: about a quarter), the compressed ones with error feedback (each worker keeps "
+                "what compression lost and adds it to its next pseudo-gradient). Each fragment needs at least 256 "
+                "elements for int8."
+            ),
+            "choices": OUTER_DTYPES,
         },
     )
     gpa_bn_recalibration_batches: int = field(
@@ -479,10 +493,11 @@ class GPATrainingArguments(TrainingArguments):
         launcher started (``WORLD_SIZE``), and every setting that would let the processes step apart refused."""
         if not isinstance(self.diloco_distributed, bool):
             raise ValueError(f"Invalid --diloco_distributed: {self.diloco_distributed!r} (true or false)")
+        check_outer_dtype(self.diloco_outer_dtype, name="--diloco_outer_dtype")
         if not self.diloco_distributed:
             given = [
                 f"--{flag} {getattr(self, flag)}"
-                for flag in ("diloco_workers", "diloco_fragments")
+                for flag in ("diloco_workers", "diloco_fragments", "diloco_outer_dtype")
                 if getattr(self, flag) != self.__dataclass_fields__[flag].default
             ]
             if given:
@@ -504,6 +519,7 @@ class GPATrainingArguments(TrainingArguments):
         self.diloco_fragments = check_num_fragments(
             self.diloco_fragments, inner_steps=self.diloco_inner_steps, name="--diloco_fragments"
         )
+        check_outer_dtype(self.diloco_outer_dtype, self.diloco_workers, name="--diloco_outer_dtype")
         refusals = []
         if self._uses_fsdp:
             refusals.append(

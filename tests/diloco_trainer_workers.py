@@ -119,6 +119,17 @@ class Recorder(TrainerCallback):
         self.train_mode_during_eval.append(unwrap_gpa_optimizer(optimizer).train_mode)
 
 
+class StartLines(logging.Handler):
+    """The INFO lines hf_gpa.distributed_diloco logs (the start line of a run across processes)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def groups_of(trainer: GPATrainer) -> dict[str, list[int]]:
     """The global ranks of every process group the run's collectives can use, by the name the flight recorder gives."""
     layout = unwrap_gpa_optimizer(trainer.optimizer).layout
@@ -140,7 +151,14 @@ def run(
     recorder = Recorder()
     trainer.add_callback(recorder)
     first = last_record_id()
-    trainer.train(resume_from_checkpoint=resume)
+    start_lines = StartLines()
+    logger = logging.getLogger("hf_gpa.distributed_diloco")
+    logger.addHandler(start_lines)
+    logger.setLevel(logging.INFO)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        logger.removeHandler(start_lines)
     metrics = trainer.evaluate()  # after training: at the outer weights
     trainer.save_model(str(out / name / "final"))
     layout = unwrap_gpa_optimizer(trainer.optimizer).layout
@@ -158,6 +176,8 @@ def run(
         "wrapped": type(trainer.model_wrapped).__name__,
         "ddp_group_is_island": getattr(trainer.model_wrapped, "process_group", None) is layout.island_group,
         "numel": sum(p.numel() for p in trainer.model.parameters()),
+        "log_history": trainer.state.log_history,
+        "start_lines": start_lines.lines,
     }
 
 
