@@ -233,6 +233,10 @@ def two_ranks(out: Path) -> dict[str, Any]:
     facts["unseeded"] = run(out, "unseeded", model=model, max_steps=INNER_STEPS, save_strategy="no")
 
     facts["streaming"] = run(out, "streaming", save_strategy="no", eval_strategy="no", **STREAMING)
+    # The outer all-reduce compressed to int8: the logs count the all-gather's payload.
+    facts["int8"] = run(
+        out, "int8", diloco_outer_dtype="int8", max_steps=INNER_STEPS, save_strategy="no", eval_strategy="no"
+    )
     # One worker of both processes (an island of 2: DDP over it), against accelerate's DDP around single-worker DiLoCo.
     short = dict(max_steps=INNER_STEPS, save_strategy="no", eval_strategy="no")
     facts["one_worker"] = run(out, "one_worker", diloco_workers=1, **short)

@@ -207,6 +207,25 @@ def test_the_logs_carry_the_outer_steps_and_the_bytes_sent_between_workers(two_r
             )  # fmt: skip
 
 
+def test_with_int8_the_logs_count_the_all_gather_s_payload(two_ranks: tuple) -> None:
+    """--diloco_outer_dtype int8, H = 3: the one collective crossing the workers at step 3 is an all-gather of
+    n int8 values and ceil(n / 256) float32 scales (n the model's parameters), which outer_bytes counts, and the
+    start line announces."""
+    _, (first, second) = two_ranks
+    for f in (first, second):
+        run = f["int8"]
+        n = run["numel"]
+        payload = n + 4 * -(-n // 256)
+        during = [(r["op"], r["numel"]) for r in crossing(run) if step_of(run, r) is not None]
+        assert during == [("gloo:all_gather", payload)]  # the flight recorder: the input's elements (uint8)
+        assert [(e["step"], e["outer_steps"], e["outer_bytes"]) for e in logged_steps(run)] == [
+            (1, 0, 0), (2, 0, 0), (3, 1, payload)
+        ]  # fmt: skip
+    (line,) = first["int8"]["start_lines"]
+    assert "outer dtype int8" in line
+    assert f"sends {payload:,} bytes between workers (one all-gather of the int8 payloads" in line
+
+
 def test_the_first_process_logs_one_start_line(two_ranks: tuple) -> None:
     """At the start of training, rank 0 logs one line with the mode (2 workers of 1 process, H, fragments, the outer
     dtype, no overlap) and the bytes of an outer period against DDP's per step (the float32 model each); rank 1

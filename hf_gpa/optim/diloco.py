@@ -356,7 +356,8 @@ class DiLoCo(BaseOptimizerWrapper):
     # ---- the layout in the state dict ----
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``).
+        """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``) and, across
+        processes, ``outer_traffic`` (``"diloco_outer_traffic"``: a resume counts on).
 
         Taken in train mode across M > 1 workers, it also holds this worker's inner weights (``"inner"``: the
         parameters, which differ between workers; bf16/fp16 parameters have them in ``"inner_fp32"``), which its load
@@ -365,7 +366,8 @@ class DiLoCo(BaseOptimizerWrapper):
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group[DILOCO_LAYOUT] = self.layout.saved()
-        state_dict[OUTER_TRAFFIC] = dataclasses.asdict(self.outer_traffic)
+        if self.layout.distributed:  # what crossed the workers so far (a single worker sends nothing)
+            state_dict[OUTER_TRAFFIC] = dataclasses.asdict(self.outer_traffic)
         if self._own_inner_weights():
             for index, p in enumerate(self._all_params()):
                 state = self.state.get(p)
