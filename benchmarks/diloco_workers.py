@@ -10,8 +10,10 @@ three claims and what the saving costs in loss, on the tiny Llama and corpus of 
 * **bytes**: every collective of every process is counted by the metered gloo backend of ``benchmarks.ranks`` (the
   payload each process hands to each collective: DDP's gradient buckets, DiLoCo's outer all-reduce, anything else),
   over whole outer periods after two warm-up steps, for DDP-AdamW, GPA-AdamW under DDP, DiLoCo and GPA across
-  workers (``GPADiLoCo``) at each H (every process a worker), streaming DiLoCo (P fragments) and DiLoCo in islands
-  (M workers of W / M processes, DDP inside each island: only the outer all-reduce crosses workers);
+  workers (``GPADiLoCo``) at each H (every process a worker), DiLoCo at each H with its outer all-reduce compressed
+  (``Plan.outer_dtypes``: bfloat16, int8 with error feedback; beside the metered count, the optimizer's own count of
+  what it handed to the collectives), streaming DiLoCo (P fragments) and DiLoCo in islands (M workers of W / M
+  processes, DDP inside each island: only the outer all-reduce crosses workers);
 * **speed**: steps per second of DDP-AdamW and DiLoCo at each H with every collective delayed by a `ranks.Link`
   (latency plus bytes over bandwidth), in interleaved rounds (ABBA), medians and the ratio to DDP of the same link.
   The ranks share the machine's cores, so the model is tiny and the step's compute small beside the link;
@@ -89,6 +91,8 @@ class Method:
     mu_y: float | None = None
     #: DiLoCo's (outer lr, outer momentum); None: the paper recipe's (``paper_recipe.DILOCO_OUTER_LR`` / ``_MOMENTUM``)
     outer: tuple[float, float] | None = None
+    #: the dtype DiLoCo's pseudo-gradients cross the workers in (`hf_gpa.optim.DiLoCo`'s ``outer_dtype``)
+    outer_dtype: str = "float32"
 
     @property
     def name(self) -> str:
@@ -103,6 +107,8 @@ class Method:
             name = f"streaming {name} P={self.num_fragments}"
         if self.outer is not None:
             name = f"{name}, outer {self.outer[0]:g}/{self.outer[1]:g}"
+        if self.outer_dtype != "float32":
+            name = f"{name}, outer {self.outer_dtype}"
         return name if self.num_workers is None else f"{name}, M={self.num_workers} islands"
 
 
@@ -121,6 +127,8 @@ class Plan:
     fragments: tuple[int, ...] = (2, 4)
     #: M of the islands row of the bytes table (None: no such row), at the largest H
     islands: int | None = 2
+    #: the compressed outer dtypes of the bytes table's DiLoCo rows (at every H, beside float32's)
+    outer_dtypes: tuple[str, ...] = ("bfloat16", "int8")
     #: GPA-AdamW's H (its mu_x) and mu_y: the paper bench's best full-budget setting (as benchmarks.lowbit_quality)
     gpa_inner_steps: int = 8
     gpa_mu_y: float = 0.5
@@ -171,6 +179,7 @@ class Plan:
     def bytes_methods(self) -> list[Method]:
         methods = [DDP_ADAMW, Method("gpa", self.gpa_inner_steps)]
         methods += [Method("diloco", h) for h in self.inner_steps]
+        methods += [Method("diloco", h, outer_dtype=dtype) for h in self.inner_steps for dtype in self.outer_dtypes]
         methods += [
             Method("gpa_diloco", h, mu_x=mu_x, mu_y=mu_y)
             for h in self.inner_steps
@@ -307,6 +316,8 @@ def build(method: Method, context: Context, seed: int, lr: float) -> Trainee:
     overrides: dict[str, Any] = {"lr": lr}
     if method.family in ACROSS_WORKERS:
         overrides |= {"distributed": True, "num_workers": method.num_workers, "num_fragments": method.num_fragments}
+    if method.outer_dtype != "float32":
+        overrides["outer_dtype"] = method.outer_dtype
     optimizer = workloads.optimizer_from_entry(cls, kwargs, params, weight_decay=workload.weight_decay, **overrides)
     group = dist.group.WORLD
     if method.family in ACROSS_WORKERS:
@@ -376,11 +387,13 @@ def measure_bytes(context: Context) -> None:
         model_bytes = sum(p.numel() * p.element_size() for p in trainee.model.parameters() if p.requires_grad)
         for step in range(WARMUP_STEPS):
             trainee.step(context.batch(order, step))
+        counted_before = _outer_bytes(trainee.optimizer)
         meter.clear()
         for step in range(steps):
             meter.step = step
             trainee.step(context.batch(order, WARMUP_STEPS + step))
         collectives, meter.collectives = meter.collectives, []
+        counted = _outer_bytes(trainee.optimizer) - counted_before
         with meter.paused():
             payloads: list[Any] = [None] * world
             dist.all_gather_object(payloads, sum(c.payload for c in collectives))
@@ -400,7 +413,14 @@ def measure_bytes(context: Context) -> None:
                 sum(c.payload for c in between if c.step == s) for s in range(steps)
             ),
             "payload_of_each_rank": payloads,
+            "optimizer_outer_bytes_per_step": counted / steps,
         })  # fmt: skip
+
+
+def _outer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes DiLoCo's optimizer says it handed to the collectives between workers so far (0 for DDP's)."""
+    traffic = getattr(optimizer, "outer_traffic", None)
+    return 0 if traffic is None else traffic.outer_bytes
 
 
 def measure_speed(context: Context) -> None:
@@ -544,18 +564,29 @@ def bytes_table(runs: list[dict[str, Any]]) -> str:
     rows = [run for run in runs if run["part"] == "bytes"]
     ddp = next((run for run in rows if run["method"] == DDP_ADAMW.name), None)
     header = ["method", "processes per worker", "collectives / step", "payload / step (KB)", "sent / step (KB)",
-              "between workers / step (KB)", "vs DDP", "peak of one step between workers (KB)",
-              "peak / model"]  # fmt: skip
+              "between workers / step (KB)", "vs DDP", "vs float32 outer", "optimizer's count / step (KB)",
+              "peak of one step between workers (KB)", "peak / model"]  # fmt: skip
     table = []
     for run in rows:
         ratio = run["between_workers_per_step"] / ddp["between_workers_per_step"] if ddp else math.nan
+        float32 = next((r for r in rows if _same_but_float32(r, run)), None)
+        vs_float32 = f"{run['between_workers_per_step'] / float32['between_workers_per_step']:.4f}" if float32 else ""
+        counted = run.get("optimizer_outer_bytes_per_step")
         table.append([
             run["method"], run["island_size"], f"{run['collectives_per_step']:.3f}", _kb(run["payload_per_step"]),
             _kb(run["sent_per_step"]), _kb(run["between_workers_per_step"]), f"{ratio:.4f} (1/{1 / ratio:.1f})",
-            _kb(run["peak_between_workers_step_payload"]),
+            vs_float32, _kb(counted) if counted else "", _kb(run["peak_between_workers_step_payload"]),
             f"{run['peak_between_workers_step_payload'] / run['model_bytes']:.3f}",
         ])  # fmt: skip
     return report.markdown_table(header, table, right=range(1, len(header)))
+
+
+def _same_but_float32(candidate: dict[str, Any], run: dict[str, Any]) -> bool:
+    """Whether ``candidate`` is the float32-outer row of ``run``'s compressed DiLoCo (never where ``run`` is one)."""
+    if run.get("outer_dtype", "float32") == "float32" or candidate.get("outer_dtype", "float32") != "float32":
+        return False
+    same = ("family", "inner_steps", "num_workers", "num_fragments", "outer")
+    return all(candidate.get(key) == run.get(key) for key in same)
 
 
 def speed_table(runs: list[dict[str, Any]]) -> str:
@@ -595,9 +626,9 @@ def quality_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def between_workers_per_step(runs: list[dict[str, Any]], quality_run: dict[str, Any]) -> float:
     """The bytes between workers per step that the bytes part counted for the method of ``quality_run``: the bytes
     run of the same family, H, M and P (mu_x and mu_y change no byte); nan where none was counted."""
-    same = ("family", "inner_steps", "num_workers", "num_fragments")
+    same = ("family", "inner_steps", "num_workers", "num_fragments", "outer_dtype")
     for run in runs:
-        if run["part"] == "bytes" and all(run.get(key) == quality_run.get(key) for key in same):
+        if run["part"] == "bytes" and all(run.get(key, "float32") == quality_run.get(key, "float32") for key in same):
             return run["between_workers_per_step"]
     return math.nan
 

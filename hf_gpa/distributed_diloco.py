@@ -20,6 +20,11 @@ With W processes and M workers, each worker is an island of W / M processes. Thr
   is a DiLoCo state saved with another H, outer lr or outer momentum than the flags give, and a GPA state (across
   processes or not) saved with other constants (`refuse_other_outer`).
 
+* The run says what it does: at the start of training one INFO line on the first process (`workers_start_line`: the
+  workers, H, the fragments, the outer dtype, the bytes of an outer period against DDP's per step), and at every
+  logging step ``outer_steps`` and ``outer_bytes`` (the optimizer's count of what this process sent between workers
+  so far) in the Trainer's logs.
+
 `DiLoCoWorkersMixin` is where `GPATrainer` does all of this: the Trainer's hooks that differ across workers (the
 model's wrapping, the token count, the optimizer files of a checkpoint, the refusal of another run's checkpoint), each
 passing on to the next class unchanged for any other optimizer.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -58,7 +64,11 @@ __all__ = [
     "refuse_other_outer",
     "requested_layout",
     "worker_optimizer_file",
+    "workers_in_words",
+    "workers_start_line",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Each process's optimizer state in a checkpoint of a run across processes (``rank``: its global rank).
 OPTIMIZER_RANK_NAME = "optimizer_rank{rank}.pt"
@@ -262,6 +272,35 @@ def broadcast_unstepped(model: nn.Module, optimizer: DiLoCo) -> None:
         broadcast_(tensors, optimizer.layout.process_group)
 
 
+def workers_in_words(num_workers: int, island_size: int) -> str:
+    """"4 workers of 2 processes", "2 workers of 1 process"."""
+    workers = f"{num_workers} worker{'s' if num_workers != 1 else ''}"
+    return f"{workers} of {island_size} process{'es' if island_size != 1 else ''}"
+
+
+def workers_start_line(optimizer: DiLoCo) -> str:
+    """The line a run of DiLoCo across processes logs at its start: the workers, H, the fragments, the outer dtype
+    and the overlap, and the payload one outer period (H inner steps: every fragment once) hands to the collectives
+    between workers (`DiLoCo.outer_bytes_per_period`, what ``outer_bytes`` will count) against what DDP over all
+    processes would all-reduce per step: every trainable parameter's gradient in its dtype."""
+    layout = optimizer.layout
+    steps = optimizer.param_groups[0][INNER_STEPS]
+    fragments = layout.num_fragments
+    period = optimizer.outer_bytes_per_period()
+    ddp = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    dtype = layout.outer_dtype
+    collective = "all-reduce" if dtype == "float32" else f"all-gather of the {dtype} payloads"
+    per = "one" if fragments == 1 else f"{fragments} (one per fragment, about 1/{fragments} of the model each)"
+    return (
+        f"hf_gpa: DiLoCo across workers: {workers_in_words(layout.num_workers, layout.island_size)} "
+        f"({layout.world_size} processes), H = {steps}, {fragments} fragment{'s' if fragments != 1 else ''}, outer "
+        f"dtype {layout.outer_dtype}, no overlap (each outer sync blocks the step that takes it). Every {steps} inner "
+        f"steps each process sends {period:,} bytes between workers ({per} {collective} of the pseudo-gradient), "
+        f"against {ddp:,} bytes per step under DDP ({ddp * steps:,} per {steps} steps): {period / (ddp * steps):.3g} "
+        "of DDP's. The logs carry outer_steps and outer_bytes (this process's, so far)."
+    )
+
+
 def island_token_count(count: torch.Tensor, layout: WorkerLayout) -> torch.Tensor:
     """The number of tokens a loss is averaged over, taken over the island: ``count`` (this process's) summed over
     the island's processes and divided by their number, since the island's DDP averages the processes' gradients. The
@@ -279,7 +318,8 @@ def island_token_count(count: torch.Tensor, layout: WorkerLayout) -> torch.Tenso
 class DiLoCoWorkersMixin:
     """The `Trainer` hooks that differ under DiLoCo across processes (``--diloco_distributed``), for a trainer class
     to compose (`GPATrainer` does): a DDP over the worker's island (`_wrap_model`), the token count taken over the
-    island (`_get_num_items_in_batch`), one optimizer state file per process in a checkpoint
+    island (`_get_num_items_in_batch`), the start line (`create_optimizer`) and the outer traffic in the logs
+    (`log`), one optimizer state file per process in a checkpoint
     (`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`), and `refuse_other_checkpoint` before
     training. Every hook takes ``*args, **kwargs`` and passes them on to the next class in the MRO unchanged, which
     it leaves alone for any other optimizer."""
@@ -326,6 +366,21 @@ class DiLoCoWorkersMixin:
         if handler is not None:
             handler.register_comm_hook(ddp)  # accelerate's own hook (gradient compression), where it sets one
         return ddp
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        """The next class's; under DiLoCo across processes, the first process logs `workers_start_line`."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self._workers_layout() is not None and self.args.process_index == 0:
+            logger.info(workers_start_line(unwrap_gpa_optimizer(self.optimizer)))
+        return optimizer
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The next class's; under DiLoCo across processes, the logs of a training step (those with its ``loss``)
+        also carry ``outer_steps`` and ``outer_bytes``, the optimizer's `OuterTraffic` so far."""
+        if self._workers_layout() is not None and "loss" in logs:
+            traffic = unwrap_gpa_optimizer(self.optimizer).outer_traffic
+            logs = {**logs, "outer_steps": traffic.outer_steps, "outer_bytes": traffic.outer_bytes}
+        super().log(logs, *args, **kwargs)
 
     def _get_num_items_in_batch(self, *args: Any, **kwargs: Any) -> torch.Tensor | int | None:
         """The next class's count of the tokens a loss is averaged over; under DiLoCo across processes, taken over

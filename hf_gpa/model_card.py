@@ -8,11 +8,13 @@ and the model alone; `GPATrainer.create_model_card` only hands it the card trans
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, NamedTuple
 
 from torch import nn
 from transformers import TrainingArguments
 
+from hf_gpa.distributed_diloco import workers_in_words
 from hf_gpa.optim_table import GPAOptimizerNames, muon_split
 
 __all__ = ["complete_model_card", "gpa_model_card_section", "gpa_run_summary", "with_gpa_tags"]
@@ -76,11 +78,13 @@ def _describe(args: TrainingArguments, model: nn.Module | None) -> _Described | 
         inner = "AdamW" if args.optim == GPAOptimizerNames.DILOCO_ADAMW else _MUON_CARD_NAME
         kind, across = "single-worker DiLoCo", ""
         if getattr(args, "diloco_distributed", False):
-            workers = "one per process" if args.diloco_workers is None else str(args.diloco_workers)
+            world = int(os.environ.get("WORLD_SIZE", args.world_size))  # the launcher's, as the flags were checked
+            workers = args.diloco_workers or world
             kind = "DiLoCo across workers"
             across = (
-                f" across the processes of the run, as {workers} workers (--diloco_workers), each averaging its "
-                f"pseudo-gradient with the others' at every outer step, in {args.diloco_fragments} fragment(s)"
+                f" across the {world} processes of the run, as {workers_in_words(workers, world // workers)} "
+                "(--diloco_workers), each averaging its pseudo-gradient with the others' at every outer step (sent "
+                f"in {getattr(args, 'diloco_outer_dtype', 'float32')}), in {args.diloco_fragments} fragment(s)"
             )
         what = (
             f"{across}: {inner} inner steps with H = {args.diloco_inner_steps} inner steps, outer learning rate "

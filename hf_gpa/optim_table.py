@@ -25,6 +25,7 @@ from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
 
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, GPADiLoCo, MuonWithAuxAdam, check_num_fragments, muon_param_groups
+from hf_gpa.optim._diloco_workers import check_outer_dtype, fragment_of_each
 
 __all__ = [
     "GPA_OPTIM_NAMES",
@@ -83,6 +84,7 @@ class BuildContext:
     diloco_distributed: bool
     diloco_workers: int | None  # None: every process a worker
     diloco_fragments: int
+    diloco_outer_dtype: str
     #: What the stock Trainer builds a stock ``--gpa_base_optim`` from (its handlers read ``--optim_args`` and more).
     stock_args: TrainingArguments | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -215,7 +217,16 @@ def _diloco_workers_kwargs(ctx: BuildContext, model: nn.Module | None) -> dict[s
     if model is not None:
         num_tensors = sum(1 for p in model.parameters() if p.requires_grad)
         check_num_fragments(ctx.diloco_fragments, num_tensors=num_tensors, name="--diloco_fragments")
-    return {"distributed": True, "num_workers": ctx.diloco_workers, "num_fragments": ctx.diloco_fragments}
+        numels = [p.numel() for p in model.parameters() if p.requires_grad]
+        fragments = [0] * ctx.diloco_fragments
+        for numel, fragment in zip(numels, fragment_of_each(numels, ctx.diloco_fragments)):
+            fragments[fragment] += numel
+        if ctx.diloco_distributed:
+            check_outer_dtype(ctx.diloco_outer_dtype, None, fragments, "--diloco_outer_dtype", "--diloco_fragments")
+    kwargs = {"distributed": True, "num_workers": ctx.diloco_workers, "num_fragments": ctx.diloco_fragments}
+    if ctx.diloco_distributed:  # GPA across the processes sends float32 (--diloco_outer_dtype is DiLoCo's flag)
+        kwargs["outer_dtype"] = ctx.diloco_outer_dtype
+    return kwargs
 
 
 def _build_muon(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
@@ -273,6 +284,7 @@ _DILOCO_FLAGS = (
     "diloco_outer_momentum",
     "diloco_distributed",
     *_WORKERS_FLAGS,
+    "diloco_outer_dtype",
 )
 #: GPA across the processes (``--gpa_distributed``): H, the outer lr, and where it runs.
 _GPA_WORKERS_FLAGS = ("gpa_distributed", "gpa_sync_steps", "gpa_outer_lr", *_WORKERS_FLAGS)

@@ -58,6 +58,7 @@ from hf_gpa.optim import (
     inner_steps_from_mu_x,
     mu_x_from_inner_steps,
 )
+from hf_gpa.optim._diloco_workers import OUTER_DTYPES, check_outer_dtype
 from hf_gpa.optim.gpa_diloco import DEFAULT_GPA_DILOCO_MU, check_outer_mu_y, outer_lr_like_diloco
 from hf_gpa.optim_table import (
     FLAG_READERS,
@@ -247,6 +248,19 @@ class GPATrainingArguments(TrainingArguments):
                 f"{DEFAULT_OUTER_MOMENTUM}) move its outer weights, {DEFAULT_OUTER_LR} (1 + {DEFAULT_OUTER_MOMENTUM}) "
                 "/ (1 - mu_x mu_y)."
             )
+        },
+    )
+    diloco_outer_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": (
+                "With --diloco_distributed and more than one worker: the dtype the pseudo-gradients cross the workers "
+                "in at each outer step: float32 (as they are), bfloat16 (half the bytes) or int8 (a float32 scale per "
+                "block of 256 elements: about a quarter), the compressed ones with error feedback (each worker keeps "
+                "what compression lost and adds it to its next pseudo-gradient). Each fragment needs at least 256 "
+                "elements for int8."
+            ),
+            "choices": OUTER_DTYPES,
         },
     )
     gpa_bn_recalibration_batches: int = field(
@@ -575,11 +589,12 @@ class GPATrainingArguments(TrainingArguments):
                     f"{' and '.join(given)} only applies with --gpa_distributed true (GPA across the processes). "
                     "Add --gpa_distributed true under accelerate launch or torchrun, or leave them out."
                 )
+        check_outer_dtype(self.diloco_outer_dtype, name="--diloco_outer_dtype")
         flag = self.across_workers
         if flag is None:
             given = [
                 f"--{flag} {getattr(self, flag)}"
-                for flag in ("diloco_workers", "diloco_fragments")
+                for flag in ("diloco_workers", "diloco_fragments", "diloco_outer_dtype")
                 if getattr(self, flag) != self.__dataclass_fields__[flag].default
             ]
             if given:
@@ -603,6 +618,7 @@ class GPATrainingArguments(TrainingArguments):
         self.diloco_fragments = check_num_fragments(
             self.diloco_fragments, inner_steps=inner_steps, name="--diloco_fragments"
         )
+        check_outer_dtype(self.diloco_outer_dtype, self.diloco_workers, name="--diloco_outer_dtype")
         refusals = []
         if self._uses_fsdp:
             refusals.append(

@@ -45,6 +45,28 @@ class Snapshot:
     momentum: list[torch.Tensor]
     #: The pseudo-gradients of each worker averaged by this step's outer step (None where no tensor was due).
     pseudo_gradients: list[list[torch.Tensor | None]] | None = None
+    #: Each worker's error-feedback residuals after the step (zero in float32).
+    residuals: list[list[torch.Tensor]] | None = None
+
+
+#: The elements of one int8 quantization block of a compressed outer all-reduce.
+INT8_BLOCK = 256
+
+
+def compressed(values: torch.Tensor, outer_dtype: str) -> torch.Tensor:
+    """What a worker's flat ``values`` become once sent in ``outer_dtype`` and received: rounded to bf16, or per
+    block of 256 elements scaled by max |block| / 127, rounded to integers in [-127, 127] and scaled back."""
+    if outer_dtype == "float32":
+        return values
+    if outer_dtype == "bfloat16":
+        return values.to(torch.bfloat16).to(values.dtype)
+    out = torch.zeros_like(values)
+    for start in range(0, values.numel(), INT8_BLOCK):
+        block = values[start : start + INT8_BLOCK]
+        scale = block.abs().max() / 127
+        if scale > 0:
+            out[start : start + INT8_BLOCK] = torch.round(block / scale).clamp(-127, 127) * scale
+    return out
 
 
 def simulate(
@@ -54,14 +76,20 @@ def simulate(
     num_fragments: int,
     steps: int,
     dtype: torch.dtype = torch.float32,
+    outer_dtype: str = "float32",
 ) -> list[Snapshot]:
-    """The plain loop of M = ``num_workers`` workers of ``island_size`` ranks each: a snapshot after every step."""
+    """The plain loop of M = ``num_workers`` workers of ``island_size`` ranks each: a snapshot after every step.
+
+    ``outer_dtype`` bfloat16 or int8: each worker adds its residual to its pseudo-gradients, sends the due tensors
+    (one flat vector in the model's order) `compressed`, keeps what compression lost as its residual, and the
+    average is taken of what was received (``Snapshot.residuals``: each worker's residuals after the step)."""
     world_size = num_workers * island_size
     models = [build_mlp(dtype) for _ in range(num_workers)]  # seeded: the same initial weights
     inner_optimizers = [torch.optim.AdamW(model.parameters(), **ADAMW_KW) for model in models]
     weights = [list(model.parameters()) for model in models]
     outer = [p.detach().clone() for p in weights[0]]
     momentum = [torch.zeros_like(p) for p in outer]
+    residuals = [[torch.zeros_like(p) for p in outer] for _ in range(num_workers)]
     history = []
     for t in range(1, steps + 1):
         for worker, (model, optimizer) in enumerate(zip(models, inner_optimizers)):
@@ -77,15 +105,28 @@ def simulate(
         averaged: list[list[torch.Tensor | None]] = [[None] * len(outer) for _ in range(num_workers)]
         due = False
         with torch.no_grad():
-            for i, fragment in enumerate(FRAGMENTS[num_fragments]):
-                if (t - fragment * inner_steps // num_fragments) % inner_steps:
+            due_now = [
+                i
+                for i, fragment in enumerate(FRAGMENTS[num_fragments])
+                if (t - fragment * inner_steps // num_fragments) % inner_steps == 0
+            ]
+            received = [[None] * len(outer) for _ in range(num_workers)]
+            for worker, w in enumerate(weights):
+                pseudo = [outer[i] - w[i] for i in due_now]
+                if outer_dtype != "float32":
+                    pseudo = [q + residuals[worker][i] for q, i in zip(pseudo, due_now)]
+                if not pseudo:
                     continue
+                sent = compressed(torch.cat([q.reshape(-1) for q in pseudo]), outer_dtype)
+                for i, q, got in zip(due_now, pseudo, sent.split([q.numel() for q in pseudo])):
+                    averaged[worker][i] = q
+                    received[worker][i] = got.view(q.shape)
+                    if outer_dtype != "float32":
+                        residuals[worker][i] = q - received[worker][i]
+            for i in due_now:
                 due = True
-                pseudo = [outer[i] - w[i] for w in weights]
-                for worker in range(num_workers):
-                    averaged[worker][i] = pseudo[worker]
-                p = pseudo[0]
-                for q in pseudo[1:]:
+                p = received[0][i]
+                for q in [received[w][i] for w in range(1, num_workers)]:
                     p = p + q  # the fixed order: worker 0, 1, 2, ...
                 p = p / num_workers
                 momentum[i].mul_(OUTER_MOMENTUM).add_(p)
@@ -98,6 +139,7 @@ def simulate(
                 outer=[p.clone() for p in outer],
                 momentum=[b.clone() for b in momentum],
                 pseudo_gradients=averaged if due else None,
+                residuals=[[e.clone() for e in r] for r in residuals],
             )
         )
     return history

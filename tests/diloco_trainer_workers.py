@@ -119,6 +119,17 @@ class Recorder(TrainerCallback):
         self.train_mode_during_eval.append(unwrap_gpa_optimizer(optimizer).train_mode)
 
 
+class StartLines(logging.Handler):
+    """The INFO lines hf_gpa.distributed_diloco logs (the start line of a run across processes)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def groups_of(trainer: GPATrainer) -> dict[str, list[int]]:
     """The global ranks of every process group the run's collectives can use, by the name the flight recorder gives."""
     layout = unwrap_gpa_optimizer(trainer.optimizer).layout
@@ -140,7 +151,14 @@ def run(
     recorder = Recorder()
     trainer.add_callback(recorder)
     first = last_record_id()
-    trainer.train(resume_from_checkpoint=resume)
+    start_lines = StartLines()
+    logger = logging.getLogger("hf_gpa.distributed_diloco")
+    logger.addHandler(start_lines)
+    logger.setLevel(logging.INFO)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        logger.removeHandler(start_lines)
     metrics = trainer.evaluate()  # after training: at the outer weights
     trainer.save_model(str(out / name / "final"))
     layout = unwrap_gpa_optimizer(trainer.optimizer).layout
@@ -158,6 +176,8 @@ def run(
         "wrapped": type(trainer.model_wrapped).__name__,
         "ddp_group_is_island": getattr(trainer.model_wrapped, "process_group", None) is layout.island_group,
         "numel": sum(p.numel() for p in trainer.model.parameters()),
+        "log_history": trainer.state.log_history,
+        "start_lines": start_lines.lines,
     }
 
 
@@ -213,6 +233,10 @@ def two_ranks(out: Path) -> dict[str, Any]:
     facts["unseeded"] = run(out, "unseeded", model=model, max_steps=INNER_STEPS, save_strategy="no")
 
     facts["streaming"] = run(out, "streaming", save_strategy="no", eval_strategy="no", **STREAMING)
+    # The outer all-reduce compressed to int8: the logs count the all-gather's payload.
+    facts["int8"] = run(
+        out, "int8", diloco_outer_dtype="int8", max_steps=INNER_STEPS, save_strategy="no", eval_strategy="no"
+    )
     # One worker of both processes (an island of 2: DDP over it), against accelerate's DDP around single-worker DiLoCo.
     short = dict(max_steps=INNER_STEPS, save_strategy="no", eval_strategy="no")
     facts["one_worker"] = run(out, "one_worker", diloco_workers=1, **short)

@@ -12,6 +12,7 @@ group in a ``finally``, also when its scenario raises.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import sys
 from pathlib import Path
@@ -44,11 +45,15 @@ def diloco(model: torch.nn.Module, **kwargs: Any) -> DiLoCo:
 
 def snapshot(model: torch.nn.Module, optimizer: DiLoCo) -> dict[str, list[torch.Tensor]]:
     params = list(model.parameters())
-    return {
+    held = {
         "inner": [p.detach().clone() for p in params],
         "outer": [optimizer.state[p]["outer"].clone() for p in params],
         "momentum": [optimizer.state[p]["outer_momentum_buffer"].clone() for p in params],
     }
+    if optimizer.layout.outer_dtype != "float32":
+        zero = [torch.zeros_like(p) for p in params]
+        held["residual"] = [optimizer.state[p].get("outer_residual", z).clone() for p, z in zip(params, zero)]
+    return held
 
 
 def train(
@@ -190,6 +195,60 @@ def four_ranks(out: Path, rank: int) -> None:
     torch.save(facts, out / f"four_ranks_rank{rank}.pt")
 
 
+def compressed(out: Path, rank: int) -> None:
+    """Two workers with the outer all-reduce in bfloat16 and in int8 (error feedback): the run, its outer traffic, a
+    resume from a state saved in eval mode after the first outer step (residuals not zero); float32's traffic; and
+    pseudo-gradients that both dtypes hold exactly, averaged by each dtype's collective."""
+    from hf_gpa.optim._diloco_workers import averaged_pseudo_gradients
+
+    facts: dict[str, Any] = {}
+    for outer_dtype in ("float32", "bfloat16", "int8"):
+        model = build_mlp(torch.float32)
+        optimizer = diloco(model, outer_dtype=outer_dtype)
+        history: list = []
+        train(model, model, optimizer, range(RESUME_AT), history)
+        optimizer.eval()
+        saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        torch.save(saved, out / f"{outer_dtype}_{rank}.pt")
+        optimizer.train()
+        train(model, model, optimizer, range(RESUME_AT, STEPS), history)
+        facts[outer_dtype] = history
+        facts[f"{outer_dtype}_traffic"] = dataclasses.asdict(optimizer.outer_traffic)
+        facts[f"{outer_dtype}_per_period"] = optimizer.outer_bytes_per_period()
+
+        checkpoint = torch.load(out / f"{outer_dtype}_{rank}.pt", weights_only=True)
+        model = build_mlp(torch.float32)
+        optimizer = diloco(model, outer_dtype=outer_dtype)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.train()
+        facts[f"{outer_dtype}_resumed_traffic_at_start"] = dataclasses.asdict(optimizer.outer_traffic)
+        facts[f"{outer_dtype}_resumed"] = []
+        train(model, model, optimizer, range(RESUME_AT, STEPS), facts[f"{outer_dtype}_resumed"])
+
+    # Exactly representable pseudo-gradients: integers in [-127, 127], 300 elements in two int8 blocks, each with 127
+    # or -127 in it (its scale is 1), in an order of each rank's own: every dtype's average is float32's, bitwise, and
+    # leaves no residual.
+    layout = optimizer.layout
+    blocks = [
+        torch.cat([torch.arange(-127.0, 128.0), torch.zeros(1)]),
+        torch.cat([torch.arange(-127.0, -84.0), torch.tensor([127.0])]),
+    ]
+    order = torch.Generator().manual_seed(rank)
+    values = torch.cat([b[torch.randperm(b.numel(), generator=order)] for b in blocks])
+    inner = values.neg()  # outer 0: the pseudo-gradient is ``values``
+    exact = {}
+    for outer_dtype in ("float32", "bfloat16", "int8"):
+        outers, inners = [torch.zeros(300)], [inner.clone()]
+        residuals = [torch.zeros(300)]
+        averaged = averaged_pseudo_gradients(
+            outers, inners, dataclasses.replace(layout, outer_dtype=outer_dtype), residuals
+        )
+        exact[outer_dtype] = (averaged[0].clone(), residuals[0].clone())
+    facts["exact"] = exact
+    torch.save(facts, out / f"compressed_rank{rank}.pt")
+
+
 def one_rank_leaves(out: Path, rank: int) -> None:
     """Rank 1 raises before the first outer step; rank 0 goes on into the outer all-reduce and must fail."""
     model = build_mlp(torch.float32)
@@ -260,6 +319,7 @@ SCENARIOS = {
     "two_ranks": two_ranks,
     "four_ranks": four_ranks,
     "one_rank_leaves": one_rank_leaves,
+    "compressed": compressed,
     "seams": seams,
 }
 

@@ -17,7 +17,14 @@ from diloco_simulation import ADAMW_KW, FRAGMENTS, OUTER_LR, OUTER_MOMENTUM, ran
 from distributed_workers import build_mlp, mse
 
 from hf_gpa import DiLoCo
-from hf_gpa.optim._diloco_workers import fragment_due, fragment_of_each
+from hf_gpa.optim._diloco_workers import (
+    check_outer_dtype,
+    compress,
+    decompress,
+    fragment_due,
+    fragment_of_each,
+    outer_payload_bytes,
+)
 
 
 def _grad(y: torch.Tensor, t: int) -> torch.Tensor:
@@ -533,3 +540,48 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in _tensors(item)]
     return []
+
+
+# ---------------------------------------------------------------- the compressed outer all-reduce's wire format
+
+
+@pytest.mark.parametrize("outer_dtype", ["bfloat16", "int8"])
+def test_a_compressed_payload_has_the_announced_bytes_and_decompresses_to_what_the_sender_kept(outer_dtype) -> None:
+    """A flat bucket of 600 elements (int8: blocks of 256, 256, 88): the payload has outer_payload_bytes' bytes (2 n in
+    bf16; n + 4 x 3 in int8), its decompression is bitwise what the sender kept as sent, and the error is within half
+    a step of the dtype (bf16: 2**-8 relative, its unit roundoff; int8: half the block's scale)."""
+    values = torch.randn(600, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 10, 600)
+    payload, kept = compress(values, outer_dtype)
+    assert payload.numel() * payload.element_size() == outer_payload_bytes(600, 4, outer_dtype)
+    assert outer_payload_bytes(600, 4, outer_dtype) == {"bfloat16": 1200, "int8": 612}[outer_dtype]
+    assert torch.equal(decompress(payload, values, outer_dtype), kept)
+    error = (kept - values).abs()
+    if outer_dtype == "bfloat16":
+        assert bool((error <= values.abs() * 2.0**-8).all())
+    else:
+        for block in range(3):
+            part = slice(256 * block, 256 * (block + 1))
+            assert bool((error[part] <= values[part].abs().max() / 127 / 2 * (1 + 1e-6)).all())
+
+
+@pytest.mark.parametrize("outer_dtype", ["bfloat16", "int8"])
+def test_values_a_compressed_dtype_holds_are_sent_exactly(outer_dtype) -> None:
+    """Integers within +-127, each int8 block holding 127 (scale 1), and an all-zero block (scale 0: zeros): sent
+    exactly, no residual left."""
+    blocks = [torch.arange(-127.0, 128.0), torch.zeros(1), torch.tensor([127.0, -3.0, 5.0]), torch.zeros(253)]
+    values = torch.cat([*blocks, torch.zeros(256)])
+    _, kept = compress(values, outer_dtype)
+    assert torch.equal(kept, values)
+
+
+def test_outer_dtype_refusals_name_the_argument() -> None:
+    """An unknown dtype, a compressed one for a single worker, int8 with a fragment under one block: a ValueError
+    naming the argument (and the fragments); a single-worker DiLoCo refuses a compressed outer dtype at
+    construction."""
+    with pytest.raises(ValueError, match=r"Invalid outer_dtype: 'fp8' \(one of float32, bfloat16, int8\)"):
+        check_outer_dtype("fp8")
+    with pytest.raises(ValueError, match=r"Invalid outer_dtype: 'bfloat16' with a single worker"):
+        DiLoCo(build_mlp(torch.float32).parameters(), outer_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"Invalid outer_dtype: 'int8' with num_fragments = 2: a fragment holds 255"):
+        check_outer_dtype("int8", 2, [300, 255])
+    assert check_outer_dtype("int8", 2, [256, 256]) == "int8" and check_outer_dtype("bfloat16", 2, [1, 1])

@@ -161,6 +161,77 @@ def test_every_worker_starts_from_rank_0_s_weights_and_every_tensor_takes_each_o
     assert all(not torch.equal(a, b) for a, b in zip(first["heads_outer"], first["heads_at_start"]))
 
 
+# ---------------------------------------------------------------- a compressed outer all-reduce (2 processes)
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch("compressed", 2, tmp_path_factory.mktemp("compressed"))
+
+
+@pytest.mark.parametrize("outer_dtype", ["bfloat16", "int8"])
+def test_a_compressed_outer_all_reduce_equals_the_simulation_bitwise(compressed: list, outer_dtype: str) -> None:
+    """2 workers (H = 3, 7 steps), the pseudo-gradients sent in bfloat16 or in int8 (a scale per block of 256: the
+    MLP's 259 elements are 2 blocks) with error feedback: each rank's inner weights, the outer weights, the outer
+    momentum and its worker's residuals equal, bitwise after every step, those of the single-process simulation that
+    applies the same quantization; the residuals are not zero, and the run differs from float32's."""
+    expected = simulate(2, 1, dw.INNER_STEPS, 1, dw.STEPS, outer_dtype=outer_dtype)
+    for rank, facts in enumerate(compressed):
+        assert_matches(facts[outer_dtype], expected, worker=rank)
+        for step, (held, snapshot) in enumerate(zip(facts[outer_dtype], expected), start=1):
+            for a, b in zip(held["residual"], snapshot.residuals[rank]):
+                assert torch.equal(a, b), step
+        assert any(bool(e.abs().max() > 0) for e in facts[outer_dtype][-1]["residual"])
+        float32 = facts["float32"][-1]["outer"]
+        assert any(not torch.equal(a, b) for a, b in zip(facts[outer_dtype][-1]["outer"], float32))
+    assert_same_outer_everywhere([facts[outer_dtype] for facts in compressed])
+
+
+def test_float32_outer_dtype_is_the_all_reduce_of_before_bitwise(compressed: list) -> None:
+    """outer_dtype float32 (the default, given explicitly): bitwise the simulation of the plain average, as before."""
+    expected = simulate(2, 1, dw.INNER_STEPS, 1, dw.STEPS)
+    for rank, facts in enumerate(compressed):
+        assert_matches(facts["float32"], expected, worker=rank)
+
+
+def test_the_optimizer_counts_the_bytes_it_hands_to_the_collectives(compressed: list) -> None:
+    """After 7 steps (outer steps at 3 and 6) of the MLP's 259 float32 elements: float32 hands the all-reduce 4 bytes
+    an element, bfloat16 the all-gather 2, int8 1 plus a 4-byte scale per block of 256 (2 blocks): per outer step
+    1,036, 518 and 267 bytes (1/2 and 0.258 of float32's); outer_bytes_per_period says the same before they are
+    sent."""
+    numel = 259
+    per_step = {"float32": 4 * numel, "bfloat16": 2 * numel, "int8": numel + 4 * 2}
+    for facts in compressed:
+        for outer_dtype, sent in per_step.items():
+            assert facts[f"{outer_dtype}_traffic"] == {"outer_steps": 2, "outer_bytes": 2 * sent}, outer_dtype
+            assert facts[f"{outer_dtype}_per_period"] == sent
+
+
+@pytest.mark.parametrize("outer_dtype", ["float32", "bfloat16", "int8"])
+def test_a_resume_with_a_compressed_outer_all_reduce_is_bitwise(compressed: list, outer_dtype: str) -> None:
+    """Saved in eval mode after step 4 (the outer step at 3 left residuals), resumed on every rank: the residuals come
+    back with the state, the outer traffic counts on from the saved one, and every later step (the outer step at 6
+    included) equals the uninterrupted run's bitwise."""
+    for facts in compressed:
+        assert facts[f"{outer_dtype}_resumed_traffic_at_start"]["outer_steps"] == 1
+        uninterrupted = facts[outer_dtype][dw.RESUME_AT :]
+        assert len(facts[f"{outer_dtype}_resumed"]) == len(uninterrupted) == dw.STEPS - dw.RESUME_AT
+        for step, (held, want) in enumerate(zip(facts[f"{outer_dtype}_resumed"], uninterrupted)):
+            for key in want:
+                assert all(torch.equal(a, b) for a, b in zip(held[key], want[key])), (step, key)
+
+
+def test_values_a_compressed_dtype_holds_exactly_average_as_in_float32(compressed: list) -> None:
+    """Pseudo-gradients of integers within +-127 (each int8 block holding +-127: scale 1), in each rank's own order:
+    bfloat16 and int8 with error feedback give float32's all-reduce average bitwise and leave a zero residual."""
+    for facts in compressed:
+        float32, _ = facts["exact"]["float32"]
+        for outer_dtype in ("bfloat16", "int8"):
+            averaged, residual = facts["exact"][outer_dtype]
+            assert torch.equal(averaged, float32) and not bool(residual.any()), outer_dtype
+    assert not torch.equal(compressed[0]["exact"]["float32"][0], torch.zeros(300))
+
+
 # ---------------------------------------------------------------- 4 processes
 
 

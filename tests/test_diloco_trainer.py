@@ -152,6 +152,100 @@ def test_streaming_all_reduces_each_fragment_once_per_period(two_ranks: tuple) -
         assert during[2][1] + during[4][1] == run["numel"]
 
 
+# ---------------------------------------------------------------- what the run tells the user
+
+
+def logged_steps(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The log entries of the training steps (those with a loss)."""
+    return [entry for entry in run["log_history"] if "loss" in entry]
+
+
+def outer_payloads(run: dict[str, Any]) -> dict[int, int]:
+    """By step, the bytes handed to the collectives that cross workers during it, from the flight recorder (whose
+    records give the elements: the pseudo-gradients are float32, 4 bytes each)."""
+    payloads: dict[int, int] = {}
+    for record in crossing(run):
+        step = step_of(run, record)
+        if step is not None:
+            payloads[step] = payloads.get(step, 0) + 4 * record["numel"]
+    return payloads
+
+
+def assert_logs_count_the_outer_traffic(run: dict[str, Any]) -> None:
+    """Every logged training step carries outer_steps (the steps so far at which a fragment synchronised) and
+    outer_bytes (what crossed the workers so far, per the flight recorder)."""
+    payloads = outer_payloads(run)
+    logged = logged_steps(run)
+    assert logged
+    for entry in logged:
+        synced = [s for s in payloads if s <= entry["step"]]
+        assert entry["outer_steps"] == len(synced), entry
+        assert entry["outer_bytes"] == sum(payloads[s] for s in synced), entry
+
+
+def test_the_logs_carry_the_outer_steps_and_the_bytes_sent_between_workers(two_ranks: tuple) -> None:
+    """M = W = 2, H = 3, logging at every step: outer_steps = floor(step / 3), outer_bytes = outer_steps times the
+    float32 model (4 bytes a parameter), equal to what the flight recorder saw cross the workers; streaming (P = 2,
+    H = 4): one outer step per fragment synchronised (steps 2, 4, 6, 8), the bytes its fragment's; resumed from
+    checkpoint-4, the counts go on from the optimizer state's (steps 5 and 6 log what the uninterrupted run logged)."""
+    _, facts = two_ranks
+    for f in facts:
+        run = f["run"]
+        assert_logs_count_the_outer_traffic(run)
+        assert [(e["step"], e["outer_steps"], e["outer_bytes"]) for e in logged_steps(run)] == [
+            (s, s // dw.INNER_STEPS, s // dw.INNER_STEPS * 4 * run["numel"]) for s in range(1, dw.STEPS + 1)
+        ]
+        streaming = f["streaming"]
+        assert_logs_count_the_outer_traffic(streaming)
+        assert [e["outer_steps"] for e in logged_steps(streaming)] == [s // 2 for s in range(1, 9)]
+        resumed = {e["step"]: e for e in logged_steps(f["resumed"])}
+        uninterrupted = {e["step"]: e for e in logged_steps(run)}
+        assert sorted(resumed) == list(range(1, dw.STEPS + 1))  # 1-4: the checkpoint's log history
+        for step, entry in resumed.items():
+            assert (entry["outer_steps"], entry["outer_bytes"]) == (
+                uninterrupted[step]["outer_steps"], uninterrupted[step]["outer_bytes"]
+            )  # fmt: skip
+
+
+def test_with_int8_the_logs_count_the_all_gather_s_payload(two_ranks: tuple) -> None:
+    """--diloco_outer_dtype int8, H = 3: the one collective crossing the workers at step 3 is an all-gather of
+    n int8 values and ceil(n / 256) float32 scales (n the model's parameters), which outer_bytes counts, and the
+    start line announces."""
+    _, (first, second) = two_ranks
+    for f in (first, second):
+        run = f["int8"]
+        n = run["numel"]
+        payload = n + 4 * -(-n // 256)
+        during = [(r["op"], r["numel"]) for r in crossing(run) if step_of(run, r) is not None]
+        assert during == [("gloo:all_gather", payload)]  # the flight recorder: the input's elements (uint8)
+        assert [(e["step"], e["outer_steps"], e["outer_bytes"]) for e in logged_steps(run)] == [
+            (1, 0, 0), (2, 0, 0), (3, 1, payload)
+        ]  # fmt: skip
+    (line,) = first["int8"]["start_lines"]
+    assert "outer dtype int8" in line
+    assert f"sends {payload:,} bytes between workers (one all-gather of the int8 payloads" in line
+
+
+def test_the_first_process_logs_one_start_line(two_ranks: tuple) -> None:
+    """At the start of training, rank 0 logs one line with the mode (2 workers of 1 process, H, fragments, the outer
+    dtype, no overlap) and the bytes of an outer period against DDP's per step (the float32 model each); rank 1
+    none."""
+    _, (first, second) = two_ranks
+    run = first["run"]
+    model = 4 * run["numel"]
+    assert run["start_lines"] == [
+        "hf_gpa: DiLoCo across workers: 2 workers of 1 process (2 processes), H = 3, 1 fragment, outer dtype float32, "
+        "no overlap (each outer sync blocks the step that takes it). Every 3 inner steps each process sends "
+        f"{model:,} bytes between workers (one all-reduce of the pseudo-gradient), against {model:,} bytes per step "
+        f"under DDP ({3 * model:,} per 3 steps): 0.333 of DDP's. The logs carry outer_steps and outer_bytes (this "
+        "process's, so far)."
+    ]
+    (streaming,) = first["streaming"]["start_lines"]
+    assert "H = 4, 2 fragments" in streaming
+    assert "2 (one per fragment, about 1/2 of the model each) all-reduce" in streaming
+    assert second["run"]["start_lines"] == [] and second["streaming"]["start_lines"] == []
+
+
 # ---------------------------------------------------------------- the outer weights: evaluated, saved, the same
 
 
@@ -390,6 +484,10 @@ def test_two_islands_of_two_average_gradients_inside_the_island_only(tmp_path: P
     facts = [f["islands"] for f in launch("four_ranks", 4, tmp_path)]
     for run in facts:  # logging and evaluation at the outer steps: the token count stays in the island too
         assert_only_the_outer_all_reduce_crosses(run)
+        assert_logs_count_the_outer_traffic(run)
+        logged = [(e["outer_steps"], e["outer_bytes"]) for e in logged_steps(run)]
+        assert logged == [(1, 4 * run["numel"]), (2, 8 * run["numel"])]
+    assert "2 workers of 2 processes (4 processes)" in facts[0]["start_lines"][0]
     for rank, run in enumerate(facts):
         assert run["layout"] == {"world_size": 4, "num_workers": 2, "num_fragments": 1, "worker": rank // 2}
         assert run["island_size"] == 2 and run["ddp_group_is_island"]

@@ -574,6 +574,8 @@ DISTRIBUTED = ["--optim", "diloco_adamw", "--diloco_distributed", "true"]
         ("4", [*DISTRIBUTED, "--deepspeed", "ds.json"], r"--diloco_distributed cannot run with DeepSpeed"),
         ("4", [*DISTRIBUTED, "--gpa_step_in_backward", "true"], r"--gpa_step_in_backward cannot run with --optim dil"),
         ("4", [*DISTRIBUTED, "--accelerator_config", '{"dispatch_batches": true}'], r"dispatch_batches=true"),
+        ("4", [*DISTRIBUTED, "--diloco_workers", "1", "--diloco_outer_dtype", "int8"], r"dtype: 'int8' with a s"),
+        ("4", ["--optim", "diloco_adamw", "--diloco_outer_dtype", "bfloat16"], r"--diloco_outer_dtype bfloat16 only"),
     ],
 )
 def test_diloco_distributed_bad_input_is_refused_at_parse_time(world_size, argv, message, tmp_path, monkeypatch):
@@ -595,6 +597,17 @@ def test_diloco_distributed_under_an_fsdp_or_deepspeed_launch_is_refused(variabl
     monkeypatch.setenv(variable, "true")
     with pytest.raises(ValueError, match="--diloco_distributed cannot run with (FSDP|DeepSpeed)"):
         parse(DISTRIBUTED, tmp_path)
+
+
+def test_an_unknown_outer_dtype_is_refused_by_name(tmp_path, monkeypatch, capsys):
+    """--diloco_outer_dtype fp8: refused by the parser (its choices) and, from Python, by a ValueError naming the flag
+    and the dtypes it takes."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        parse([*DISTRIBUTED, "--diloco_outer_dtype", "fp8"], tmp_path)
+    assert "--diloco_outer_dtype" in (err := capsys.readouterr().err) and "invalid choice: 'fp8'" in err
+    with pytest.raises(ValueError, match=r"Invalid --diloco_outer_dtype: 'fp8' \(one of float32, bfloat16, int8\)"):
+        make(tmp_path, optim="diloco_adamw", diloco_distributed=True, diloco_outer_dtype="fp8")
 
 
 def test_diloco_distributed_from_python_must_be_a_bool(tmp_path, monkeypatch):
@@ -654,15 +667,36 @@ def test_more_fragments_than_tensors_is_refused_when_the_optimizer_is_built(tmp_
 
 
 @needs_a_lazy_process_group
+def test_int8_with_fragments_smaller_than_a_block_is_refused_when_the_optimizer_is_built(tmp_path, monkeypatch):
+    """int8 with a fragment of fewer than 256 elements (known only with the model): refused naming both flags, as the
+    optimizer is built, before the optimizer (whose construction communicates) exists; with one fragment of the
+    same model, or bfloat16, it builds."""
+    from hf_gpa.optim_table import optimizer_cls_and_kwargs
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))  # 272 elements a layer
+    args = parse([*DISTRIBUTED, "--diloco_fragments", "4", "--diloco_outer_dtype", "int8"], tmp_path)
+    with pytest.raises(ValueError, match=r"Invalid --diloco_outer_dtype: 'int8' with --diloco_fragments = 4: a frag"):
+        optimizer_cls_and_kwargs(args, model)
+    for argv in (["--diloco_fragments", "2", "--diloco_outer_dtype", "int8"], ["--diloco_outer_dtype", "bfloat16"]):
+        _, kwargs = optimizer_cls_and_kwargs(parse([*DISTRIBUTED, "--diloco_fragments", "4", *argv], tmp_path), model)
+        assert kwargs["outer_dtype"] == argv[-1]
+
+
+@needs_a_lazy_process_group
 def test_the_model_card_names_diloco_across_workers(tmp_path, monkeypatch):
     """The model card of a run across processes says DiLoCo across workers and their number, not single-worker."""
     from hf_gpa.model_card import gpa_model_card_section
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     card = gpa_model_card_section(parse([*DISTRIBUTED, "--diloco_workers", "2", "--diloco_fragments", "2"], tmp_path))
-    assert "## Optimizer: DiLoCo across workers" in card and "as 2 workers (--diloco_workers)" in card
+    assert "## Optimizer: DiLoCo across workers" in card
+    assert "across the 4 processes of the run, as 2 workers of 2 processes (--diloco_workers)" in card
     assert "in 2 fragment(s)" in card and "single-worker" not in card
     assert "single-worker DiLoCo" in gpa_model_card_section(parse(["--optim", "diloco_adamw"], tmp_path))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    card = gpa_model_card_section(parse([*DISTRIBUTED, "--diloco_outer_dtype", "int8"], tmp_path))
+    assert "as 2 workers of 1 process (--diloco_workers)" in card and "(sent in int8)" in card
 
 
 # ---------------------------------------------------------------- GPA across processes: bad input at parse time
@@ -700,12 +734,14 @@ GPA_DISTRIBUTED = ["--optim", "gpa_adamw", "--gpa_distributed", "true"]
         ("4", ["--optim", "gpa_adamw", "--gpa_sync_steps", "8"], r"--gpa_sync_steps 8 only applies with --gpa_distr"),
         ("4", ["--optim", "gpa_adamw", "--gpa_outer_lr", "3"], r"--gpa_outer_lr 3.0 only applies with --gpa_distri"),
         ("4", ["--optim", "gpa_adamw", "--diloco_workers", "2"], r"--diloco_workers 2 only applies with --diloco_dis"),
+        ("4", [*GPA_DISTRIBUTED, "--diloco_outer_dtype", "int8"], r"--diloco_outer_dtype int8 only applies to --optim d"),
     ],
 )  # fmt: skip
 def test_gpa_distributed_bad_input_is_refused_at_parse_time(world_size, argv, message, tmp_path, monkeypatch):
     """GPA across processes: H < 1, a mu or the outer lr outside its range, M that does not divide WORLD_SIZE, P > H,
     a single process, FSDP, DeepSpeed, fp16 loss scaling, dispatched batches, --diloco_distributed beside it, a
-    per-step averaging flag, the step in backward, an --optim it cannot wrap, and its flags without it: a ValueError
+    per-step averaging flag, the step in backward, an --optim it cannot wrap, its flags without it, a compressed outer
+    dtype (DiLoCo's only): a ValueError
     naming the flag and the allowed range, while parsing, before anything is built."""
     if world_size is None:
         monkeypatch.delenv("WORLD_SIZE", raising=False)

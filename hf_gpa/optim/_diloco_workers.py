@@ -21,6 +21,25 @@ the average is bitwise the fixed-order one; with M > 2 the backend's order of th
 and a fixed-order sum would be bitwise for every M, but each process would receive M - 1 fragments instead of the
 ring all-reduce's 2 (M - 1) / M: traffic is what DiLoCo exists to save.
 
+The outer dtype (``outer_dtype``): "float32" sends the pseudo-gradient as it is (in the outer weights' dtype: float32
+for fp32/bf16/fp16 parameters) in that all-reduce. "bfloat16" and "int8" compress it: each worker adds its residual
+``e`` (the part of its earlier pseudo-gradients that compression lost, ``state["outer_residual"]``, float32, zero at
+first) to its pseudo-gradient ``p``, sends ``c = C(p + e)`` and keeps ``e <- (p + e) - D(c)`` (error feedback), D the
+dequantization. bfloat16: ``c`` is ``p + e`` rounded to bf16 (2 bytes an element). int8: the flat bucket is cut into
+blocks of `INT8_BLOCK` = 256 elements (the last one shorter), each sent as int8 ``q = round((p + e) / s)`` with its
+float32 scale ``s = max |p + e| / 127`` over the block (1 + 4 / 256 bytes an element): a block of 256 keeps one
+outlier from coarsening more than 255 neighbours while its scale costs 1.6 % of the payload, and it does not depend on
+the tensors' shapes (a bias, an embedding row, a fragment boundary alike). The compressed buckets are summed by an
+*all-gather* (every worker receives the M payloads) and a local sum of the dequantized ones in float32, in the
+workers' order, divided by M: no int8 or bf16 sum can overflow or round, gloo and NCCL need no custom reduction, and
+the average is bitwise the same on every process and equal to a fixed-order simulation for every M. The price: each
+process receives M - 1 payloads of b bytes an element where a ring all-reduce of float32 sends 2 (M - 1) / M x 4, so
+the bytes are M b / 8 of float32's: 1/2 (bf16) and 0.254 (int8) at M = 2, 1 and 0.51 at M = 4; compression saves
+traffic only for M < 8 / b workers (an island of many processes is still one worker).
+
+Every process counts what it hands to the collectives that cross workers (`OuterTraffic`: the outer steps taken and
+their payload bytes, the same on every process), which the Trainer logs.
+
 Streaming (P fragments): the parameters, in the order of the param groups, are split into P contiguous runs of about
 equal size (each at least one tensor), and fragment k has its outer step at the inner steps t with
 (t - k H // P) % H == 0, so that one outer all-reduce carries about 1/P of the model. P = 1 is plain DiLoCo.
@@ -39,13 +58,70 @@ from ._checks import check_num_fragments, check_num_workers
 from ._types import DILOCO_LAYOUT
 
 __all__ = [
+    "INT8_BLOCK",
+    "OUTER_DTYPES",
+    "OuterTraffic",
     "WorkerLayout",
+    "check_outer_dtype",
+    "outer_payload_bytes",
     "worker_layout",
     "island_allreduce_hook",
     "saved_diloco_layout",
     "fragment_of_each",
     "fragment_due",
 ]
+
+
+#: The dtypes the pseudo-gradient may cross the workers in (``outer_dtype``, ``--diloco_outer_dtype``).
+OUTER_DTYPES = ("float32", "bfloat16", "int8")
+#: The elements of one int8 quantization block (one float32 scale each) of a flat bucket.
+INT8_BLOCK = 256
+
+
+def check_outer_dtype(
+    outer_dtype: Any,
+    num_workers: int | None = None,
+    fragment_numels: Sequence[int] | None = None,
+    name: str = "outer_dtype",
+    fragments_name: str = "num_fragments",
+) -> str:
+    """``outer_dtype`` one of `OUTER_DTYPES`; a compressed one only with more than one worker (``num_workers``, when
+    known: a single worker sends nothing) and, for int8, with every fragment (``fragment_numels``, the elements of
+    each, when known) at least one quantization block."""
+    if outer_dtype not in OUTER_DTYPES:
+        raise ValueError(f"Invalid {name}: {outer_dtype!r} (one of {', '.join(OUTER_DTYPES)})")
+    if outer_dtype != "float32" and num_workers == 1:
+        raise ValueError(
+            f"Invalid {name}: {outer_dtype!r} with a single worker, which sends no pseudo-gradient to compress "
+            "(more than one worker: DiLoCo across processes with num_workers > 1); leave it float32"
+        )
+    if outer_dtype == "int8" and fragment_numels and min(fragment_numels) < INT8_BLOCK:
+        raise ValueError(
+            f"Invalid {name}: 'int8' with {fragments_name} = {len(fragment_numels)}: a fragment holds "
+            f"{min(fragment_numels)} elements, fewer than one int8 quantization block ({INT8_BLOCK}), whose float32 "
+            f"scale would cost more than the compression saves. Use fewer {fragments_name}, or {name} bfloat16"
+        )
+    return outer_dtype
+
+
+@dataclasses.dataclass
+class OuterTraffic:
+    """What the outer steps of this process sent so far: ``outer_steps`` (one per fragment synchronised; P = 1: one
+    per H inner steps) and ``outer_bytes``, the payload it handed to the collectives crossing workers (the tensors
+    given to the all-reduce or all-gather; the same on every process). Saved in the optimizer's state dict."""
+
+    outer_steps: int = 0
+    outer_bytes: int = 0
+
+
+def outer_payload_bytes(numel: int, element_size: int, outer_dtype: str) -> int:
+    """The payload of one flat bucket of ``numel`` elements of ``element_size`` bytes (the outer weights' dtype) sent
+    in ``outer_dtype``: what `averaged_pseudo_gradients` hands to its collective for that bucket."""
+    if outer_dtype == "float32":
+        return numel * element_size
+    if outer_dtype == "bfloat16":
+        return 2 * numel
+    return numel + 4 * -(-numel // INT8_BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +137,8 @@ class WorkerLayout:
     num_workers: int = 1
     num_fragments: int = 1
     worker: int = 0
+    #: The dtype the pseudo-gradient crosses the workers in (`OUTER_DTYPES`); not part of the saved layout.
+    outer_dtype: str = dataclasses.field(default="float32", compare=False)
     #: The processes of the whole DiLoCo run (None: a single worker, no communication).
     process_group: Any = dataclasses.field(default=None, compare=False, repr=False)
     #: This process's island (all W processes when M = 1); None until connected.
@@ -172,7 +250,9 @@ def _timeout(group: Any) -> datetime.timedelta | None:
     return None
 
 
-def worker_layout(distributed: bool, process_group: Any, num_workers: Any, num_fragments: Any) -> WorkerLayout:
+def worker_layout(
+    distributed: bool, process_group: Any, num_workers: Any, num_fragments: Any, outer_dtype: Any = "float32"
+) -> WorkerLayout:
     """The layout DiLoCo's arguments ask for, checked (nothing is created or communicated here).
 
     ``distributed=False`` and no ``process_group``: one worker. ``distributed=True``: the processes of the default
@@ -181,7 +261,9 @@ def worker_layout(distributed: bool, process_group: Any, num_workers: Any, num_f
     if not isinstance(distributed, bool):
         raise ValueError(f"Invalid distributed: {distributed!r} (must be True or False)")
     fragments = check_num_fragments(num_fragments)
+    check_outer_dtype(outer_dtype)
     if not distributed and process_group is None:
+        check_outer_dtype(outer_dtype, num_workers=1)
         if num_workers not in (None, 1):
             raise ValueError(
                 f"Invalid num_workers: {num_workers!r} (more than one worker needs distributed=True, or a "
@@ -207,7 +289,9 @@ def worker_layout(distributed: bool, process_group: Any, num_workers: Any, num_f
             "leave distributed=False for single-worker DiLoCo"
         )
     workers = world_size if num_workers is None else check_num_workers(num_workers, world_size)
-    return WorkerLayout(world_size, workers, fragments, rank // (world_size // workers), process_group=group)
+    check_outer_dtype(outer_dtype, num_workers=workers)
+    worker = rank // (world_size // workers)
+    return WorkerLayout(world_size, workers, fragments, worker, outer_dtype=outer_dtype, process_group=group)
 
 
 def saved_diloco_layout(state_dict: dict[str, Any]) -> dict[str, int] | None:
@@ -251,10 +335,17 @@ def broadcast_(tensors: Sequence[torch.Tensor], group: Any) -> None:
 
 
 def averaged_pseudo_gradients(
-    outers: Sequence[torch.Tensor], inners: Sequence[torch.Tensor], layout: WorkerLayout
+    outers: Sequence[torch.Tensor],
+    inners: Sequence[torch.Tensor],
+    layout: WorkerLayout,
+    residuals: Sequence[torch.Tensor] | None = None,
+    traffic: OuterTraffic | None = None,
 ) -> list[torch.Tensor]:
-    """outer - inner of each tensor, averaged over the M workers: summed by one all-reduce per bucket in the outer
-    group, then divided by M (the same bits on every process; see the module docstring for the rounding)."""
+    """outer - inner of each tensor, averaged over the M workers: one collective per bucket in the outer group, then
+    divided by M (the same bits on every process; see the module docstring for the rounding). In float32, summed by
+    an all-reduce; compressed (``layout.outer_dtype`` bfloat16 or int8), with each tensor's error-feedback
+    ``residuals`` (updated in place) added before compression, all-gathered and summed locally in the workers' order.
+    The payload handed to the collectives is added to ``traffic``."""
     import torch.distributed as dist
 
     averaged: list[torch.Tensor] = [outers[0]] * len(outers)
@@ -262,9 +353,75 @@ def averaged_pseudo_gradients(
         for i, view in zip(idx, views):
             torch.sub(outers[i], inners[i], out=view)
             averaged[i] = view
-        dist.all_reduce(flat, group=layout.outer_group)
+        if layout.outer_dtype == "float32":
+            dist.all_reduce(flat, group=layout.outer_group)
+            sent = flat.numel() * flat.element_size()
+        else:
+            assert residuals is not None, "a compressed outer all-reduce needs the residuals"
+            for i, view in zip(idx, views):
+                view.add_(residuals[i])  # p + e
+            payload, dequantized = compress(flat, layout.outer_dtype)
+            for i, view, kept in zip(idx, views, _split_like(dequantized, views)):
+                torch.sub(view, kept, out=residuals[i])  # e <- (p + e) - D(C(p + e))
+            gathered = [torch.empty_like(payload) for _ in range(layout.num_workers)]
+            dist.all_gather(gathered, payload, group=layout.outer_group)
+            total = decompress(gathered[0], flat, layout.outer_dtype)
+            for other in gathered[1:]:
+                total.add_(decompress(other, flat, layout.outer_dtype))  # the workers' order, in the outer dtype
+            flat.copy_(total)
+            sent = payload.numel() * payload.element_size()
         flat.div_(layout.num_workers)
+        if traffic is not None:
+            traffic.outer_bytes += sent
     return averaged
+
+
+def _split_like(flat: torch.Tensor, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for view in views:
+        out.append(flat[offset : offset + view.numel()].view(view.shape))
+        offset += view.numel()
+    return out
+
+
+def compress(values: torch.Tensor, outer_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload, its dequantization) of a flat ``values`` in ``outer_dtype``: bfloat16, the values rounded; int8, a
+    uint8 buffer of the int8 values of every block of `INT8_BLOCK` elements followed by their float32 scales (the
+    bytes of ``outer_payload_bytes``)."""
+    if outer_dtype == "bfloat16":
+        payload = values.to(torch.bfloat16)
+        return payload, payload.to(values.dtype)
+    n = values.numel()
+    blocks = _blocks(values)
+    scales = blocks.abs().amax(dim=1).to(torch.float32) / 127
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).to(values.dtype)
+    quantized = torch.round(blocks / divisor[:, None]).clamp_(-127, 127).to(torch.int8)
+    payload = torch.cat([quantized.view(-1)[:n].view(torch.uint8), scales.view(torch.uint8)])
+    return payload, _dequantize(quantized, scales, values)
+
+
+def decompress(payload: torch.Tensor, like: torch.Tensor, outer_dtype: str) -> torch.Tensor:
+    """The values of a `compress` payload, in ``like``'s dtype and flat shape."""
+    if outer_dtype == "bfloat16":
+        return payload.to(like.dtype)
+    n = like.numel()
+    count = -(-n // INT8_BLOCK)
+    quantized = torch.zeros(count * INT8_BLOCK, dtype=torch.int8, device=like.device)
+    quantized[:n] = payload[:n].view(torch.int8)
+    scales = payload[n:].clone().view(torch.float32)
+    return _dequantize(quantized.view(count, INT8_BLOCK), scales, like)
+
+
+def _blocks(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (flat) as rows of `INT8_BLOCK`, the last one padded with zeros."""
+    n = values.numel()
+    padded = values.new_zeros(-(-n // INT8_BLOCK) * INT8_BLOCK)
+    padded[:n] = values
+    return padded.view(-1, INT8_BLOCK)
+
+
+def _dequantize(quantized: torch.Tensor, scales: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return (quantized.to(like.dtype) * scales.to(like.dtype)[:, None]).view(-1)[: like.numel()]
 
 
 def island_allreduce_hook(island_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:

@@ -19,6 +19,7 @@ and fragments are ``_diloco_workers``' affair.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -26,11 +27,14 @@ import torch
 
 from ._checks import check_diloco, check_num_fragments
 from ._diloco_workers import (
+    OuterTraffic,
     WorkerLayout,
     averaged_pseudo_gradients,
     broadcast_,
+    check_outer_dtype,
     fragment_due,
     fragment_of_each,
+    outer_payload_bytes,
     saved_diloco_layout,
     worker_layout,
 )
@@ -57,6 +61,11 @@ from ._types import (
 from ._wrapper import BaseOptimizerWrapper
 
 __all__ = ["DiLoCo"]
+
+#: The error-feedback residual of a compressed outer all-reduce (``outer_dtype`` bfloat16 or int8), per parameter.
+OUTER_RESIDUAL = "outer_residual"
+#: The state dict's entry for `OuterTraffic` (outer steps taken, bytes sent between workers).
+OUTER_TRAFFIC = "diloco_outer_traffic"
 
 
 class DiLoCo(BaseOptimizerWrapper):
@@ -127,6 +136,10 @@ class DiLoCo(BaseOptimizerWrapper):
             every process a worker; 1: plain data parallelism around single-worker DiLoCo).
         num_fragments: P, the fragments of streaming DiLoCo, at most the number of parameter tensors and at most H
             (default: 1, plain DiLoCo).
+        outer_dtype: the dtype the pseudo-gradients cross the workers in: "float32" (default: as they are),
+            "bfloat16" or "int8" (a float32 scale per block of 256 elements), both with error feedback (the residual
+            of the compression, ``state["outer_residual"]``, is added to the next pseudo-gradient); compressed ones
+            need more than one worker, and int8 fragments of at least 256 elements. See ``_diloco_workers``.
         **base_kwargs: the base optimizer's own arguments (lr, betas, weight_decay, ...).
 
     Papers: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023);
@@ -145,16 +158,19 @@ class DiLoCo(BaseOptimizerWrapper):
         process_group: Any = None,
         num_workers: int | None = None,
         num_fragments: int = DEFAULT_NUM_FRAGMENTS,
+        outer_dtype: str = "float32",
         **base_kwargs: Any,
     ) -> None:
         # Every argument is checked before anything is created or communicated: the layout's, the wrapper's and the
         # base's values (super().__init__), P against the tensors; only then are the process groups created and the
         # weights broadcast.
-        self.layout: WorkerLayout = worker_layout(distributed, process_group, num_workers, num_fragments)
+        self.layout: WorkerLayout = worker_layout(distributed, process_group, num_workers, num_fragments, outer_dtype)
         self._fragments: list[int] = []
+        self.outer_traffic = OuterTraffic()
         defaults = dict(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0)
         super().__init__(params, base, base_kwargs, defaults)
         check_num_fragments(num_fragments, num_tensors=len(self._all_params()))
+        check_outer_dtype(outer_dtype, self.layout.num_workers, self._fragment_numels())
         self.layout = self.layout.connect()
         self._distribute(self._all_params())
 
@@ -209,6 +225,28 @@ class DiLoCo(BaseOptimizerWrapper):
             numels = [p.numel() for p in self._all_params()]
             self._fragments = fragment_of_each(numels, self.layout.num_fragments)
         return self._fragments
+
+    def _fragment_numels(self) -> list[int]:
+        """The elements of each fragment."""
+        numels = [0] * self.layout.num_fragments
+        for p, fragment in zip(self._all_params(), self._fragment_of_each()):
+            numels[fragment] += local_tensor(p).numel()
+        return numels
+
+    def outer_bytes_per_period(self) -> int:
+        """The payload this process hands to the outer collectives over one period of H inner steps (every fragment
+        once), as counted in ``outer_traffic``: one bucket per fragment and dtype of the outer weights (0 for a
+        single worker)."""
+        if self.layout.outer_group is None:
+            return 0
+        buckets: dict[tuple[int, torch.dtype], list[int]] = {}
+        for p, fragment in zip(self._all_params(), self._fragment_of_each()):
+            if p.requires_grad:
+                buckets.setdefault((fragment, wide_dtype(p.dtype)), []).append(local_tensor(p).numel())
+        return sum(
+            outer_payload_bytes(sum(numels), dtype.itemsize, self.layout.outer_dtype)
+            for (_, dtype), numels in buckets.items()
+        )
 
     def _base_tensor(self, p: torch.Tensor, create: bool = False) -> torch.Tensor | None:
         # The base moves the inner weights, once they have a gradient: the parameters themselves, or for bf16/fp16
@@ -283,7 +321,8 @@ class DiLoCo(BaseOptimizerWrapper):
             return
         inners = [local_tensor(self._inner(p)) for _, p in due]
         outers = [local_tensor(self.state[p][OUTER]) for _, p in due]
-        for (group, p), inner, outer, pseudo_grad in zip(due, inners, outers, self._pseudo_gradients(outers, inners)):
+        pseudo_grads = self._pseudo_gradients(outers, inners, [p for _, p in due])
+        for (group, p), inner, outer, pseudo_grad in zip(due, inners, outers, pseudo_grads):
             # pseudo_grad: in the outer weights' dtype (float32 for bf16/fp16 parameters)
             mu, outer_lr, buf = (
                 group[OUTER_MOMENTUM],
@@ -296,17 +335,29 @@ class DiLoCo(BaseOptimizerWrapper):
             if inner is not local_tensor(p):
                 local_tensor(p).copy_(outer)
 
-    def _pseudo_gradients(self, outers: list[torch.Tensor], inners: list[torch.Tensor]) -> Iterable[torch.Tensor]:
+    def _pseudo_gradients(
+        self, outers: list[torch.Tensor], inners: list[torch.Tensor], params: list[torch.Tensor] | None = None
+    ) -> Iterable[torch.Tensor]:
         """outer - inner of each tensor, averaged over the workers: one at a time for a single worker (nothing to
-        communicate), else all at once in the flat buffers of the all-reduce."""
+        communicate), else all at once in the flat buffers of the collectives (with the error-feedback residuals of
+        a compressed outer dtype, created at zero, for which the ``params`` are needed). One outer step counted."""
+        self.outer_traffic.outer_steps += 1
         if self.layout.outer_group is None:
             return (outer - inner for outer, inner in zip(outers, inners))
-        return averaged_pseudo_gradients(outers, inners, self.layout)
+        residuals = None
+        if self.layout.outer_dtype != "float32":
+            assert params is not None, "a compressed outer all-reduce keeps a residual per parameter"
+            for p, outer in zip(params, outers):
+                if OUTER_RESIDUAL not in self.state[p]:
+                    self.state[p][OUTER_RESIDUAL] = shard_like(torch.zeros_like(outer), p)
+            residuals = [local_tensor(self.state[p][OUTER_RESIDUAL]) for p in params]
+        return averaged_pseudo_gradients(outers, inners, self.layout, residuals, self.outer_traffic)
 
     # ---- the layout in the state dict ----
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``).
+        """torch's state dict, with the worker layout recorded in each param group (``"diloco_layout"``) and, across
+        processes, ``outer_traffic`` (``"diloco_outer_traffic"``: a resume counts on).
 
         Taken in train mode across M > 1 workers, it also holds this worker's inner weights (``"inner"``: the
         parameters, which differ between workers; bf16/fp16 parameters have them in ``"inner_fp32"``), which its load
@@ -315,6 +366,8 @@ class DiLoCo(BaseOptimizerWrapper):
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group[DILOCO_LAYOUT] = self.layout.saved()
+        if self.layout.distributed:  # what crossed the workers so far (a single worker sends nothing)
+            state_dict[OUTER_TRAFFIC] = dataclasses.asdict(self.outer_traffic)
         if self._own_inner_weights():
             for index, p in enumerate(self._all_params()):
                 state = self.state.get(p)
@@ -335,7 +388,10 @@ class DiLoCo(BaseOptimizerWrapper):
         if saved is not None:
             self.layout.check_saved(saved, f"{self.optimizer_name}.load_state_dict()")
         groups = [{k: v for k, v in group.items() if k != DILOCO_LAYOUT} for group in state_dict["param_groups"]]
+        traffic = state_dict.get(OUTER_TRAFFIC)
+        state_dict = {k: v for k, v in state_dict.items() if k != OUTER_TRAFFIC}
         super().load_state_dict({**state_dict, "param_groups": groups})
+        self.outer_traffic = OuterTraffic(**traffic) if traffic is not None else OuterTraffic()
         if self._own_inner_weights():  # a state taken in train mode: the parameters take this worker's inner weights
             with torch.no_grad():
                 for p in self._all_params():
@@ -345,11 +401,12 @@ class DiLoCo(BaseOptimizerWrapper):
                         local_tensor(p).copy_(local_tensor(inner))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "layout": self.layout}
+        return {**super().__getstate__(), "layout": self.layout, "outer_traffic": self.outer_traffic}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._fragments = []
+        self.outer_traffic = state.get("outer_traffic", OuterTraffic())
 
     # ---- parameters cast under it (see ``_wrapper``): the outer weights and momentum follow in wide_dtype, the
     # float32 inner weights of a bf16/fp16 parameter come or go ----
