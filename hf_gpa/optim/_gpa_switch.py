@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from ._base import TrainEvalOptimizer
 from ._residual import bits_differ, bits_equal, decode_residual_, encode_residual, residual_dtype
 from ._state_layout import FLOAT32, HALF_DTYPES, held_through_half, layout_of, wide_dtype
 from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
-from ._train_eval import TrainEvalOptimizer
 from ._types import EVAL_MU_Y, MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
 from .kernels import kernel_for, kernel_module, same_dense_layout
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._base import saved_optimizer_name
 from ._checks import check_diloco, check_num_fragments
 from ._diloco_workers import (
     WorkerLayout,
@@ -34,7 +35,6 @@ from ._diloco_workers import (
     saved_diloco_layout,
     worker_layout,
 )
-from ._loading import saved_optimizer_name
 from ._residual import bits_differ
 from ._state_layout import HALF_DTYPES, held_through_half, wide_dtype
 from ._tensors import authoritative_y, is_dtensor, local_tensor, shard_like
