@@ -35,9 +35,8 @@ from ._diloco_workers import (
     saved_diloco_layout,
     worker_layout,
 )
-from ._residual import bits_differ
-from ._state_layout import HALF_DTYPES, held_through_half, wide_dtype
-from ._tensors import authoritative_y, is_dtensor, local_tensor, shard_like
+from ._state_layout import HALF_DTYPES, diloco_state, held_through_half, wide_dtype
+from ._tensors import authoritative_y, bits_differ, is_dtensor, local_tensor, shard_like
 from ._types import (
     DEFAULT_INNER_STEPS,
     DEFAULT_NUM_FRAGMENTS,
@@ -227,11 +226,7 @@ class DiLoCo(BaseOptimizerWrapper):
         bf16/fp16 parameters, which also get their inner weights in float32)."""
         state = self.state[p]
         if OUTER not in state:
-            dtype = wide_dtype(p.dtype)
-            state[OUTER] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
-            state[OUTER_MOMENTUM_BUFFER] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            if dtype != p.dtype:
-                state[INNER_FP32] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
+            state.update(diloco_state(p))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
