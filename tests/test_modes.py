@@ -10,8 +10,9 @@ import torch
 from tensors import random_params
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
-from hf_gpa.optim._residual import bits_differ, bits_equal, decode_residual, decode_residual_, encode_residual
+from hf_gpa.optim._gpa_switch import decode_residual, decode_residual_, encode_residual
 from hf_gpa.optim._state_layout import join24
+from hf_gpa.optim._tensors import bits_differ, bits_equal
 
 FACTORIES = {
     "gpa_adamw": lambda ps: GPAAdamW(ps, lr=1e-2, weight_decay=0.1, mu_x=0.99, mu_y=0.7),

@@ -15,6 +15,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
+from ._base import TrainEvalOptimizer, saved_optimizer_name
 from ._checks import (
     check_averaging,
     check_betas,
@@ -30,8 +31,6 @@ from ._checks import (
     check_weight_decay,
 )
 from ._diloco_workers import WorkerLayout, island_allreduce_hook, saved_diloco_layout
-from ._loading import saved_optimizer_name
-from ._train_eval import TrainEvalOptimizer
 from ._types import (
     AVERAGING_MODES,
     DEFAULT_AVERAGING,

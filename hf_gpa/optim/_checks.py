@@ -1,7 +1,7 @@
 """The hyper-parameters' ranges and their checks: the one place a range is written down.
 
 Every hf_gpa optimizer checks each param group with these, the constructor's and those added later alike
-(``_checked_groups.CheckedGroups``: torch's constructor adds its groups through ``add_param_group``), before any
+(``_base.CheckedGroups``: torch's constructor adds its groups through ``add_param_group``), before any
 state exists, and `GPATrainingArguments` calls the same functions with the flag's name (``name="--gpa_mu_x"``). A
 check raises a ``ValueError`` that names the argument, the value and the allowed range; a value that is not a number
 (a string, None, a bool) is rejected the same way rather than failing later with a ``TypeError``. The defaults live

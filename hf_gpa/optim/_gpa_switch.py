@@ -14,22 +14,54 @@ Under ``state_dtype="compact"`` (GPAAdamW, bf16 parameters) y and z are 24-bit v
 state: ``eval()`` computes x from them, and the residual restores the parameter's high word of y, the low word being
 kept as it is; where x was written in eval mode, y = mu_y x + (1 - mu_y) z is rounded to 24 bits. How y and z are
 read is the state's layout's (``_state_layout``); `to_eval_` and `to_train_` switch one parameter.
+
+**The residual** that makes the round trip bitwise (`encode_residual`, `decode_residual`). x = (y - (1 - mu_y) z) /
+mu_y is rounded, and going back with y' = mu_y x + (1 - mu_y) z rounds again, so y' can differ from y by a few units
+in the last place. Instead of keeping a second copy of y while in eval mode, ``eval()`` keeps the *integer*
+difference between the bit patterns of y and of its round trip y', and ``train()`` adds it back.
+
+Almost every difference is a few units, but where |y| is much smaller than |x| or |z| the round trip's error, in
+units of y's last place, is large, and one such element would force a wide integer onto the whole tensor (a 1M-weight
+matrix needed int32 after 20 steps: 4 bytes per weight). So the residual is int8, one byte per weight, and the rare
+differences that do not fit are kept apart as a sparse list of (flat index, difference) pairs (16 bytes each).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
 
-from ._residual import bits_differ, bits_equal, decode_residual_, encode_residual, residual_dtype
+from ._base import TrainEvalOptimizer
 from ._state_layout import FLOAT32, HALF_DTYPES, held_through_half, layout_of, wide_dtype
-from ._tensors import authoritative_y, chunks, is_dtensor, local_tensor, real_view, shard_like
-from ._train_eval import TrainEvalOptimizer
+from ._tensors import (
+    INT_VIEW,
+    authoritative_y,
+    bits_differ,
+    bits_equal,
+    chunks,
+    is_dtensor,
+    local_tensor,
+    real_view,
+    same_dense_layout,
+    shard_like,
+)
 from ._types import EVAL_MU_Y, MU_Y, Y_FP32, Y_RESIDUAL, Y_RESIDUAL_OVERFLOW, Z
-from .kernels import kernel_for, kernel_module, same_dense_layout
+from .kernels import FORCE, kernel_for, kernel_module
 
-__all__ = ["GPASwitch", "follow_half_cast_", "to_eval_", "to_train_", "x_mu_y", "y_across_cast"]
+__all__ = [
+    "GPASwitch",
+    "decode_residual",
+    "decode_residual_",
+    "encode_residual",
+    "follow_half_cast_",
+    "residual_dtype",
+    "to_eval_",
+    "to_train_",
+    "x_mu_y",
+    "y_across_cast",
+]
 
 #: The dtypes whose train() the C++ kernel takes (``gpa_train_residual``); bf16/fp16 with state in their own dtype
 #: round every operation to 16 bits, which the torch ops below do.
@@ -69,7 +101,7 @@ def x_mu_y(group: dict[str, Any]) -> float:
 
 
 class GPASwitch(TrainEvalOptimizer):
-    """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (see ``_residual``)."""
+    """eval(): parameters y -> x; train(): x -> y, exact through the bit-pattern residual (`encode_residual`)."""
 
     def _params_to_eval(self, group: dict[str, Any]) -> None:
         mu_y = group[EVAL_MU_Y] = group[MU_Y]
@@ -79,8 +111,20 @@ class GPASwitch(TrainEvalOptimizer):
     def _params_to_train(self, group: dict[str, Any]) -> None:
         mu_y = x_mu_y(group)
         for p, state in self._switched(group, mu_y):
-            to_train_(p, state, mu_y)
+            to_train_(p, state, mu_y, kernel=self._train_kernel(p))
         group.pop(EVAL_MU_Y, None)
+
+    def _train_kernel(self, p: torch.Tensor) -> ModuleType | None:
+        """The C++ module whose ``gpa_train_residual`` takes train()'s pass of ``p`` (fp32/fp64 where the kernels'
+        rule, `kernels.kernel_for`, gives its tensors the CPU kernel), else None (torch ops). Resolved once per test
+        switch (`kernels.FORCE`), device and dtype, so that train() runs no dispatch code."""
+        x = real_view(local_tensor(p))
+        key = (FORCE["backend"], x.device, x.dtype)
+        resolved = self.__dict__.setdefault("_train_kernels", {})  # not pickled: resolved again in a copy
+        if key not in resolved:
+            takes = x.dtype in _TRAIN_KERNEL_DTYPES and kernel_for(x) == "cpu"
+            resolved[key] = kernel_module("cpu") if takes else None
+        return resolved[key]
 
     def _switched(self, group: dict[str, Any], mu_y: float) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """The group's parameters that have a state and whose x and y differ (never stepped: x = y = z; mu_y = 1:
@@ -178,13 +222,20 @@ def to_eval_(p: torch.Tensor, state: dict[str, Any], mu_y: float) -> None:
         overflows.append(overflow)
         yc.copy_(xc)
     state[Y_RESIDUAL] = shard_like(residual, p)
-    if narrow:  # a DTensor's shards keep a full-width residual and no list (see _residual)
+    if narrow:  # a DTensor's shards keep a full-width residual and no list (see `encode_residual`)
         state[Y_RESIDUAL_OVERFLOW] = torch.cat(overflows)
 
 
-def to_train_(p: torch.Tensor, state: dict[str, Any], mu_y: float, written_out: torch.Tensor | None = None) -> None:
+def to_train_(
+    p: torch.Tensor,
+    state: dict[str, Any],
+    mu_y: float,
+    written_out: torch.Tensor | None = None,
+    kernel: ModuleType | None = None,
+) -> None:
     """train() of one parameter: x -> y in ``p``, bitwise the y `to_eval_` found (where x was not written since).
-    ``written_out`` (bool, ``p``'s shape, contiguous), if given, is set where x was written since."""
+    ``written_out`` (bool, ``p``'s shape, contiguous), if given, is set where x was written since. ``kernel``: the C++
+    module that takes the pass where its tensors allow (`GPASwitch._train_kernel`), None: torch ops alone."""
     x, z = real_view(local_tensor(p)), real_view(local_tensor(state[Z]))
     layout = layout_of(state)
     marks = () if written_out is None else (real_view(written_out),)
@@ -198,7 +249,7 @@ def to_train_(p: torch.Tensor, state: dict[str, Any], mu_y: float, written_out: 
                 y32c.copy_(torch.where(written, _y_from_x(xc.to(y32c.dtype), zc, mu_y), y32c))
             xc.copy_(y32c)
         return
-    if Y_RESIDUAL not in state:  # a loader dropped the residual (see _residual): y by rounding, not bitwise
+    if Y_RESIDUAL not in state:  # a loader dropped the residual (see `encode_residual`): y by rounding, not bitwise
         extra = layout.switch_tensors(state)
         _, z_exact = layout.exact(x, z, extra)
         x.copy_(layout.store_y(torch.lerp(z_exact, x.to(z_exact.dtype), mu_y), x, extra))
@@ -212,7 +263,6 @@ def to_train_(p: torch.Tensor, state: dict[str, Any], mu_y: float, written_out: 
         # Where each piece's entries start in the (index-sorted) list: one search, one read to the host.
         starts = torch.tensor([offset for offset, _ in pieces] + [x.numel()], device=overflow.device)
         rows = torch.searchsorted(overflow[:, 0].contiguous(), starts).tolist()
-    kernel = kernel_module("cpu") if x.dtype in _TRAIN_KERNEL_DTYPES and kernel_for(x) == "cpu" else None
     if marks:
         kernel = None  # it tells no written elements
     for k, (offset, (xc, zc, rc, *rest)) in enumerate(pieces):
@@ -242,3 +292,65 @@ def to_train_(p: torch.Tensor, state: dict[str, Any], mu_y: float, written_out: 
                 extra[0].copy_(torch.where(written, extra[0], y_lo))
             y = torch.where(written, y_new, y)
         xc.copy_(y)
+
+
+# ---- the residual ----
+
+
+def residual_dtype(dtype: torch.dtype, narrow: bool = True) -> torch.dtype:
+    """The dtype of `encode_residual`'s residual for a target of ``dtype``: int8, or its full bit width."""
+    return torch.int8 if narrow else INT_VIEW[dtype]
+
+
+def encode_residual(
+    target: torch.Tensor, approx: torch.Tensor, narrow: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bits(target) - bits(approx)`` as an int8 tensor of ``target``'s shape and an int64 overflow list.
+
+    The subtraction wraps around in two's complement, so ``decode_residual`` restores ``target`` exactly whatever the
+    values. Differences outside int8's range are 0 in the int8 tensor and listed in the overflow, a ``(k, 2)`` int64
+    tensor of (index into the flattened tensor, difference). Without ``narrow`` (shards of one DTensor: the residual
+    is sharded like the parameter, and the shards cannot agree on a list) the residual keeps the full width of the
+    bit pattern and the overflow list is empty.
+    """
+    int_dtype = INT_VIEW[target.dtype]
+    diff = target.view(int_dtype) - approx.view(int_dtype)
+    if not narrow:
+        return diff, torch.empty(0, 2, dtype=torch.int64, device=diff.device)
+    small = diff.to(torch.int8)  # wraps; exact where the difference fits
+    overflow = small != diff
+    index = overflow.flatten().nonzero().squeeze(1)
+    small.masked_fill_(overflow, 0)
+    return small, torch.stack((index, diff.flatten()[index].to(torch.int64)), dim=1)
+
+
+def decode_residual(
+    approx: torch.Tensor, residual: torch.Tensor, overflow: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of `encode_residual`: the exact target from its approximation, the residual and its overflow list.
+
+    Without the overflow list (a loader that dropped it) the listed elements come back as their approximation: within
+    a rounding of the larger of |x| and |z|, not bitwise.
+    """
+    return decode_residual_(approx.clone(memory_format=torch.preserve_format), residual, overflow)
+
+
+def decode_residual_(
+    approx: torch.Tensor, residual: torch.Tensor, overflow: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`decode_residual` in place: ``approx`` becomes the target (no temporary of its size) and is returned."""
+    int_dtype = INT_VIEW[approx.dtype]
+    bits = approx.view(int_dtype)
+    listed = overflow is not None and overflow.numel() > 0
+    if listed:  # the listed elements are their approximation plus the listed difference, whatever the residual says
+        index = overflow[:, 0]
+        listed_bits = bits.reshape(-1)[index] + overflow[:, 1].to(int_dtype)
+    bits.add_(residual)  # two's complement: wraps like encode_residual's subtraction
+    if listed:
+        if bits.is_contiguous():
+            bits.view(-1)[index] = listed_bits
+        else:  # indices are into the flattened (logical) order
+            flat = bits.flatten()
+            flat[index] = listed_bits
+            bits.copy_(flat.view(bits.shape))
+    return approx

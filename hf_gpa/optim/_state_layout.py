@@ -1,8 +1,16 @@
-"""GPAAdamW's optimizer state of one parameter: its layout, which every path asks and nothing else decides.
+"""The optimizer state of one parameter, for every hf_gpa optimizer: which keys, in which dtypes, how they are created.
 
-Beside its step count, a parameter's state holds z (the unaveraged iterate), AdamW's moments m and v, and, where the
-parameter's own dtype cannot carry y to float32's precision, more of y. A layout says which tensors, in which
-dtypes, and what is done with them:
+**GPAAdamW** keeps its state in one of three layouts, which every path asks and nothing else decides (below).
+**The wrappers** keep their own tensors beside their base's state (``state["base"]``), in `wide_dtype` of the
+parameter's (float32 for bf16/fp16 parameters, the parameter's own otherwise), created here: `GPA`'s z (`gpa_z`, the
+tensor its base moves) and, for bf16/fp16 parameters, y's float32 copy ``y_fp32`` (`gpa_y_fp32`, the parameter holds
+it rounded, as under `FLOAT32`); `DiLoCo`'s outer weights ``outer`` and outer momentum ``outer_momentum_buffer`` and,
+for bf16/fp16 parameters, the inner weights ``inner_fp32`` its base steps (`diloco_state`). How a wrapper's state
+follows a cast of its parameters is the wrapper's (``gpa.py``, ``diloco.py``), with the checks of `refusal`.
+
+**GPAAdamW's layouts.** Beside its step count, a parameter's state holds z (the unaveraged iterate), AdamW's moments
+m and v, and, where the parameter's own dtype cannot carry y to float32's precision, more of y. A layout says which
+tensors, in which dtypes, and what is done with them:
 
 * ``"param"`` (`PARAM`): z, m and v in the parameter's dtype. The layout of every fp32/fp64 parameter, and of
   bf16/fp16 ones under ``state_dtype="param"`` (6 bytes per bf16 weight, y and z rounded to 16 bits each step).
@@ -33,7 +41,7 @@ from typing import Any
 import torch
 
 from ._tensors import authoritative_y, local_tensor, shard_like
-from ._types import EXP_AVG, EXP_AVG_SQ, Y_FP32, Y_LO, Z_LO, Z
+from ._types import EXP_AVG, EXP_AVG_SQ, INNER_FP32, OUTER, OUTER_MOMENTUM_BUFFER, Y_FP32, Y_LO, Z_LO, Z
 
 __all__ = [
     "COMPACT",
@@ -42,6 +50,9 @@ __all__ = [
     "PARAM",
     "StateLayout",
     "convert_",
+    "diloco_state",
+    "gpa_y_fp32",
+    "gpa_z",
     "join24",
     "layout_for",
     "layout_of",
@@ -61,6 +72,36 @@ def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     only unaveraged copy of the weights, and small updates would vanish in bf16), the parameter's own otherwise. The
     dtype of the GPA wrapper's and DiLoCo's state, and of `FLOAT32`'s."""
     return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+# ---- the wrappers' own state ----
+
+
+def gpa_z(p: torch.Tensor) -> torch.Tensor:
+    """The GPA wrapper's z of a parameter before its first step: y, in `wide_dtype` of its dtype (its base moves z)."""
+    return p.detach().to(dtype=wide_dtype(p.dtype), copy=True, memory_format=torch.preserve_format)
+
+
+def gpa_y_fp32(p: torch.Tensor) -> torch.Tensor | None:
+    """The GPA wrapper's float32 copy of y (``state["y_fp32"]``) of a bf16/fp16 parameter, which holds it rounded, as
+    in GPAAdamW's `FLOAT32` (x stays as exact as z); None for an fp32/fp64 parameter, which holds y itself."""
+    if p.dtype not in HALF_DTYPES:
+        return None
+    return p.detach().to(torch.float32, memory_format=torch.preserve_format)
+
+
+def diloco_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """DiLoCo's own state of a parameter before its first step, in `wide_dtype` of its dtype: the outer weights (the
+    current weights), a zero outer momentum and, for a bf16/fp16 parameter, the inner weights its base steps (the
+    parameter holds them rounded)."""
+    dtype = wide_dtype(p.dtype)
+    state = {
+        OUTER: p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format),
+        OUTER_MOMENTUM_BUFFER: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format),
+    }
+    if dtype != p.dtype:
+        state[INNER_FP32] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
+    return state
 
 
 # ---- the 24-bit values of "compact" ----

@@ -1,10 +1,31 @@
-"""Tensor helpers every hf_gpa optimizer shares: FSDP2 (DTensor) shards, complex views, layouts."""
+"""Tensor helpers every hf_gpa optimizer shares: FSDP2 (DTensor) shards, complex views, memory layouts, bits."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["is_dtensor", "local_tensor", "real_view", "shard_like", "authoritative_y", "chunks"]
+__all__ = [
+    "INT_VIEW",
+    "authoritative_y",
+    "bits_differ",
+    "bits_equal",
+    "chunks",
+    "is_dtensor",
+    "local_tensor",
+    "real_view",
+    "same_dense_layout",
+    "shard_like",
+]
+
+#: The integer dtype of each floating dtype's bit pattern (``t.view(INT_VIEW[t.dtype])``).
+INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -57,3 +78,44 @@ def chunks(*tensors: torch.Tensor) -> list[tuple[int, tuple[torch.Tensor, ...]]]
     flat = [t.view(-1) for t in tensors]
     n = flat[0].numel()
     return [(i, tuple(f[i : i + CHUNK] for f in flat)) for i in range(0, max(n, 1), CHUNK)]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the strides, sorted, are those of a contiguous tensor of the permuted shape."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda s: s[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_dense_layout(ref: torch.Tensor, others: Sequence[torch.Tensor | None]) -> bool:
+    """Whether ``ref`` is dense and every other tensor (None: absent) lies in memory like it: an elementwise kernel
+    may then run over all of them as flat arrays."""
+    shape, stride = ref.shape, ref.stride()
+    return all(t is None or (t.shape == shape and t.stride() == stride) for t in others) and _dense(ref)
+
+
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where the bit patterns of ``a`` and ``b`` (one dtype) differ: a NaN equals the same NaN, unlike with ``!=``.
+
+    What ``train()`` asks of x: is it still exactly what ``eval()`` put there (a NaN included), or was it written?
+    """
+    int_dtype = INT_VIEW[a.dtype]
+    return a.view(int_dtype) != b.view(int_dtype)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (one dtype and shape) hold the same bit patterns everywhere: `bits_differ` nowhere.
+
+    One comparison pass without a mask; contiguous float32 tensors of an even size are compared as int64 pairs
+    (on CPU ``torch.equal`` compares element by element, so half the elements take half the time).
+    """
+    pairs = a.dtype == torch.float32 and a.numel() % 2 == 0
+    if pairs and all(t.is_contiguous() and t.storage_offset() % 2 == 0 for t in (a, b)):
+        return torch.equal(a.view(-1).view(torch.int64), b.view(-1).view(torch.int64))
+    int_dtype = INT_VIEW[a.dtype]
+    return torch.equal(a.view(int_dtype), b.view(int_dtype))

@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
+from ._base import TrainEvalOptimizer
 from ._checks import check_common
 from ._state_layout import refusal, wide_dtype
 from ._tensors import local_tensor
-from ._train_eval import TrainEvalOptimizer
 from ._types import BASE, LR, OPTIMIZER, STEP, TRAIN_MODE
 
 __all__ = ["BaseOptimizerWrapper", "base_defaults", "unhooked_step"]

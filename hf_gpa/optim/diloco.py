@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ._base import saved_optimizer_name
 from ._checks import check_diloco, check_num_fragments
 from ._diloco_workers import (
     OuterTraffic,
@@ -38,10 +39,8 @@ from ._diloco_workers import (
     saved_diloco_layout,
     worker_layout,
 )
-from ._loading import saved_optimizer_name
-from ._residual import bits_differ
-from ._state_layout import HALF_DTYPES, held_through_half, wide_dtype
-from ._tensors import authoritative_y, is_dtensor, local_tensor, shard_like
+from ._state_layout import HALF_DTYPES, diloco_state, held_through_half, wide_dtype
+from ._tensors import authoritative_y, bits_differ, is_dtensor, local_tensor, shard_like
 from ._types import (
     DEFAULT_INNER_STEPS,
     DEFAULT_NUM_FRAGMENTS,
@@ -265,11 +264,7 @@ class DiLoCo(BaseOptimizerWrapper):
         bf16/fp16 parameters, which also get their inner weights in float32)."""
         state = self.state[p]
         if OUTER not in state:
-            dtype = wide_dtype(p.dtype)
-            state[OUTER] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
-            state[OUTER_MOMENTUM_BUFFER] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            if dtype != p.dtype:
-                state[INNER_FP32] = p.detach().to(dtype=dtype, copy=True, memory_format=torch.preserve_format)
+            state.update(diloco_state(p))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -18,7 +18,7 @@ import torch
 
 from ._checks import check_averaging, check_mu
 from ._gpa_switch import GPASwitch, to_eval_, x_mu_y, y_across_cast
-from ._state_layout import HALF_DTYPES, wide_dtype
+from ._state_layout import HALF_DTYPES, gpa_y_fp32, gpa_z
 from ._tensors import local_tensor, real_view, shard_like
 from ._types import (
     AVERAGING,
@@ -115,8 +115,7 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
             return state[Z]
         if p.grad is None and not create:
             return None
-        z = p.detach().to(dtype=wide_dtype(p.dtype), copy=True, memory_format=torch.preserve_format)
-        self.state[p][Z] = z
+        z = self.state[p][Z] = gpa_z(p)
         return z
 
     # ---- parameters cast under it (see ``_wrapper``): y's float32 copy comes or goes, z and the base stay ----
@@ -144,8 +143,10 @@ class GPA(BaseOptimizerWrapper, GPASwitch):
     def _init_y_fp32(self, p: torch.Tensor) -> None:
         """y in float32 beside a bf16/fp16 parameter that holds it rounded, as in GPAAdamW: x stays as exact as z."""
         state = self.state[p]
-        if p.dtype in HALF_DTYPES and Y_FP32 not in state:
-            state[Y_FP32] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+        if Y_FP32 not in state:
+            y32 = gpa_y_fp32(p)
+            if y32 is not None:
+                state[Y_FP32] = y32
 
     def _create_state(self) -> None:
         super()._create_state()

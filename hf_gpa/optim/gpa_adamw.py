@@ -378,7 +378,10 @@ def _check_dense_grads(params: list[torch.Tensor]) -> None:
 class _Bucket:
     """Tensors one call updates: ``kind`` is "cpu" or "triton" (a kernel), "foreach" or "forloop"; all of one
     layout; ``idx`` their positions in the plan's parameter list; ``ys`` the parameters (views), ``cols`` their state
-    tensors, one list per key of the layout; ``whole``: ``idx`` is every position in order."""
+    tensors, one list per key of the layout; ``whole``: ``idx`` is every position in order. A kernel bucket also
+    holds, resolved once, the kernel entry that takes it (``launch``: the layout's entry of `kernels.kernel_module`)
+    and ``cols`` as that entry takes them after y and the gradients (``kernel_cols``, `StateLayout.kernel_lists`),
+    so that a step runs no dispatch code."""
 
     kind: str
     layout: StateLayout
@@ -386,6 +389,13 @@ class _Bucket:
     ys: list[torch.Tensor]
     cols: list[list[torch.Tensor]]
     whole: bool
+    launch: Callable[..., None] | None = None
+    kernel_cols: list[list[torch.Tensor]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind in ("cpu", "triton"):
+            self.launch = getattr(kernel_module(self.kind), self.layout.kernel)
+            self.kernel_cols = self.layout.kernel_lists(self.cols)
 
 
 class _Plan:
@@ -699,8 +709,8 @@ def _fused_gpa_adamw(plan: _Plan, grads: list[torch.Tensor], hyper: AdamWHyper) 
         lr = hyper.lr  # a tensor on the tensors' device is read by the Triton kernel itself
         if bucket.kind == "cpu" or not (torch.is_tensor(lr) and lr.device == ys[0].device):
             lr = float(lr)
-        launch = getattr(kernel_module(bucket.kind), bucket.layout.kernel)
-        launch(
-            ys, gs, *bucket.layout.kernel_lists(cols), bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps,
-            hyper.weight_decay, hyper.mu_x, hyper.mu_y, hyper.maximize,
+        kernel_cols = bucket.kernel_cols if cols is bucket.cols else bucket.layout.kernel_lists(cols)
+        bucket.launch(
+            ys, gs, *kernel_cols, bc1s, bc2_sqrts, lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
+            hyper.mu_x, hyper.mu_y, hyper.maximize,
         )  # fmt: skip

@@ -20,7 +20,7 @@ from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS,
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype
 
-from ._checked_groups import CheckedGroups, defaults_from_arguments
+from ._base import CheckedGroups, defaults_from_arguments
 from ._checks import as_number, check_betas, check_eps, check_flag, check_lr, check_weight_decay
 from ._types import ADJUST_LR_FNS, DEFAULT_ADJUST_LR_FN
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import _types
-from ._checked_groups import CheckedGroups, defaults_from_arguments
+from ._base import CheckedGroups, defaults_from_arguments
 from ._checks import check_adam, check_averaging, check_flag, check_mu
 from ._types import Averaging
 

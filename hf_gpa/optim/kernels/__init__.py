@@ -5,10 +5,11 @@
 
 This module holds what GPAAdamW's step and the GPA wrapper's passes share, once: which implementation a call takes
 (`default_to_fused_or_foreach`, torch's rule), which kernel takes a tensor of a device and dtype (`kernel_for`),
-which memory layouts a kernel takes (`same_dense_layout`), how the tensors are bucketed into kernel calls and foreach
-groups (`fused_buckets`), the one kernel caller (`kernel_module`: the C++ module and the Triton launcher take the
-same arguments), and the private test switch (`FORCE`). Which dtypes a kernel takes a parameter's state in is not
-decided here: the caller says it per tensor (GPAAdamW asks the state's layout, ``_state_layout``).
+which memory layouts a kernel takes (`same_dense_layout`, from ``_tensors``), how the tensors are bucketed into
+kernel calls and foreach groups (`fused_buckets`), the one kernel caller (`kernel_module`: the C++ module and the
+Triton launcher take the same arguments), and the private test switch (`FORCE`). Which dtypes a kernel takes a
+parameter's state in is not decided here: the caller says it per tensor (GPAAdamW asks the state's layout,
+``_state_layout``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from types import ModuleType
 
 import torch
 
+from .._tensors import same_dense_layout
 from .cpu import load_cpu_kernel
 
 __all__ = ["FORCE", "default_to_fused_or_foreach", "fused_buckets", "kernel_for", "kernel_module", "same_dense_layout"]
@@ -79,25 +81,6 @@ def default_to_fused_or_foreach(
     if tensors and all(kernel_for(t) is not None for t in tensors):
         return True, False
     return False, True
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: the strides, sorted, are those of a contiguous tensor of the permuted shape."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda s: s[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def same_dense_layout(ref: torch.Tensor, others: Sequence[torch.Tensor | None]) -> bool:
-    """Whether ``ref`` is dense and every other tensor (None: absent) lies in memory like it: an elementwise kernel
-    may then run over all of them as flat arrays."""
-    shape, stride = ref.shape, ref.stride()
-    return all(t is None or (t.shape == shape and t.stride() == stride) for t in others) and _dense(ref)
 
 
 def fused_buckets(
