@@ -12,8 +12,8 @@ bytes, `benchmarks.throughput` for tokens/s), and the README's rows of these fig
     python -m benchmarks.headlines --quick    # tiny sizes, seconds: the pipeline, and the exact figures compared
 
 The steps run on one torch thread, timed by its CPU time (steady on a shared machine). A step ratio's tolerance is
-10% (what noise gives on a shared 2-core machine), a host-bound one's 20%, the throughput ratio's 15%; aten ops and
-state bytes are exact.
+10% (what noise gives on a shared 2-core machine), a bf16 step ratio's 25% and the throughput ratio's 25% (their
+measured spread on that machine), a host-bound one's 20%; aten ops and state bytes are exact.
 A benchmark, never a timed test: run it on a quiet machine, before stopping work that touches ``hf_gpa/optim`` or the
 Trainer's step path.
 """
@@ -67,12 +67,20 @@ class Figure:
 
 
 STEP = 0.10  # a step ratio's noise on a shared 2-core machine
+#: The bf16 step ratios' spread is wider: the same code measured 0.91x-1.25x (compact) and 0.93x-1.39x (float32
+#: state) over the runs of two sessions on the loaded machine; 25% still flags the 1.47x regression of issue 37.
+BF16_STEP = 0.25
 HOST = 0.20  # a host-bound step ratio's
+#: A training step of a tiny model varies more from round to round than an optimizer step (rounds of one run:
+#: 6,000-19,500 tokens/s); the ratio measured 0.77-1.14 on the same code.
+THROUGHPUT = 0.25
 FIGURES: dict[str, Figure] = {
     "step_fp32": Figure("GPAAdamW (fused) / fused AdamW, fp32, 58M", "lower", STEP),
     "step_fp32_trainer": Figure("Trainer's 2 groups, gpa_adamw / adamw_torch_fused, fp32, 58M", "lower", STEP),
-    "step_bf16": Figure("GPAAdamW (fused, compact) / fused AdamW, bf16, 58M", "lower", STEP),
-    "step_bf16_float32_state": Figure("GPAAdamW (fused, state_dtype=float32) / fused AdamW, bf16, 58M", "lower", STEP),
+    "step_bf16": Figure("GPAAdamW (fused, compact) / fused AdamW, bf16, 58M", "lower", BF16_STEP),
+    "step_bf16_float32_state": Figure(
+        "GPAAdamW (fused, state_dtype=float32) / fused AdamW, bf16, 58M", "lower", BF16_STEP
+    ),  # fmt: skip
     # Steps of about a millisecond: 0.71x-0.81x over four runs on the shared machine.
     "host_bound": Figure("GPAAdamW (fused) / fused AdamW, 219 tiny fp32 tensors", "lower", HOST),
     "host_bound_trainer": Figure("Trainer's 2 groups, 219 tiny fp32 tensors", "lower", HOST),
@@ -84,8 +92,7 @@ FIGURES: dict[str, Figure] = {
     "state_gpa_bf16_float32": Figure(
         "state bytes per weight, GPA-AdamW, bf16, state_dtype=float32", "exact", fmt="{:.2f}"
     ),  # fmt: skip
-    # A training step of a tiny model varies more from round to round than an optimizer step.
-    "throughput": Figure("GPATrainer / Trainer tokens/s, 0.23M Llama", "higher", 0.15, fmt="{:.2f}"),
+    "throughput": Figure("GPATrainer / Trainer tokens/s, 0.23M Llama", "higher", THROUGHPUT, fmt="{:.2f}"),
 }
 
 
