@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from benchmarks.files_touched import files_touched
-from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, MuonWithAuxAdam, ReferenceGPA
+from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, GPADiLoCo, MuonWithAuxAdam, ReferenceGPA
 from hf_gpa.optim.kernels.cpu import load_cpu_kernel
 
 
@@ -43,10 +43,10 @@ def test_the_shared_contract_is_one_module(cls: type) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("cls", [GPA, DiLoCo], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [GPA, DiLoCo, GPADiLoCo], ids=lambda c: c.__name__)
 def test_the_wrappers_state_is_the_state_layouts(cls: type, dtype: torch.dtype) -> None:
-    """GPA's and DiLoCo's own state after a first step has the keys and dtypes _state_layout creates for them."""
-    from hf_gpa.optim._state_layout import diloco_state, gpa_y_fp32, gpa_z
+    """GPA's, DiLoCo's and GPADiLoCo's own state after a first step has the keys and dtypes _state_layout creates."""
+    from hf_gpa.optim._state_layout import diloco_state, gpa_diloco_state, gpa_y_fp32, gpa_z
 
     p = torch.nn.Parameter(torch.randn(4, 3).to(dtype))
     p.grad = torch.ones_like(p)
@@ -56,6 +56,6 @@ def test_the_wrappers_state_is_the_state_layouts(cls: type, dtype: torch.dtype) 
         y32 = gpa_y_fp32(p)
         expected = {"z": gpa_z(p), **({} if y32 is None else {"y_fp32": y32})}
     else:
-        expected = diloco_state(p)
+        expected = (gpa_diloco_state if cls is GPADiLoCo else diloco_state)(p)
     own = {k: v for k, v in opt.state[p].items() if k != "base"}
     assert {k: (v.dtype, v.shape) for k, v in own.items()} == {k: (v.dtype, v.shape) for k, v in expected.items()}

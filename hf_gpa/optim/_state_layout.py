@@ -104,6 +104,15 @@ def diloco_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
     return state
 
 
+def gpa_diloco_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GPA across workers' own state of a parameter before its first step: `diloco_state` with z (``state["z"]``)
+    beside x (``state["outer"]``), both the current weights, and no outer momentum (its outer step has none)."""
+    state = diloco_state(p)
+    del state[OUTER_MOMENTUM_BUFFER]
+    state[Z] = state[OUTER].clone(memory_format=torch.preserve_format)
+    return state
+
+
 # ---- the 24-bit values of "compact" ----
 #
 # A float32 u is rounded to 24 bits (sign, 8 exponent bits, 15 mantissa bits) and kept as two words:

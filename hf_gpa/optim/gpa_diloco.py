@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from ._checks import as_number, check_mu_x
+from ._state_layout import gpa_diloco_state
 from ._tensors import local_tensor
-from ._types import DEFAULT_INNER_STEPS, DEFAULT_NUM_FRAGMENTS, MU_X, MU_Y, OUTER, OUTER_LR, OUTER_MOMENTUM_BUFFER, Z
+from ._types import DEFAULT_INNER_STEPS, DEFAULT_NUM_FRAGMENTS, MU_X, MU_Y, OUTER, OUTER_LR, Z
 from .diloco import DiLoCo
 
 __all__ = [
@@ -144,9 +145,7 @@ class GPADiLoCo(DiLoCo):
         """x (``state["outer"]``) and z, both the current weights; no Nesterov buffer."""
         state = self.state[p]
         if OUTER not in state:
-            super()._init_outer(p)
-            del state[OUTER_MOMENTUM_BUFFER]
-            state[Z] = state[OUTER].clone(memory_format=torch.preserve_format)
+            state.update(gpa_diloco_state(p))
 
     def _outer_step(self, due: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         if not due:
