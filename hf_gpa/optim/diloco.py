@@ -66,7 +66,7 @@ __all__ = ["DiLoCo"]
 #: The error-feedback residual of a compressed outer all-reduce (``outer_dtype`` bfloat16 or int8), per parameter.
 OUTER_RESIDUAL = "outer_residual"
 #: Its second stage's with more than two workers: what re-compressing the average of this worker's chunk lost, per
-#: parameter (the elements in this worker's chunk of the flat bucket; zero elsewhere).
+#: parameter (of the parameter's shape; only its elements in this worker's chunk of the flat bucket are used).
 OUTER_SERVER_RESIDUAL = "outer_server_residual"
 #: The state dict's entry for `OuterTraffic` (outer steps taken, bytes sent between workers).
 OUTER_TRAFFIC = "diloco_outer_traffic"
