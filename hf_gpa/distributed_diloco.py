@@ -296,7 +296,7 @@ def workers_start_line(optimizer: DiLoCo) -> str:
     elif layout.num_workers <= ALL_GATHER_WORKERS:
         collective = f"all-gather of the {dtype} payloads"
     else:
-        collective = f"all-to-all of {dtype} chunks and all-gather of their averages"
+        collective = f"all-to-all and all-gather of {dtype} chunks"
     per = "one" if fragments == 1 else f"{fragments} (one per fragment, about 1/{fragments} of the model each)"
     return (
         f"hf_gpa: DiLoCo across workers: {workers_in_words(layout.num_workers, layout.island_size)} "

@@ -204,6 +204,7 @@ def compressed(out: Path, rank: int) -> None:
     the first outer step (residuals not zero); float32's traffic; and pseudo-gradients that both dtypes hold exactly,
     averaged by each dtype's collective (in each rank's own order with 2 workers, whose halved sums stay exact; in
     the same order with 4, whose average is then each worker's values, exact in both stages)."""
+    from hf_gpa.distributed_diloco import workers_start_line
     from hf_gpa.optim._diloco_workers import averaged_pseudo_gradients
 
     facts: dict[str, Any] = {}
@@ -220,6 +221,7 @@ def compressed(out: Path, rank: int) -> None:
         facts[outer_dtype] = history
         facts[f"{outer_dtype}_traffic"] = dataclasses.asdict(optimizer.outer_traffic)
         facts[f"{outer_dtype}_per_period"] = optimizer.outer_bytes_per_period()
+        facts[f"{outer_dtype}_start_line"] = workers_start_line(optimizer)
 
         checkpoint = torch.load(out / f"{outer_dtype}_{rank}.pt", weights_only=True)
         model = build_mlp(torch.float32)

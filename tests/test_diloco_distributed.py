@@ -218,11 +218,25 @@ SENT_PER_OUTER_STEP = {
 
 def test_the_optimizer_counts_the_bytes_it_sends_to_the_other_workers(compressed: list) -> None:
     """After 7 steps (outer steps at 3 and 6): each process's outer_traffic holds twice `SENT_PER_OUTER_STEP` (worked
-    by hand), and outer_bytes_per_period says it before anything is sent."""
+    by hand), and outer_bytes_per_period and the start line say it before anything is sent, the start line against
+    what DDP's ring all-reduce of the 1,036 gradient bytes sends per step over W = M processes (2 (W - 1) / W of
+    them: 1,036 at W = 2, 1,554 at W = 4) and with the collectives that carry it."""
+    m = len(compressed)
+    ddp = {2: 1036, 4: 1554}[m]
+    collective = {"float32": "all-reduce"}
+    for dtype in ("bfloat16", "int8"):
+        gathered, chunked = f"all-gather of the {dtype} payloads", f"all-to-all and all-gather of {dtype} chunks"
+        collective[dtype] = gathered if m == 2 else chunked
     for facts in compressed:
-        for outer_dtype, sent in SENT_PER_OUTER_STEP[len(compressed)].items():
+        for outer_dtype, sent in SENT_PER_OUTER_STEP[m].items():
             assert facts[f"{outer_dtype}_traffic"] == {"outer_steps": 2, "outer_bytes": 2 * sent}, outer_dtype
             assert facts[f"{outer_dtype}_per_period"] == sent
+            line = facts[f"{outer_dtype}_start_line"]
+            assert (
+                f"Every 3 inner steps each process sends {sent:,} bytes between workers (one "
+                f"{collective[outer_dtype]} of the pseudo-gradient), against {ddp:,} bytes per step under DDP "
+                f"({3 * ddp:,} per 3 steps): {sent / (3 * ddp):.3g} of DDP's."
+            ) in line, line
 
 
 @pytest.mark.parametrize("outer_dtype", ["float32", "bfloat16", "int8"])
