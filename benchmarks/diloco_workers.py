@@ -12,7 +12,7 @@ three claims and what the saving costs in loss, on the tiny Llama and corpus of 
   over whole outer periods after two warm-up steps, for DDP-AdamW, GPA-AdamW under DDP, DiLoCo and GPA across
   workers (``GPADiLoCo``) at each H (every process a worker), DiLoCo at each H with its outer all-reduce compressed
   (``Plan.outer_dtypes``: bfloat16, int8 with error feedback; beside the metered count, the optimizer's own count of
-  what it handed to the collectives), streaming DiLoCo (P fragments) and DiLoCo in islands (M workers of W / M
+  what it sent to the other workers), streaming DiLoCo (P fragments) and DiLoCo in islands (M workers of W / M
   processes, DDP inside each island: only the outer all-reduce crosses workers);
 * **speed**: steps per second of DDP-AdamW and DiLoCo at each H with every collective delayed by a `ranks.Link`
   (latency plus bytes over bandwidth), in interleaved rounds (ABBA), medians and the ratio to DDP of the same link.
@@ -418,7 +418,7 @@ def measure_bytes(context: Context) -> None:
 
 
 def _outer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """The bytes DiLoCo's optimizer says it handed to the collectives between workers so far (0 for DDP's)."""
+    """The bytes DiLoCo's optimizer says it sent to the other workers so far (0 for DDP's)."""
     traffic = getattr(optimizer, "outer_traffic", None)
     return 0 if traffic is None else traffic.outer_bytes
 
@@ -564,18 +564,21 @@ def bytes_table(runs: list[dict[str, Any]]) -> str:
     rows = [run for run in runs if run["part"] == "bytes"]
     ddp = next((run for run in rows if run["method"] == DDP_ADAMW.name), None)
     header = ["method", "processes per worker", "collectives / step", "payload / step (KB)", "sent / step (KB)",
-              "between workers / step (KB)", "vs DDP", "vs float32 outer", "optimizer's count / step (KB)",
-              "peak of one step between workers (KB)", "peak / model"]  # fmt: skip
+              "between workers / step: payload (KB)", "between workers / step: sent (KB)", "sent vs DDP",
+              "sent vs float32 outer", "optimizer's count / step (KB)", "peak of one step between workers (KB)",
+              "peak / model"]  # fmt: skip
     table = []
+    sent = "between_workers_sent_per_step"
     for run in rows:
-        ratio = run["between_workers_per_step"] / ddp["between_workers_per_step"] if ddp else math.nan
+        ratio = run[sent] / ddp[sent] if ddp else math.nan
         float32 = next((r for r in rows if _same_but_float32(r, run)), None)
-        vs_float32 = f"{run['between_workers_per_step'] / float32['between_workers_per_step']:.4f}" if float32 else ""
+        vs_float32 = f"{run[sent] / float32[sent]:.4f}" if float32 else ""
         counted = run.get("optimizer_outer_bytes_per_step")
         table.append([
             run["method"], run["island_size"], f"{run['collectives_per_step']:.3f}", _kb(run["payload_per_step"]),
-            _kb(run["sent_per_step"]), _kb(run["between_workers_per_step"]), f"{ratio:.4f} (1/{1 / ratio:.1f})",
-            vs_float32, _kb(counted) if counted else "", _kb(run["peak_between_workers_step_payload"]),
+            _kb(run["sent_per_step"]), _kb(run["between_workers_per_step"]), _kb(run[sent]),
+            f"{ratio:.4f} (1/{1 / ratio:.1f})", vs_float32, _kb(counted) if counted else "",
+            _kb(run["peak_between_workers_step_payload"]),
             f"{run['peak_between_workers_step_payload'] / run['model_bytes']:.3f}",
         ])  # fmt: skip
     return report.markdown_table(header, table, right=range(1, len(header)))
@@ -624,12 +627,13 @@ def quality_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def between_workers_per_step(runs: list[dict[str, Any]], quality_run: dict[str, Any]) -> float:
-    """The bytes between workers per step that the bytes part counted for the method of ``quality_run``: the bytes
-    run of the same family, H, M and P (mu_x and mu_y change no byte); nan where none was counted."""
+    """The bytes each process sent between workers per step that the bytes part counted for the method of
+    ``quality_run``: the bytes run of the same family, H, M, P and outer dtype (mu_x and mu_y change no byte); nan
+    where none was counted."""
     same = ("family", "inner_steps", "num_workers", "num_fragments", "outer_dtype")
     for run in runs:
         if run["part"] == "bytes" and all(run.get(key, "float32") == quality_run.get(key, "float32") for key in same):
-            return run["between_workers_per_step"]
+            return run["between_workers_sent_per_step"]
     return math.nan
 
 
@@ -638,7 +642,7 @@ def quality_table(runs: list[dict[str, Any]]) -> str:
     if not summary:
         return ""
     ddp = next((row for row in summary if row["method"] == DDP_ADAMW.name), None)
-    header = ["method", "between workers / step (KB)", "lr (best of)", "seeds", "final val loss, mean",
+    header = ["method", "sent between workers / step (KB)", "lr (best of)", "seeds", "final val loss, mean",
               "spread (max - min)", "each seed", "vs DDP-AdamW", "wall s / run"]  # fmt: skip
     table = []
     for row in summary:
@@ -666,8 +670,9 @@ def report_text(data: dict[str, Any]) -> str:
         + f"; global batch {spec.batch_size} windows ({spec.batch_size // world} per process); one thread per "
         "process, the processes sharing the machine's cores. Every collective of every process is counted by the "
         "metered gloo backend (`benchmarks/ranks.py`): the payload is the bytes of the tensors a process hands to a "
-        "collective, `sent` what it puts on the wire in a ring (2 (n - 1) / n of an all-reduce's payload over n "
-        "processes), `between workers` the collectives whose group spans more than one worker (island).\n",
+        "collective, `sent` what it sends to the others in a ring (2 (n - 1) / n of an all-reduce's payload over n "
+        "processes, n - 1 times an all-gather's, an all-to-all's less its own part), `between workers` the "
+        "collectives whose group spans more than one worker (island); the ratios compare what was sent.\n",
     ]
     text = bytes_table(runs)
     if [run for run in runs if run["part"] == "bytes"]:
@@ -733,9 +738,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
     for ax, part in zip(axes[0], panels):
         if part == "bytes":
             rows = [run for run in runs if run["part"] == "bytes"]
-            ax.barh([r["method"] for r in rows][::-1], [r["between_workers_per_step"] / 1e3 for r in rows][::-1])
+            ax.barh([r["method"] for r in rows][::-1], [r["between_workers_sent_per_step"] / 1e3 for r in rows][::-1])
             ax.set_xscale("log")
-            ax.set_xlabel("payload between workers per step (KB, log)")
+            ax.set_xlabel("sent between workers per step (KB, log)")
         elif part == "speed":
             rows = [run for run in runs if run["part"] == "speed"]
             names = list(rows[0]["ratio_to_ddp"])
@@ -755,7 +760,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
                     ax.errorbar([sent], [row["mean"]], yerr=[[row["mean"] - low], [high - row["mean"]]], fmt="o",
                                 capsize=3, label=row["method"])  # fmt: skip
             ax.set_xscale("log")
-            ax.set_xlabel("payload between workers per step (KB, log)")
+            ax.set_xlabel("sent between workers per step (KB, log)")
             ax.set_ylabel("final validation loss (mean, seed range)")
             ax.legend(fontsize=6)
         else:

@@ -10,8 +10,10 @@ the global ranks of the group. torch.distributed's documented extension point do
 (``torch.distributed.Backend.register_backend``); nothing is patched.
 
 The link model (`Link`): before a collective of a group of n > 1 processes, each process sleeps
-``latency_s + wire_bytes / bandwidth``, where ``wire_bytes`` is what the process sends on a ring: 2 (n - 1) / n of the
-payload for an all-reduce, the payload for any other collective. The collective then runs on gloo over loopback. This
+``latency_s + wire_bytes / bandwidth``, where ``wire_bytes`` is what the process sends to the others on a ring: 2 (n -
+1) / n of the payload for an all-reduce, n - 1 times it for an all-gather (each process passes on every other's
+piece), the payload less the part addressed to itself for an all-to-all, the payload for any other collective (a
+broadcast, as its root sends it). The collective then runs on gloo over loopback. This
 is a blocking, per-collective model: DDP's overlap of communication with the rest of the backward pass is not
 modelled (with the tiny models of the benchmarks, there is almost no backward left to overlap with).
 """
@@ -69,15 +71,22 @@ class Collective:
     payload: int
     ranks: tuple[int, ...]
     step: int
+    #: The bytes of the payload that stay with this process (an all-to-all's part addressed to itself).
+    kept: int = 0
 
     @property
     def wire_bytes(self) -> float:
-        """What this process sends on a ring: 2 (n - 1) / n of the payload for an all-reduce over n processes, the
-        payload for any other collective, nothing in a group of one."""
+        """What this process sends to the others on a ring: 2 (n - 1) / n of the payload for an all-reduce over n
+        processes, n - 1 times the payload for an all-gather, the payload less ``kept`` for an all-to-all, the payload
+        for any other collective, nothing in a group of one."""
         n = len(self.ranks)
         if n == 1:
             return 0.0
-        return 2 * (n - 1) / n * self.payload if self.op == "allreduce" else float(self.payload)
+        if self.op == "allreduce":
+            return 2 * (n - 1) / n * self.payload
+        if self.op == "allgather":
+            return float((n - 1) * self.payload)
+        return float(self.payload - self.kept)
 
 
 class Meter:
@@ -100,10 +109,10 @@ class Meter:
         finally:
             self._paused = before
 
-    def note(self, op: str, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...]) -> None:
+    def note(self, op: str, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...], kept: int = 0) -> None:
         if self._paused:
             return
-        collective = Collective(op, sum(t.numel() * t.element_size() for t in tensors), ranks, self.step)
+        collective = Collective(op, sum(t.numel() * t.element_size() for t in tensors), ranks, self.step, kept)
         self.collectives.append(collective)
         if len(ranks) > 1 and self.link is not LOOPBACK:
             time.sleep(self.link.delay_s(collective.wire_bytes))
@@ -136,6 +145,19 @@ class MeteredGloo(dist.ProcessGroup):
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         self.meter.note("allgather", inputs, self.ranks)
         return self.gloo.allgather(outputs, inputs, *_given(opts))
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,  # noqa: A002 -- the name ProcessGroup's interface uses
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Any:
+        row = input.element_size() * (input[0].numel() if input.dim() else 1)
+        own = input_split_sizes[self.rank()] if input_split_sizes else input.shape[0] // self.size()
+        self.meter.note("alltoall", [input], self.ranks, kept=own * row)
+        return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, *_given(opts))
 
     def barrier(self, opts: Any = None) -> Any:
         self.meter.note("barrier", [], self.ranks)

@@ -47,7 +47,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from hf_gpa.checkpoint import unwrap_gpa_optimizer
 from hf_gpa.optim import DiLoCo, WorkerLayout, saved_diloco_layout, saved_optimizer_name
-from hf_gpa.optim._diloco_workers import broadcast_
+from hf_gpa.optim._diloco_workers import ALL_GATHER_WORKERS, broadcast_
 from hf_gpa.optim._types import AVERAGING, INNER_STEPS, MU_X, MU_Y, OUTER_LR, OUTER_MOMENTUM
 
 if TYPE_CHECKING:
@@ -280,16 +280,23 @@ def workers_in_words(num_workers: int, island_size: int) -> str:
 
 def workers_start_line(optimizer: DiLoCo) -> str:
     """The line a run of DiLoCo across processes logs at its start: the workers, H, the fragments, the outer dtype
-    and the overlap, and the payload one outer period (H inner steps: every fragment once) hands to the collectives
-    between workers (`DiLoCo.outer_bytes_per_period`, what ``outer_bytes`` will count) against what DDP over all
-    processes would all-reduce per step: every trainable parameter's gradient in its dtype."""
+    and the overlap, and the bytes each process sends to the other workers over one outer period (H inner steps:
+    every fragment once; `DiLoCo.outer_bytes_per_period`, what ``outer_bytes`` will count) against what it would send
+    per step under DDP over all W processes: a ring all-reduce of every trainable parameter's gradient in its dtype,
+    2 (W - 1) / W of their bytes."""
     layout = optimizer.layout
     steps = optimizer.param_groups[0][INNER_STEPS]
     fragments = layout.num_fragments
     period = optimizer.outer_bytes_per_period()
-    ddp = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    grads = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    ddp = 2 * (layout.world_size - 1) * grads // layout.world_size
     dtype = layout.outer_dtype
-    collective = "all-reduce" if dtype == "float32" else f"all-gather of the {dtype} payloads"
+    if dtype == "float32":
+        collective = "all-reduce"
+    elif layout.num_workers <= ALL_GATHER_WORKERS:
+        collective = f"all-gather of the {dtype} payloads"
+    else:
+        collective = f"all-to-all and all-gather of {dtype} chunks"
     per = "one" if fragments == 1 else f"{fragments} (one per fragment, about 1/{fragments} of the model each)"
     return (
         f"hf_gpa: DiLoCo across workers: {workers_in_words(layout.num_workers, layout.island_size)} "

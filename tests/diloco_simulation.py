@@ -47,6 +47,8 @@ class Snapshot:
     pseudo_gradients: list[list[torch.Tensor | None]] | None = None
     #: Each worker's error-feedback residuals after the step (zero in float32).
     residuals: list[list[torch.Tensor]] | None = None
+    #: Each worker's residuals of the second quantization (more than 2 workers, compressed; zero otherwise).
+    server_residuals: list[list[torch.Tensor]] | None = None
 
 
 #: The elements of one int8 quantization block of a compressed outer all-reduce.
@@ -69,6 +71,16 @@ def compressed(values: torch.Tensor, outer_dtype: str) -> torch.Tensor:
     return out
 
 
+def chunk_bounds(numel: int, num_workers: int, outer_dtype: str) -> list[tuple[int, int]]:
+    """[start, stop) of each worker's share of a flat vector of ``numel`` elements reduced by more than 2 workers:
+    numel / M elements each, rounded up (int8: to whole blocks of 256, so that no block is split), the last shares
+    shorter or empty."""
+    unit = INT8_BLOCK if outer_dtype == "int8" else 1
+    units = (numel + unit - 1) // unit
+    size = (units + num_workers - 1) // num_workers * unit
+    return [(min(w * size, numel), min((w + 1) * size, numel)) for w in range(num_workers)]
+
+
 def simulate(
     num_workers: int,
     island_size: int,
@@ -82,7 +94,10 @@ def simulate(
 
     ``outer_dtype`` bfloat16 or int8: each worker adds its residual to its pseudo-gradients, sends the due tensors
     (one flat vector in the model's order) `compressed`, keeps what compression lost as its residual, and the
-    average is taken of what was received (``Snapshot.residuals``: each worker's residuals after the step)."""
+    average is taken of what was received (``Snapshot.residuals``: each worker's residuals after the step). With more
+    than 2 workers that average is sent again: worker w adds its server residual to its share of the average
+    (`chunk_bounds`), sends that compressed (int8: its blocks counted from the share's start), keeps what this second
+    compression lost as its server residual, and everyone takes what was sent (``Snapshot.server_residuals``)."""
     world_size = num_workers * island_size
     models = [build_mlp(dtype) for _ in range(num_workers)]  # seeded: the same initial weights
     inner_optimizers = [torch.optim.AdamW(model.parameters(), **ADAMW_KW) for model in models]
@@ -90,6 +105,8 @@ def simulate(
     outer = [p.detach().clone() for p in weights[0]]
     momentum = [torch.zeros_like(p) for p in outer]
     residuals = [[torch.zeros_like(p) for p in outer] for _ in range(num_workers)]
+    servers = [[torch.zeros_like(p) for p in outer] for _ in range(num_workers)]
+    two_stage = outer_dtype != "float32" and num_workers > 2
     history = []
     for t in range(1, steps + 1):
         for worker, (model, optimizer) in enumerate(zip(models, inner_optimizers)):
@@ -123,16 +140,30 @@ def simulate(
                     received[worker][i] = got.view(q.shape)
                     if outer_dtype != "float32":
                         residuals[worker][i] = q - received[worker][i]
-            for i in due_now:
+            if due_now:
                 due = True
-                p = received[0][i]
-                for q in [received[w][i] for w in range(1, num_workers)]:
+                shapes = [outer[i].shape for i in due_now]
+                flat = [torch.cat([received[w][i].reshape(-1) for i in due_now]) for w in range(num_workers)]
+                p = flat[0]
+                for q in flat[1:]:
                     p = p + q  # the fixed order: worker 0, 1, 2, ...
                 p = p / num_workers
-                momentum[i].mul_(OUTER_MOMENTUM).add_(p)
-                outer[i].sub_(p.add(momentum[i], alpha=OUTER_MOMENTUM), alpha=OUTER_LR)
-                for w in weights:
-                    w[i].copy_(outer[i])
+                if two_stage:
+                    again = torch.empty_like(p)
+                    for w, (start, stop) in enumerate(chunk_bounds(p.numel(), num_workers, outer_dtype)):
+                        kept = torch.cat([servers[w][i].reshape(-1) for i in due_now])
+                        share = p[start:stop] + kept[start:stop]
+                        again[start:stop] = compressed(share, outer_dtype)
+                        kept[start:stop] = share - again[start:stop]
+                        for i, e in zip(due_now, kept.split([outer[i].numel() for i in due_now])):
+                            servers[w][i] = e.view(outer[i].shape).clone()
+                    p = again
+                for i, shape, average in zip(due_now, shapes, p.split([outer[i].numel() for i in due_now])):
+                    average = average.view(shape)
+                    momentum[i].mul_(OUTER_MOMENTUM).add_(average)
+                    outer[i].sub_(average.add(momentum[i], alpha=OUTER_MOMENTUM), alpha=OUTER_LR)
+                    for w in weights:
+                        w[i].copy_(outer[i])
         history.append(
             Snapshot(
                 inner=[[p.detach().clone() for p in w] for w in weights],
@@ -140,6 +171,7 @@ def simulate(
                 momentum=[b.clone() for b in momentum],
                 pseudo_gradients=averaged if due else None,
                 residuals=[[e.clone() for e in r] for r in residuals],
+                server_residuals=[[e.clone() for e in r] for r in servers],
             )
         )
     return history

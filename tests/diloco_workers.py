@@ -53,6 +53,9 @@ def snapshot(model: torch.nn.Module, optimizer: DiLoCo) -> dict[str, list[torch.
     if optimizer.layout.outer_dtype != "float32":
         zero = [torch.zeros_like(p) for p in params]
         held["residual"] = [optimizer.state[p].get("outer_residual", z).clone() for p, z in zip(params, zero)]
+        held["server_residual"] = [
+            optimizer.state[p].get("outer_server_residual", z).clone() for p, z in zip(params, zero)
+        ]
     return held
 
 
@@ -196,9 +199,12 @@ def four_ranks(out: Path, rank: int) -> None:
 
 
 def compressed(out: Path, rank: int) -> None:
-    """Two workers with the outer all-reduce in bfloat16 and in int8 (error feedback): the run, its outer traffic, a
-    resume from a state saved in eval mode after the first outer step (residuals not zero); float32's traffic; and
-    pseudo-gradients that both dtypes hold exactly, averaged by each dtype's collective."""
+    """M = W workers (2: all-gather; 4: the chunked reduce-scatter and all-gather) with the outer all-reduce in
+    bfloat16 and in int8 (error feedback): the run, its outer traffic, a resume from a state saved in eval mode after
+    the first outer step (residuals not zero); float32's traffic; and pseudo-gradients that both dtypes hold exactly,
+    averaged by each dtype's collective (in each rank's own order with 2 workers, whose halved sums stay exact; in
+    the same order with 4, whose average is then each worker's values, exact in both stages)."""
+    from hf_gpa.distributed_diloco import workers_start_line
     from hf_gpa.optim._diloco_workers import averaged_pseudo_gradients
 
     facts: dict[str, Any] = {}
@@ -215,6 +221,7 @@ def compressed(out: Path, rank: int) -> None:
         facts[outer_dtype] = history
         facts[f"{outer_dtype}_traffic"] = dataclasses.asdict(optimizer.outer_traffic)
         facts[f"{outer_dtype}_per_period"] = optimizer.outer_bytes_per_period()
+        facts[f"{outer_dtype}_start_line"] = workers_start_line(optimizer)
 
         checkpoint = torch.load(out / f"{outer_dtype}_{rank}.pt", weights_only=True)
         model = build_mlp(torch.float32)
@@ -234,17 +241,17 @@ def compressed(out: Path, rank: int) -> None:
         torch.cat([torch.arange(-127.0, 128.0), torch.zeros(1)]),
         torch.cat([torch.arange(-127.0, -84.0), torch.tensor([127.0])]),
     ]
-    order = torch.Generator().manual_seed(rank)
+    order = torch.Generator().manual_seed(rank if dist.get_world_size() == 2 else 0)
     values = torch.cat([b[torch.randperm(b.numel(), generator=order)] for b in blocks])
     inner = values.neg()  # outer 0: the pseudo-gradient is ``values``
     exact = {}
     for outer_dtype in ("float32", "bfloat16", "int8"):
         outers, inners = [torch.zeros(300)], [inner.clone()]
-        residuals = [torch.zeros(300)]
+        residuals, servers = [torch.zeros(300)], [torch.zeros(300)]
         averaged = averaged_pseudo_gradients(
-            outers, inners, dataclasses.replace(layout, outer_dtype=outer_dtype), residuals
+            outers, inners, dataclasses.replace(layout, outer_dtype=outer_dtype), residuals, None, servers
         )
-        exact[outer_dtype] = (averaged[0].clone(), residuals[0].clone())
+        exact[outer_dtype] = (averaged[0].clone(), torch.cat([residuals[0], servers[0]]))
     facts["exact"] = exact
     torch.save(facts, out / f"compressed_rank{rank}.pt")
 

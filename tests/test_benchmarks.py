@@ -167,10 +167,10 @@ def test_bn_recalibration_sweeps_the_checkpoints_of_the_scripts_run(tmp_path: Pa
 def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: Path) -> None:
     """``--tiny`` (2 processes over the metered gloo): DDP hands the model's bytes to one all-reduce a step and
     nothing else, DiLoCo and GPA across workers the model's bytes once per H steps (DiLoCo's compressed outer
-    all-reduce 1/2 of them in bf16, 0.254 in int8, as the optimizer counts them), streaming one fragment at a time
-    (the peak below the model); a speed row per link against DDP, the slow link charging DDP its latency every step;
-    a final loss per quality method (every (mu_x, mu_y) of GPA across workers at every H); the table and the plot
-    written."""
+    all-gather of 2 workers 1/2 of them in bf16, 0.254 in int8, sent once: what the optimizer counts), streaming one
+    fragment at a time (the peak below the model); a speed row per link against DDP, the slow link charging DDP its
+    latency every step; a final loss per quality method (every (mu_x, mu_y) of GPA across workers at every H); the
+    table and the plot written."""
     from benchmarks import diloco_workers
 
     plan = diloco_workers.TINY_PLAN
@@ -191,16 +191,17 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
             model / h,
         )
         # Compressed: an all-gather of 2 bytes an element (bf16), or 1 plus a float32 scale per block of 256 (int8),
-        # per outer step; the optimizer's own count is the metered backend's.
+        # per outer step, sent once to the other worker; the optimizer's own count is the metered backend's.
         numel = model // 4
         compressed = {"bfloat16": 2 * numel, "int8": numel + 4 * -(-numel // 256)}
         for dtype, per_outer_step in compressed.items():
             row = sent[f"DiLoCo H={h}, outer {dtype}"]
             assert row["ops"] == {"allgather": plan.bytes_steps // h}
-            assert row["between_workers_per_step"] == row["optimizer_outer_bytes_per_step"] == per_outer_step / h
+            assert row["between_workers_per_step"] == per_outer_step / h
+            assert row["between_workers_sent_per_step"] == row["optimizer_outer_bytes_per_step"] == per_outer_step / h
     for row in sent.values():
         if row["family"] in ("diloco", "gpa_diloco"):
-            assert row["optimizer_outer_bytes_per_step"] == row["between_workers_per_step"], row["method"]
+            assert row["optimizer_outer_bytes_per_step"] == row["between_workers_sent_per_step"], row["method"]
     streaming = sent[f"streaming DiLoCo H={plan.streaming_inner_steps} P={plan.fragments[0]}"]
     assert streaming["payload_per_step"] == model / plan.streaming_inner_steps
     assert 0 < streaming["peak_between_workers_step_payload"] < model

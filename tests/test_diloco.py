@@ -19,11 +19,13 @@ from distributed_workers import build_mlp, mse
 from hf_gpa import DiLoCo
 from hf_gpa.optim._diloco_workers import (
     check_outer_dtype,
+    chunk_numel,
     compress,
     decompress,
     fragment_due,
     fragment_of_each,
     outer_payload_bytes,
+    outer_sent_bytes,
 )
 
 
@@ -572,6 +574,21 @@ def test_values_a_compressed_dtype_holds_are_sent_exactly(outer_dtype) -> None:
     values = torch.cat([*blocks, torch.zeros(256)])
     _, kept = compress(values, outer_dtype)
     assert torch.equal(kept, values)
+
+
+def test_the_bytes_sent_per_bucket_are_the_hand_computed_ones() -> None:
+    """A float32 bucket of n = 10,240 elements (40 int8 blocks). M = 2: float32's ring all-reduce sends 2 (M - 1) / M
+    x 40,960 = 40,960 bytes, the all-gather one payload: bf16 20,480, int8 10,240 + 4 x 40 = 10,400. M = 4: float32
+    2 x 3 / 4 x 40,960 = 61,440; the chunks hold 2,560 elements (bf16: 10,240 / 4; int8: 10 blocks), sent 2 (M - 1) =
+    6 times: bf16 6 x 5,120 = 30,720 (1/2 of float32's), int8 6 x (2,560 + 40) = 15,600 (0.254). A bucket of 259
+    elements at M = 4 in int8: one block per chunk, 6 x 260 = 1,560."""
+    n = 10_240
+    assert [outer_sent_bytes(n, 4, dtype, 2) for dtype in ("float32", "bfloat16", "int8")] == [40_960, 20_480, 10_400]
+    assert chunk_numel(n, "bfloat16", 4) == chunk_numel(n, "int8", 4) == 2_560
+    assert [outer_sent_bytes(n, 4, dtype, 4) for dtype in ("float32", "bfloat16", "int8")] == [61_440, 30_720, 15_600]
+    assert (chunk_numel(259, "int8", 4), outer_sent_bytes(259, 4, "int8", 4)) == (256, 1_560)
+    assert (chunk_numel(259, "bfloat16", 4), outer_sent_bytes(259, 4, "bfloat16", 4)) == (65, 780)
+    assert outer_sent_bytes(n, 8, "float32", 4) == 122_880  # float64 outer weights
 
 
 def test_outer_dtype_refusals_name_the_argument() -> None:

@@ -161,57 +161,89 @@ def test_every_worker_starts_from_rank_0_s_weights_and_every_tensor_takes_each_o
     assert all(not torch.equal(a, b) for a, b in zip(first["heads_outer"], first["heads_at_start"]))
 
 
-# ---------------------------------------------------------------- a compressed outer all-reduce (2 processes)
+# ---------------------------------------------------------------- a compressed outer all-reduce (2 and 4 processes)
 
 
-@pytest.fixture(scope="module")
-def compressed(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch("compressed", 2, tmp_path_factory.mktemp("compressed"))
+@pytest.fixture(scope="module", params=[2, 4], ids=["2_workers", "4_workers"])
+def compressed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch("compressed", request.param, tmp_path_factory.mktemp(f"compressed{request.param}"))
 
 
 @pytest.mark.parametrize("outer_dtype", ["bfloat16", "int8"])
 def test_a_compressed_outer_all_reduce_equals_the_simulation_bitwise(compressed: list, outer_dtype: str) -> None:
-    """2 workers (H = 3, 7 steps), the pseudo-gradients sent in bfloat16 or in int8 (a scale per block of 256: the
-    MLP's 259 elements are 2 blocks) with error feedback: each rank's inner weights, the outer weights, the outer
-    momentum and its worker's residuals equal, bitwise after every step, those of the single-process simulation that
-    applies the same quantization; the residuals are not zero, and the run differs from float32's."""
-    expected = simulate(2, 1, dw.INNER_STEPS, 1, dw.STEPS, outer_dtype=outer_dtype)
+    """M = 2 or 4 workers (H = 3, 7 steps), the pseudo-gradients sent in bfloat16 or in int8 (a scale per block of
+    256: the MLP's 259 elements are 2 blocks) with error feedback, all-gathered (M = 2) or reduced chunk by chunk and
+    the averaged chunks compressed again (M = 4): each rank's inner weights, the outer weights, the outer momentum,
+    its worker's residuals and (M = 4) its server residuals equal, bitwise after every step, those of the
+    single-process simulation that applies the same quantizations; the residuals are not zero, and the run differs
+    from float32's."""
+    m = len(compressed)
+    expected = simulate(m, 1, dw.INNER_STEPS, 1, dw.STEPS, outer_dtype=outer_dtype)
     for rank, facts in enumerate(compressed):
         assert_matches(facts[outer_dtype], expected, worker=rank)
         for step, (held, snapshot) in enumerate(zip(facts[outer_dtype], expected), start=1):
             for a, b in zip(held["residual"], snapshot.residuals[rank]):
                 assert torch.equal(a, b), step
+            for a, b in zip(held["server_residual"], snapshot.server_residuals[rank]):
+                assert torch.equal(a, b), step
         assert any(bool(e.abs().max() > 0) for e in facts[outer_dtype][-1]["residual"])
         float32 = facts["float32"][-1]["outer"]
         assert any(not torch.equal(a, b) for a, b in zip(facts[outer_dtype][-1]["outer"], float32))
+    servers = [e for facts in compressed for e in facts[outer_dtype][-1]["server_residual"]]
+    assert any(bool(e.abs().max() > 0) for e in servers) == (m > 2)
     assert_same_outer_everywhere([facts[outer_dtype] for facts in compressed])
 
 
 def test_float32_outer_dtype_is_the_all_reduce_of_before_bitwise(compressed: list) -> None:
-    """outer_dtype float32 (the default, given explicitly): bitwise the simulation of the plain average, as before."""
-    expected = simulate(2, 1, dw.INNER_STEPS, 1, dw.STEPS)
+    """outer_dtype float32 (the default, given explicitly): the simulation of the plain average, as before (bitwise
+    with 2 workers; with 4 within the all-reduce's rounding, as ``test_four_workers_equal_the_simulation...``)."""
+    m = len(compressed)
+    expected = simulate(m, 1, dw.INNER_STEPS, 1, dw.STEPS)
     for rank, facts in enumerate(compressed):
-        assert_matches(facts["float32"], expected, worker=rank)
+        assert_matches(facts["float32"], expected, worker=rank, **(FOUR_WORKERS_TOL if m > 2 else {}))
 
 
-def test_the_optimizer_counts_the_bytes_it_hands_to_the_collectives(compressed: list) -> None:
-    """After 7 steps (outer steps at 3 and 6) of the MLP's 259 float32 elements: float32 hands the all-reduce 4 bytes
-    an element, bfloat16 the all-gather 2, int8 1 plus a 4-byte scale per block of 256 (2 blocks): per outer step
-    1,036, 518 and 267 bytes (1/2 and 0.258 of float32's); outer_bytes_per_period says the same before they are
-    sent."""
-    numel = 259
-    per_step = {"float32": 4 * numel, "bfloat16": 2 * numel, "int8": numel + 4 * 2}
+#: The bytes one process sends to the others per outer step of the MLP (259 float32 elements), worked by hand.
+#: M = 2: float32's ring all-reduce 2 (M - 1) / M x 4 x 259 = 1,036; the all-gather sends the payload once: bf16
+#: 2 x 259 = 518, int8 259 + 4 x 2 scales = 267 (1/2 and 0.258 of float32's).
+#: M = 4: float32 2 x 3 / 4 x 1,036 = 1,554; the chunks: bf16 ceil(259 / 4) = 65 elements (130 bytes), int8 one
+#: block of 256 (260 bytes, 2 of the 4 chunks all zeros past the end), each sent 2 (M - 1) = 6 times (the all-to-all
+#: and the all-gather): bf16 780 (0.502 of float32's), int8 1,560 (1.004: a bucket of fewer than M blocks gains
+#: nothing from int8).
+SENT_PER_OUTER_STEP = {
+    2: {"float32": 1036, "bfloat16": 518, "int8": 267},
+    4: {"float32": 1554, "bfloat16": 780, "int8": 1560},
+}
+
+
+def test_the_optimizer_counts_the_bytes_it_sends_to_the_other_workers(compressed: list) -> None:
+    """After 7 steps (outer steps at 3 and 6): each process's outer_traffic holds twice `SENT_PER_OUTER_STEP` (worked
+    by hand), and outer_bytes_per_period and the start line say it before anything is sent, the start line against
+    what DDP's ring all-reduce of the 1,036 gradient bytes sends per step over W = M processes (2 (W - 1) / W of
+    them: 1,036 at W = 2, 1,554 at W = 4) and with the collectives that carry it."""
+    m = len(compressed)
+    ddp = {2: 1036, 4: 1554}[m]
+    collective = {"float32": "all-reduce"}
+    for dtype in ("bfloat16", "int8"):
+        gathered, chunked = f"all-gather of the {dtype} payloads", f"all-to-all and all-gather of {dtype} chunks"
+        collective[dtype] = gathered if m == 2 else chunked
     for facts in compressed:
-        for outer_dtype, sent in per_step.items():
+        for outer_dtype, sent in SENT_PER_OUTER_STEP[m].items():
             assert facts[f"{outer_dtype}_traffic"] == {"outer_steps": 2, "outer_bytes": 2 * sent}, outer_dtype
             assert facts[f"{outer_dtype}_per_period"] == sent
+            line = facts[f"{outer_dtype}_start_line"]
+            assert (
+                f"Every 3 inner steps each process sends {sent:,} bytes between workers (one "
+                f"{collective[outer_dtype]} of the pseudo-gradient), against {ddp:,} bytes per step under DDP "
+                f"({3 * ddp:,} per 3 steps): {sent / (3 * ddp):.3g} of DDP's."
+            ) in line, line
 
 
 @pytest.mark.parametrize("outer_dtype", ["float32", "bfloat16", "int8"])
 def test_a_resume_with_a_compressed_outer_all_reduce_is_bitwise(compressed: list, outer_dtype: str) -> None:
-    """Saved in eval mode after step 4 (the outer step at 3 left residuals), resumed on every rank: the residuals come
-    back with the state, the outer traffic counts on from the saved one, and every later step (the outer step at 6
-    included) equals the uninterrupted run's bitwise."""
+    """Saved in eval mode after step 4 (the outer step at 3 left residuals), resumed on every rank: the residuals (with
+    4 workers the server residuals too) come back with the state, the outer traffic counts on from the saved one, and
+    every later step (the outer step at 6 included) equals the uninterrupted run's bitwise."""
     for facts in compressed:
         assert facts[f"{outer_dtype}_resumed_traffic_at_start"]["outer_steps"] == 1
         uninterrupted = facts[outer_dtype][dw.RESUME_AT :]
@@ -222,8 +254,9 @@ def test_a_resume_with_a_compressed_outer_all_reduce_is_bitwise(compressed: list
 
 
 def test_values_a_compressed_dtype_holds_exactly_average_as_in_float32(compressed: list) -> None:
-    """Pseudo-gradients of integers within +-127 (each int8 block holding +-127: scale 1), in each rank's own order:
-    bfloat16 and int8 with error feedback give float32's all-reduce average bitwise and leave a zero residual."""
+    """Pseudo-gradients of integers within +-127 (each int8 block holding +-127: scale 1), in each rank's own order
+    (2 workers) or alike (4 workers, whose average of integers would not be one): bfloat16 and int8 with error
+    feedback give float32's all-reduce average bitwise and leave zero residuals (the server's included)."""
     for facts in compressed:
         float32, _ = facts["exact"]["float32"]
         for outer_dtype in ("bfloat16", "int8"):

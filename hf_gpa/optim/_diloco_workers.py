@@ -29,16 +29,24 @@ dequantization. bfloat16: ``c`` is ``p + e`` rounded to bf16 (2 bytes an element
 blocks of `INT8_BLOCK` = 256 elements (the last one shorter), each sent as int8 ``q = round((p + e) / s)`` with its
 float32 scale ``s = max |p + e| / 127`` over the block (1 + 4 / 256 bytes an element): a block of 256 keeps one
 outlier from coarsening more than 255 neighbours while its scale costs 1.6 % of the payload, and it does not depend on
-the tensors' shapes (a bias, an embedding row, a fragment boundary alike). The compressed buckets are summed by an
-*all-gather* (every worker receives the M payloads) and a local sum of the dequantized ones in float32, in the
-workers' order, divided by M: no int8 or bf16 sum can overflow or round, gloo and NCCL need no custom reduction, and
-the average is bitwise the same on every process and equal to a fixed-order simulation for every M. The price: each
-process receives M - 1 payloads of b bytes an element where a ring all-reduce of float32 sends 2 (M - 1) / M x 4, so
-the bytes are M b / 8 of float32's: 1/2 (bf16) and 0.254 (int8) at M = 2, 1 and 0.51 at M = 4; compression saves
-traffic only for M < 8 / b workers (an island of many processes is still one worker).
+the tensors' shapes (a bias, an embedding row, a fragment boundary alike). No int8 or bf16 sum can overflow or round:
+the compressed values are dequantized and summed in float32, in the workers' order, which gloo and NCCL do without a
+custom reduction, and gives the same bits on every process, equal to a fixed-order simulation, for every M:
 
-Every process counts what it hands to the collectives that cross workers (`OuterTraffic`: the outer steps taken and
-their payload bytes, the same on every process), which the Trainer logs.
+* M <= `ALL_GATHER_WORKERS` (2): an *all-gather* of the M payloads, summed locally and divided by M. Each process sends
+  its payload once, what a ring all-reduce sends of a float32 bucket at M = 2 (2 (M - 1) / M = 1 times it): b / 4 of
+  float32's bytes for b bytes an element;
+* M > 2: a *reduce-scatter of compressed chunks, then an all-gather of compressed averages*
+  (`_compressed_reduce_scatter_all_gather`): the bucket is cut into M chunks (`chunk_numel`: n / M rounded up, for
+  int8 to whole blocks), chunk j of every worker goes to worker j (one all-to-all), which sums the M chunks, divides
+  by M, adds its *server residual* (``state["outer_server_residual"]``: error feedback of this second compression,
+  kept where the worker's residual is) and compresses the average again; an all-gather hands every process the M
+  compressed averages. Each process sends 2 (M - 1) chunks, 2 (M - 1) / M of its compressed bucket: b / 4 of
+  float32's ring all-reduce for every M, where an all-gather would send M - 1 payloads (M b / 8 of float32's). At
+  M = 2 both send the same bytes; the all-gather then needs one collective and one quantization instead of two.
+
+Every process counts what it sends to the other workers (`OuterTraffic`: the outer steps taken and the bytes, as a ring
+sends them: `outer_sent_bytes`; the same on every process), which the Trainer logs.
 
 Streaming (P fragments): the parameters, in the order of the param groups, are split into P contiguous runs of about
 equal size (each at least one tensor), and fragment k has its outer step at the inner steps t with
@@ -58,12 +66,15 @@ from ._checks import check_num_fragments, check_num_workers
 from ._types import DILOCO_LAYOUT
 
 __all__ = [
+    "ALL_GATHER_WORKERS",
     "INT8_BLOCK",
     "OUTER_DTYPES",
     "OuterTraffic",
     "WorkerLayout",
     "check_outer_dtype",
+    "chunk_numel",
     "outer_payload_bytes",
+    "outer_sent_bytes",
     "worker_layout",
     "island_allreduce_hook",
     "saved_diloco_layout",
@@ -76,6 +87,9 @@ __all__ = [
 OUTER_DTYPES = ("float32", "bfloat16", "int8")
 #: The elements of one int8 quantization block (one float32 scale each) of a flat bucket.
 INT8_BLOCK = 256
+#: Up to this many workers a compressed outer sync all-gathers the whole payloads (one quantization, one collective);
+#: more reduce it chunk by chunk (`chunk_numel`), which sends 2 (M - 1) / M of the payload instead of M - 1 times it.
+ALL_GATHER_WORKERS = 2
 
 
 def check_outer_dtype(
@@ -107,21 +121,44 @@ def check_outer_dtype(
 @dataclasses.dataclass
 class OuterTraffic:
     """What the outer steps of this process sent so far: ``outer_steps`` (one per fragment synchronised; P = 1: one
-    per H inner steps) and ``outer_bytes``, the payload it handed to the collectives crossing workers (the tensors
-    given to the all-reduce or all-gather; the same on every process). Saved in the optimizer's state dict."""
+    per H inner steps) and ``outer_bytes``, the bytes it sent to the other workers, as a ring sends them
+    (`outer_sent_bytes`; the same on every process). Saved in the optimizer's state dict."""
 
     outer_steps: int = 0
     outer_bytes: int = 0
 
 
 def outer_payload_bytes(numel: int, element_size: int, outer_dtype: str) -> int:
-    """The payload of one flat bucket of ``numel`` elements of ``element_size`` bytes (the outer weights' dtype) sent
-    in ``outer_dtype``: what `averaged_pseudo_gradients` hands to its collective for that bucket."""
+    """The payload of ``numel`` elements of ``element_size`` bytes (the outer weights' dtype) in ``outer_dtype``: the
+    bytes of what `compress` makes of them (float32: the values as they are)."""
     if outer_dtype == "float32":
         return numel * element_size
     if outer_dtype == "bfloat16":
         return 2 * numel
     return numel + 4 * -(-numel // INT8_BLOCK)
+
+
+def chunk_numel(numel: int, outer_dtype: str, num_workers: int) -> int:
+    """The elements of each of the M chunks of a flat bucket of ``numel`` elements that more than
+    `ALL_GATHER_WORKERS` workers reduce compressed: ``numel`` / M rounded up, for int8 to whole quantization blocks (a
+    block never straddles two chunks; the chunks after the end are zeros)."""
+    if outer_dtype == "int8":
+        blocks = -(-numel // INT8_BLOCK)
+        return -(-blocks // num_workers) * INT8_BLOCK
+    return -(-numel // num_workers)
+
+
+def outer_sent_bytes(numel: int, element_size: int, outer_dtype: str, num_workers: int) -> int:
+    """The bytes one process sends to the other M - 1 workers to average a flat bucket of ``numel`` elements of
+    ``element_size`` bytes in ``outer_dtype``, as a ring sends them: float32's all-reduce 2 (M - 1) / M of the
+    bucket's bytes (rounded down); a compressed bucket, for M = 2, its payload once (the all-gather), for M > 2,
+    2 (M - 1) chunk payloads (the all-to-all sends M - 1 chunks, the all-gather of the averaged chunks M - 1)."""
+    m = num_workers
+    if outer_dtype == "float32":
+        return 2 * (m - 1) * numel * element_size // m
+    if m <= ALL_GATHER_WORKERS:
+        return (m - 1) * outer_payload_bytes(numel, element_size, outer_dtype)
+    return 2 * (m - 1) * outer_payload_bytes(chunk_numel(numel, outer_dtype, m), element_size, outer_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,12 +377,15 @@ def averaged_pseudo_gradients(
     layout: WorkerLayout,
     residuals: Sequence[torch.Tensor] | None = None,
     traffic: OuterTraffic | None = None,
+    server_residuals: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """outer - inner of each tensor, averaged over the M workers: one collective per bucket in the outer group, then
-    divided by M (the same bits on every process; see the module docstring for the rounding). In float32, summed by
-    an all-reduce; compressed (``layout.outer_dtype`` bfloat16 or int8), with each tensor's error-feedback
-    ``residuals`` (updated in place) added before compression, all-gathered and summed locally in the workers' order.
-    The payload handed to the collectives is added to ``traffic``."""
+    """outer - inner of each tensor, averaged over the M workers: one exchange per bucket in the outer group (the same
+    bits on every process; see the module docstring for the rounding). In float32, summed by an all-reduce and
+    divided by M; compressed (``layout.outer_dtype`` bfloat16 or int8), with each tensor's error-feedback
+    ``residuals`` (updated in place) added before compression, then for M = 2 all-gathered and summed locally in the
+    workers' order, for M > 2 reduced chunk by chunk (`_compressed_reduce_scatter_all_gather`, with this worker's
+    ``server_residuals``, updated in place). The bytes this process sends to the other workers are added to
+    ``traffic`` (`outer_sent_bytes`)."""
     import torch.distributed as dist
 
     averaged: list[torch.Tensor] = [outers[0]] * len(outers)
@@ -355,25 +395,83 @@ def averaged_pseudo_gradients(
             averaged[i] = view
         if layout.outer_dtype == "float32":
             dist.all_reduce(flat, group=layout.outer_group)
-            sent = flat.numel() * flat.element_size()
+            flat.div_(layout.num_workers)
         else:
             assert residuals is not None, "a compressed outer all-reduce needs the residuals"
             for i, view in zip(idx, views):
                 view.add_(residuals[i])  # p + e
-            payload, dequantized = compress(flat, layout.outer_dtype)
+            if layout.num_workers <= ALL_GATHER_WORKERS:
+                payload, dequantized = compress(flat, layout.outer_dtype)
+                gathered = [torch.empty_like(payload) for _ in range(layout.num_workers)]
+                dist.all_gather(gathered, payload, group=layout.outer_group)
+                total = decompress(gathered[0], flat, layout.outer_dtype)
+                for other in gathered[1:]:
+                    total.add_(decompress(other, flat, layout.outer_dtype))  # the workers' order, in the outer dtype
+                total.div_(layout.num_workers)
+            else:
+                assert server_residuals is not None, "a compressed reduce-scatter needs the server residuals"
+                servers = [server_residuals[i] for i in idx]
+                dequantized, total = _compressed_reduce_scatter_all_gather(flat, servers, layout)
             for i, view, kept in zip(idx, views, _split_like(dequantized, views)):
                 torch.sub(view, kept, out=residuals[i])  # e <- (p + e) - D(C(p + e))
-            gathered = [torch.empty_like(payload) for _ in range(layout.num_workers)]
-            dist.all_gather(gathered, payload, group=layout.outer_group)
-            total = decompress(gathered[0], flat, layout.outer_dtype)
-            for other in gathered[1:]:
-                total.add_(decompress(other, flat, layout.outer_dtype))  # the workers' order, in the outer dtype
             flat.copy_(total)
-            sent = payload.numel() * payload.element_size()
-        flat.div_(layout.num_workers)
         if traffic is not None:
-            traffic.outer_bytes += sent
+            traffic.outer_bytes += outer_sent_bytes(
+                flat.numel(), flat.element_size(), layout.outer_dtype, layout.num_workers
+            )
     return averaged
+
+
+def _compressed_reduce_scatter_all_gather(
+    values: torch.Tensor, servers: Sequence[torch.Tensor], layout: WorkerLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The average over the M > 2 workers of the flat ``values`` (p + e) of each, sent compressed in two stages: each
+    worker cuts its ``values`` into M chunks of `chunk_numel` elements (zeros after the end), compresses each and sends
+    chunk j to worker j (one all-to-all); worker j sums the M chunks it received, dequantized, in float (the workers'
+    order), divides by M, adds its server residual for chunk j (``servers``: one per tensor of the bucket, the shape of
+    the tensor, of which this worker uses the elements in its chunk), compresses that again, keeps what the second
+    compression lost as its new server residual, and all-gathers the compressed averages, which every process
+    dequantizes: the same bits everywhere. Returns (``values`` as this worker sent them, dequantized; the average)."""
+    import torch.distributed as dist
+
+    m, n, dtype = layout.num_workers, values.numel(), layout.outer_dtype
+    me = dist.get_rank(layout.outer_group)  # the outer group's rank of a process is its worker
+    c = chunk_numel(n, dtype, m)
+    padded = values.new_zeros(m * c)
+    padded[:n] = values
+    chunks = padded.view(m, c)
+    compressed = [compress(chunk, dtype) for chunk in chunks]
+    sent = torch.stack([payload for payload, _ in compressed])
+    dequantized = torch.cat([kept for _, kept in compressed])[:n]
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=layout.outer_group)
+    mine = chunks[me]
+    total = decompress(received[0], mine, dtype)
+    for other in received[1:]:
+        total.add_(decompress(other, mine, dtype))  # the workers' order, in the outer dtype
+    total.div_(m)
+    owned = list(_overlaps([s.numel() for s in servers], me * c, min((me + 1) * c, n)))
+    for i, start, stop, at in owned:
+        total[at : at + stop - start].add_(servers[i].view(-1)[start:stop])  # + the server residual
+    payload, kept = compress(total, dtype)
+    for i, start, stop, at in owned:
+        torch.sub(total[at : at + stop - start], kept[at : at + stop - start], out=servers[i].view(-1)[start:stop])
+    gathered = [torch.empty_like(payload) for _ in range(m)]
+    dist.all_gather(gathered, payload, group=layout.outer_group)
+    average = torch.cat([decompress(other, mine, dtype) for other in gathered])[:n]
+    return dequantized, average
+
+
+def _overlaps(numels: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int, int]]:
+    """The elements [start, stop) of a flat bucket of tensors of ``numels`` elements, tensor by tensor: (the tensor,
+    the first and end element within it, the position of the first within [start, stop))."""
+    out, offset = [], 0
+    for i, numel in enumerate(numels):
+        lo, hi = max(start, offset), min(stop, offset + numel)
+        if lo < hi:
+            out.append((i, lo - offset, hi - offset, lo - start))
+        offset += numel
+    return out
 
 
 def _split_like(flat: torch.Tensor, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ import torch
 from ._base import saved_optimizer_name
 from ._checks import check_diloco, check_num_fragments
 from ._diloco_workers import (
+    ALL_GATHER_WORKERS,
     OuterTraffic,
     WorkerLayout,
     averaged_pseudo_gradients,
@@ -35,7 +36,7 @@ from ._diloco_workers import (
     check_outer_dtype,
     fragment_due,
     fragment_of_each,
-    outer_payload_bytes,
+    outer_sent_bytes,
     saved_diloco_layout,
     worker_layout,
 )
@@ -63,6 +64,9 @@ __all__ = ["DiLoCo"]
 
 #: The error-feedback residual of a compressed outer all-reduce (``outer_dtype`` bfloat16 or int8), per parameter.
 OUTER_RESIDUAL = "outer_residual"
+#: Its second stage's with more than two workers: what re-compressing the average of this worker's chunk lost, per
+#: parameter (of the parameter's shape; only its elements in this worker's chunk of the flat bucket are used).
+OUTER_SERVER_RESIDUAL = "outer_server_residual"
 #: The state dict's entry for `OuterTraffic` (outer steps taken, bytes sent between workers).
 OUTER_TRAFFIC = "diloco_outer_traffic"
 
@@ -137,8 +141,10 @@ class DiLoCo(BaseOptimizerWrapper):
             (default: 1, plain DiLoCo).
         outer_dtype: the dtype the pseudo-gradients cross the workers in: "float32" (default: as they are),
             "bfloat16" or "int8" (a float32 scale per block of 256 elements), both with error feedback (the residual
-            of the compression, ``state["outer_residual"]``, is added to the next pseudo-gradient); compressed ones
-            need more than one worker, and int8 fragments of at least 256 elements. See ``_diloco_workers``.
+            of the compression, ``state["outer_residual"]``, is added to the next pseudo-gradient); with more than 2
+            workers, reduced chunk by chunk and the averages compressed again, with error feedback too
+            (``state["outer_server_residual"]``); compressed ones need more than one worker, and int8 fragments of at
+            least 256 elements. See ``_diloco_workers``.
         **base_kwargs: the base optimizer's own arguments (lr, betas, weight_decay, ...).
 
     Papers: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023);
@@ -233,7 +239,7 @@ class DiLoCo(BaseOptimizerWrapper):
         return numels
 
     def outer_bytes_per_period(self) -> int:
-        """The payload this process hands to the outer collectives over one period of H inner steps (every fragment
+        """The bytes this process sends to the other workers over one period of H inner steps (every fragment
         once), as counted in ``outer_traffic``: one bucket per fragment and dtype of the outer weights (0 for a
         single worker)."""
         if self.layout.outer_group is None:
@@ -243,7 +249,7 @@ class DiLoCo(BaseOptimizerWrapper):
             if p.requires_grad:
                 buckets.setdefault((fragment, wide_dtype(p.dtype)), []).append(local_tensor(p).numel())
         return sum(
-            outer_payload_bytes(sum(numels), dtype.itemsize, self.layout.outer_dtype)
+            outer_sent_bytes(sum(numels), dtype.itemsize, self.layout.outer_dtype, self.layout.num_workers)
             for (_, dtype), numels in buckets.items()
         )
 
@@ -339,14 +345,20 @@ class DiLoCo(BaseOptimizerWrapper):
         self.outer_traffic.outer_steps += 1
         if self.layout.outer_group is None:
             return (outer - inner for outer, inner in zip(outers, inners))
-        residuals = None
+        residuals = servers = None
         if self.layout.outer_dtype != "float32":
             assert params is not None, "a compressed outer all-reduce keeps a residual per parameter"
+            two_stage = self.layout.num_workers > ALL_GATHER_WORKERS
             for p, outer in zip(params, outers):
                 if OUTER_RESIDUAL not in self.state[p]:
                     self.state[p][OUTER_RESIDUAL] = shard_like(torch.zeros_like(outer), p)
+                if two_stage and OUTER_SERVER_RESIDUAL not in self.state[p]:  # also a state saved without one: zero
+                    zero = torch.zeros(outer.shape, dtype=outer.dtype, device=outer.device)  # contiguous: view(-1)
+                    self.state[p][OUTER_SERVER_RESIDUAL] = shard_like(zero, p)
             residuals = [local_tensor(self.state[p][OUTER_RESIDUAL]) for p in params]
-        return averaged_pseudo_gradients(outers, inners, self.layout, residuals, self.outer_traffic)
+            if two_stage:
+                servers = [local_tensor(self.state[p][OUTER_SERVER_RESIDUAL]) for p in params]
+        return averaged_pseudo_gradients(outers, inners, self.layout, residuals, self.outer_traffic, servers)
 
     # ---- the layout in the state dict ----
 
