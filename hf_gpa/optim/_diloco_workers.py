@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +67,7 @@ __all__ = [
     "worker_layout",
     "island_allreduce_hook",
     "saved_diloco_layout",
+    "start_averaged_pseudo_gradients",
     "fragment_of_each",
     "fragment_due",
 ]
@@ -374,6 +375,38 @@ def averaged_pseudo_gradients(
         if traffic is not None:
             traffic.outer_bytes += sent
     return averaged
+
+
+def start_averaged_pseudo_gradients(
+    outers: Sequence[torch.Tensor],
+    inners: Sequence[torch.Tensor],
+    layout: WorkerLayout,
+    traffic: OuterTraffic | None = None,
+) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """`averaged_pseudo_gradients` in float32, started in the background (an overlapped outer sync): the
+    pseudo-gradients are taken now and their all-reduces started (``async_op=True``, one per bucket, in the same order
+    on every process); returns the tensors that will hold the averages and ``finish``, which waits for the
+    all-reduces and divides by M. The tensors hold the averages, bitwise those of `averaged_pseudo_gradients`, once
+    ``finish()`` returned (call it once)."""
+    import torch.distributed as dist
+
+    assert layout.outer_dtype == "float32", "an overlapped outer sync sends float32"
+    averaged: list[torch.Tensor] = [outers[0]] * len(outers)
+    started = []
+    for flat, idx, views in _flat_buckets(outers):
+        for i, view in zip(idx, views):
+            torch.sub(outers[i], inners[i], out=view)
+            averaged[i] = view
+        started.append((flat, dist.all_reduce(flat, group=layout.outer_group, async_op=True)))
+        if traffic is not None:
+            traffic.outer_bytes += flat.numel() * flat.element_size()
+
+    def finish() -> None:
+        for flat, work in started:
+            work.wait()
+            flat.div_(layout.num_workers)
+
+    return averaged, finish
 
 
 def _split_like(flat: torch.Tensor, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
