@@ -43,6 +43,10 @@ their payload bytes, the same on every process), which the Trainer logs.
 Streaming (P fragments): the parameters, in the order of the param groups, are split into P contiguous runs of about
 equal size (each at least one tensor), and fragment k has its outer step at the inner steps t with
 (t - k H // P) % H == 0, so that one outer all-reduce carries about 1/P of the model. P = 1 is plain DiLoCo.
+
+Overlapped (``overlap_steps`` tau > 0, float32 only): `start_averaged_pseudo_gradients` takes the pseudo-gradients and
+starts their all-reduces in the background (``async_op=True``); the optimizer calls its ``finish`` (wait, divide by
+M) tau inner steps later. The same buckets, collective and division as `averaged_pseudo_gradients`: the same bits.
 """
 
 from __future__ import annotations
