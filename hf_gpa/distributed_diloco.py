@@ -298,10 +298,16 @@ def workers_start_line(optimizer: DiLoCo) -> str:
     else:
         collective = f"all-to-all and all-gather of {dtype} chunks"
     per = "one" if fragments == 1 else f"{fragments} (one per fragment, about 1/{fragments} of the model each)"
+    overlap = "no overlap (each outer sync blocks the step that takes it)"
+    if optimizer.overlap_steps:
+        overlap = (
+            f"overlap {optimizer.overlap_steps} inner steps (each fragment's all-reduce runs in the background, its "
+            f"outer update applied {optimizer.overlap_steps} steps later, mixing alpha {optimizer.overlap_alpha})"
+        )
     return (
         f"hf_gpa: DiLoCo across workers: {workers_in_words(layout.num_workers, layout.island_size)} "
         f"({layout.world_size} processes), H = {steps}, {fragments} fragment{'s' if fragments != 1 else ''}, outer "
-        f"dtype {layout.outer_dtype}, no overlap (each outer sync blocks the step that takes it). Every {steps} inner "
+        f"dtype {layout.outer_dtype}, {overlap}. Every {steps} inner "
         f"steps each process sends {period:,} bytes between workers ({per} {collective} of the pseudo-gradient), "
         f"against {ddp:,} bytes per step under DDP ({ddp * steps:,} per {steps} steps): {period / (ddp * steps):.3g} "
         "of DDP's. The logs carry outer_steps and outer_bytes (this process's, so far)."

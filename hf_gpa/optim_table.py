@@ -85,6 +85,8 @@ class BuildContext:
     diloco_workers: int | None  # None: every process a worker
     diloco_fragments: int
     diloco_outer_dtype: str
+    diloco_overlap_steps: int = 0
+    diloco_overlap_alpha: float = 0.0
     #: What the stock Trainer builds a stock ``--gpa_base_optim`` from (its handlers read ``--optim_args`` and more).
     stock_args: TrainingArguments | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -226,6 +228,9 @@ def _diloco_workers_kwargs(ctx: BuildContext, model: nn.Module | None) -> dict[s
     kwargs = {"distributed": True, "num_workers": ctx.diloco_workers, "num_fragments": ctx.diloco_fragments}
     if ctx.diloco_distributed:  # GPA across the processes sends float32 (--diloco_outer_dtype is DiLoCo's flag)
         kwargs["outer_dtype"] = ctx.diloco_outer_dtype
+        if ctx.diloco_overlap_steps:  # tau = 0 leaves the arguments out: the blocking sync, as before
+            kwargs["overlap_steps"] = ctx.diloco_overlap_steps
+            kwargs["overlap_alpha"] = ctx.diloco_overlap_alpha
     return kwargs
 
 
@@ -285,6 +290,8 @@ _DILOCO_FLAGS = (
     "diloco_distributed",
     *_WORKERS_FLAGS,
     "diloco_outer_dtype",
+    "diloco_overlap_steps",
+    "diloco_overlap_alpha",
 )
 #: GPA across the processes (``--gpa_distributed``): H, the outer lr, and where it runs.
 _GPA_WORKERS_FLAGS = ("gpa_distributed", "gpa_sync_steps", "gpa_outer_lr", *_WORKERS_FLAGS)

@@ -58,6 +58,7 @@ from hf_gpa.optim import (
     inner_steps_from_mu_x,
     mu_x_from_inner_steps,
 )
+from hf_gpa.optim._checks import check_overlap
 from hf_gpa.optim._diloco_workers import OUTER_DTYPES, check_outer_dtype
 from hf_gpa.optim.gpa_diloco import DEFAULT_GPA_DILOCO_MU, check_outer_mu_y, outer_lr_like_diloco
 from hf_gpa.optim_table import (
@@ -261,6 +262,28 @@ class GPATrainingArguments(TrainingArguments):
                 "elements for int8."
             ),
             "choices": OUTER_DTYPES,
+        },
+    )
+    diloco_overlap_steps: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "With --diloco_distributed, more than one worker and --diloco_fragments P > 1: tau, the inner steps a "
+                "fragment's outer all-reduce runs in the background (streaming DiLoCo's overlap): its outer update "
+                "is applied tau inner steps after it is due. 0 (default): each outer sync blocks the step that takes "
+                "it. Must be below H // P (--diloco_inner_steps // --diloco_fragments); float32 "
+                "--diloco_outer_dtype only."
+            )
+        },
+    )
+    diloco_overlap_alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "With --diloco_overlap_steps > 0: alpha in [0, 1], the weight of the inner weights that moved on "
+                "during an overlapped sync when the new outer weights are mixed in (inner <- alpha inner + "
+                "(1 - alpha) outer). 0 (default): replaced by the outer weights."
+            )
         },
     )
     gpa_bn_recalibration_batches: int = field(
@@ -590,6 +613,17 @@ class GPATrainingArguments(TrainingArguments):
                     "Add --gpa_distributed true under accelerate launch or torchrun, or leave them out."
                 )
         check_outer_dtype(self.diloco_outer_dtype, name="--diloco_outer_dtype")
+        overlap_given = [
+            f"--{flag} {getattr(self, flag)}"
+            for flag in ("diloco_overlap_steps", "diloco_overlap_alpha")
+            if getattr(self, flag) != self.__dataclass_fields__[flag].default
+        ]
+        if overlap_given and self.diloco_distributed is not True:
+            raise ValueError(
+                f"{' and '.join(overlap_given)} only applies with --diloco_distributed true (streaming DiLoCo across "
+                "the processes, whose fragments' outer syncs it overlaps). Add --diloco_distributed true and "
+                "--diloco_fragments P > 1 under accelerate launch or torchrun, or leave them out."
+            )
         flag = self.across_workers
         if flag is None:
             given = [
@@ -619,6 +653,26 @@ class GPATrainingArguments(TrainingArguments):
             self.diloco_fragments, inner_steps=inner_steps, name="--diloco_fragments"
         )
         check_outer_dtype(self.diloco_outer_dtype, self.diloco_workers, name="--diloco_outer_dtype")
+        if flag == "--diloco_distributed":
+            self.diloco_overlap_steps, self.diloco_overlap_alpha = check_overlap(
+                self.diloco_overlap_steps,
+                self.diloco_overlap_alpha,
+                self.diloco_fragments,
+                inner_steps,
+                self.diloco_outer_dtype,
+                names={
+                    "overlap_steps": "--diloco_overlap_steps",
+                    "overlap_alpha": "--diloco_overlap_alpha",
+                    "num_fragments": "--diloco_fragments",
+                    "inner_steps": "--diloco_inner_steps",
+                    "outer_dtype": "--diloco_outer_dtype",
+                },
+            )
+            if self.diloco_overlap_steps and self.diloco_workers == 1:
+                raise ValueError(
+                    f"Invalid --diloco_overlap_steps: {self.diloco_overlap_steps} with --diloco_workers 1, a single "
+                    "worker, which sends no pseudo-gradient to overlap; leave it 0, or use more workers"
+                )
         refusals = []
         if self._uses_fsdp:
             refusals.append(

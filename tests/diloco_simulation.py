@@ -5,8 +5,11 @@ gradient of its own rows of the global batch, the island averages them (as DDP d
 ``torch.optim.AdamW`` steps its copy. At the inner steps where a fragment is due (fragment k at the steps t with
 (t - k H // P) % H == 0), the pseudo-gradients outer - inner of the fragment's tensors are averaged over the workers in
 a fixed order, the Nesterov step moves the outer weights (b <- mu b + p, outer <- outer - outer_lr (p + mu b)), and
-every worker's inner weights are reset to them. Written from the papers' algorithms (DiLoCo, Streaming DiLoCo), with
-nothing of hf_gpa; the split into fragments is written out for the MLP (``FRAGMENTS``) rather than computed.
+every worker's inner weights are reset to them. With an overlap of tau > 0 inner steps (Streaming DiLoCo), the
+average of the pseudo-gradients taken at step t is applied after step t + tau (before the fragments due then take
+theirs), and each worker's inner weights, which moved on meanwhile, become alpha inner + (1 - alpha) outer. Written
+from the papers' algorithms (DiLoCo, Streaming DiLoCo), with nothing of hf_gpa; the split into fragments is written
+out for the MLP (``FRAGMENTS``) rather than computed.
 
 The model and the global batches are those of ``distributed_workers``; rank r of W owns rows
 [r G / W, (r + 1) G / W) of each global batch of G rows.
@@ -89,6 +92,8 @@ def simulate(
     steps: int,
     dtype: torch.dtype = torch.float32,
     outer_dtype: str = "float32",
+    overlap_steps: int = 0,
+    overlap_alpha: float = 0.0,
 ) -> list[Snapshot]:
     """The plain loop of M = ``num_workers`` workers of ``island_size`` ranks each: a snapshot after every step.
 
@@ -97,7 +102,9 @@ def simulate(
     average is taken of what was received (``Snapshot.residuals``: each worker's residuals after the step). With more
     than 2 workers that average is sent again: worker w adds its server residual to its share of the average
     (`chunk_bounds`), sends that compressed (int8: its blocks counted from the share's start), keeps what this second
-    compression lost as its server residual, and everyone takes what was sent (``Snapshot.server_residuals``)."""
+    compression lost as its server residual, and everyone takes what was sent (``Snapshot.server_residuals``).
+    ``overlap_steps`` tau > 0: the average of the pseudo-gradients taken at step t moves the outer weights after step
+    t + tau, and the inner weights are mixed with the new outer weights by ``overlap_alpha`` (0: replaced)."""
     world_size = num_workers * island_size
     models = [build_mlp(dtype) for _ in range(num_workers)]  # seeded: the same initial weights
     inner_optimizers = [torch.optim.AdamW(model.parameters(), **ADAMW_KW) for model in models]
@@ -108,6 +115,18 @@ def simulate(
     servers = [[torch.zeros_like(p) for p in outer] for _ in range(num_workers)]
     two_stage = outer_dtype != "float32" and num_workers > 2
     history = []
+    pending: list[tuple[int, dict[int, torch.Tensor]]] = []  # (the step after which it applies, {tensor: average})
+
+    def outer_update(averages: dict[int, torch.Tensor]) -> None:
+        for i, p in averages.items():
+            momentum[i].mul_(OUTER_MOMENTUM).add_(p)
+            outer[i].sub_(p.add(momentum[i], alpha=OUTER_MOMENTUM), alpha=OUTER_LR)
+            for w in weights:
+                if overlap_alpha == 0.0:
+                    w[i].copy_(outer[i])
+                else:
+                    w[i].mul_(overlap_alpha).add_(outer[i], alpha=1.0 - overlap_alpha)
+
     for t in range(1, steps + 1):
         for worker, (model, optimizer) in enumerate(zip(models, inner_optimizers)):
             grads = []
@@ -122,6 +141,8 @@ def simulate(
         averaged: list[list[torch.Tensor | None]] = [[None] * len(outer) for _ in range(num_workers)]
         due = False
         with torch.no_grad():
+            while pending and pending[0][0] == t:
+                outer_update(pending.pop(0)[1])
             due_now = [
                 i
                 for i, fragment in enumerate(FRAGMENTS[num_fragments])
@@ -140,6 +161,7 @@ def simulate(
                     received[worker][i] = got.view(q.shape)
                     if outer_dtype != "float32":
                         residuals[worker][i] = q - received[worker][i]
+            averages = {}
             if due_now:
                 due = True
                 shapes = [outer[i].shape for i in due_now]
@@ -159,11 +181,11 @@ def simulate(
                             servers[w][i] = e.view(outer[i].shape).clone()
                     p = again
                 for i, shape, average in zip(due_now, shapes, p.split([outer[i].numel() for i in due_now])):
-                    average = average.view(shape)
-                    momentum[i].mul_(OUTER_MOMENTUM).add_(average)
-                    outer[i].sub_(average.add(momentum[i], alpha=OUTER_MOMENTUM), alpha=OUTER_LR)
-                    for w in weights:
-                        w[i].copy_(outer[i])
+                    averages[i] = average.view(shape)
+            if overlap_steps == 0:
+                outer_update(averages)
+            elif averages:
+                pending.append((t + overlap_steps, averages))
         history.append(
             Snapshot(
                 inner=[[p.detach().clone() for p in w] for w in weights],

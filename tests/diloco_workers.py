@@ -34,6 +34,11 @@ STEPS = 7  # H = 3: outer steps at 3 and 6, and an inner step after the last
 INNER_STEPS = 3
 STREAMING = dict(inner_steps=4, num_fragments=2, steps=10)  # fragment 1 at steps 2, 6, 10; fragment 0 at 4, 8
 RESUME_AT = 4  # between two outer steps of fragment 0, after one of fragment 1 (H = 4, P = 2)
+#: The overlap's runs: H = 6, P = 2 (fragment 1 due at steps 3, 9; fragment 0 at 6, 12), so tau = 1 and 2 < H // P.
+OVERLAP = dict(inner_steps=6, num_fragments=2, steps=14)
+#: (overlap_steps, overlap_alpha) of each overlap run.
+OVERLAPS = [(0, 0.0), (1, 0.0), (2, 0.0), (2, 0.5)]
+OVERLAP_RESUME_AT = 4  # tau = 2: fragment 1's sync started after step 3 is in flight, its update due after step 5
 
 
 def diloco(model: torch.nn.Module, **kwargs: Any) -> DiLoCo:
@@ -318,6 +323,54 @@ def seams(out: Path, rank: int) -> None:
     torch.save(facts, out / f"seams_rank{rank}.pt")
 
 
+def overlap(out: Path, rank: int) -> None:
+    """Two workers, streaming (H = 6, P = 2) with the outer sync overlapped by tau = 0, 1, 2 inner steps (alpha 0 and
+    0.5); a resume from a state saved with a sync in flight; the arguments refused at construction."""
+    facts: dict[str, Any] = {}
+    h, p, steps = OVERLAP["inner_steps"], OVERLAP["num_fragments"], OVERLAP["steps"]
+    for tau, alpha in OVERLAPS:
+        model = build_mlp(torch.float32)
+        optimizer = diloco(model, inner_steps=h, num_fragments=p, overlap_steps=tau, overlap_alpha=alpha)
+        facts[f"tau{tau}_alpha{alpha}"] = []
+        train(model, model, optimizer, range(steps), facts[f"tau{tau}_alpha{alpha}"])
+        facts[f"tau{tau}_alpha{alpha}_traffic"] = dataclasses.asdict(optimizer.outer_traffic)
+
+    # Saved in eval mode after step 4 (tau = 2, alpha = 0.5), with fragment 1's sync of step 3 in flight.
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model, inner_steps=h, num_fragments=p, overlap_steps=2, overlap_alpha=0.5)
+    train(model, model, optimizer, range(OVERLAP_RESUME_AT))
+    facts["in_flight_at_save"] = len(optimizer._pending)
+    optimizer.eval()
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(checkpoint, out / f"overlap_checkpoint_{rank}.pt")
+    optimizer.train()
+    facts["uninterrupted"] = []
+    train(model, model, optimizer, range(OVERLAP_RESUME_AT, steps), facts["uninterrupted"])
+    checkpoint = torch.load(out / f"overlap_checkpoint_{rank}.pt", weights_only=True)
+    facts["saved_pending"] = checkpoint["optimizer"].get("diloco_pending_syncs")
+    model = build_mlp(torch.float32)
+    optimizer = diloco(model, inner_steps=h, num_fragments=p, overlap_steps=2, overlap_alpha=0.5)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    optimizer.train()
+    facts["resumed"] = []
+    train(model, model, optimizer, range(OVERLAP_RESUME_AT, steps), facts["resumed"])
+
+    for name, kwargs in {
+        "negative": dict(overlap_steps=-1),
+        "too_long": dict(overlap_steps=3),
+        "no_fragments": dict(overlap_steps=1, num_fragments=1),
+        "compressed": dict(overlap_steps=1, outer_dtype="bfloat16"),
+        "alpha": dict(overlap_steps=1, overlap_alpha=1.5),
+        "alpha_without_overlap": dict(overlap_alpha=0.5),
+        "one_worker": dict(overlap_steps=1, num_workers=1),
+    }.items():
+        facts[f"refused_{name}"] = error_of(
+            lambda kwargs=kwargs: diloco(build_mlp(torch.float32), **{"inner_steps": h, "num_fragments": p, **kwargs})
+        )
+    torch.save(facts, out / f"overlap_rank{rank}.pt")
+
+
 def _same(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> bool:
     return all(torch.equal(x, y) for key in a for x, y in zip(a[key], b[key]))
 
@@ -328,6 +381,7 @@ SCENARIOS = {
     "one_rank_leaves": one_rank_leaves,
     "compressed": compressed,
     "seams": seams,
+    "overlap": overlap,
 }
 
 

@@ -388,3 +388,65 @@ def test_a_train_mode_checkpoint_resumes_every_worker_bitwise(seams: list, dtype
         for step, (held, want) in enumerate(zip(facts[f"resumed_{dtype}"], facts[f"uninterrupted_{dtype}"])):
             for key in want:
                 assert all(torch.equal(a, b) for a, b in zip(held[key], want[key])), (step, key)
+
+
+# ---------------------------------------------------------------- the outer sync overlapped (2 processes)
+
+
+@pytest.fixture(scope="module")
+def overlap(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch("overlap", 2, tmp_path_factory.mktemp("overlap"))
+
+
+@pytest.mark.parametrize(("tau", "alpha"), dw.OVERLAPS)
+def test_an_overlapped_outer_sync_equals_the_simulation_of_the_delayed_updates_bitwise(
+    overlap: list, tau: int, alpha: float
+) -> None:
+    """2 workers, H = 6, P = 2, 14 steps: each fragment's all-reduce started in the background when it is due, its
+    outer update applied tau = 1 or 2 inner steps later (the inner weights replaced, alpha = 0, or mixed, alpha = 0.5):
+    each rank's inner weights, the outer weights and the outer momentum equal the simulation that applies the same
+    delayed updates, bitwise after every step. tau = 0 equals the blocking sync's simulation."""
+    s = dw.OVERLAP
+    expected = simulate(2, 1, s["inner_steps"], s["num_fragments"], s["steps"], overlap_steps=tau, overlap_alpha=alpha)
+    for rank, facts in enumerate(overlap):
+        assert_matches(facts[f"tau{tau}_alpha{alpha}"], expected, worker=rank)
+        # 4 fragment syncs (fragment 1 at 3, 9; fragment 0 at 6, 12) of 259 float32 elements in all
+        assert facts[f"tau{tau}_alpha{alpha}_traffic"] == {"outer_steps": 4, "outer_bytes": 2 * 259 * 4}
+    assert_same_outer_everywhere([facts[f"tau{tau}_alpha{alpha}"] for facts in overlap])
+    if tau:  # the outer weights move tau steps after the sync starts, not when it starts (fragment 1's at step 3)
+        blocking = simulate(2, 1, s["inner_steps"], s["num_fragments"], s["steps"])
+        history = overlap[0][f"tau{tau}_alpha{alpha}"]
+        assert all(torch.equal(a, b) for a, b in zip(history[2]["outer"], blocking[1].outer))
+        assert not all(torch.equal(a, b) for a, b in zip(history[2]["outer"], blocking[2].outer))
+        assert not all(torch.equal(a, b) for a, b in zip(history[2 + tau]["outer"], history[2 + tau - 1]["outer"]))
+
+
+def test_a_resume_with_an_overlapped_sync_in_flight_is_bitwise(overlap: list) -> None:
+    """tau = 2, alpha = 0.5, saved in eval mode after step 4 with fragment 1's sync of step 3 in flight: the state dict
+    holds its averaged pseudo-gradient and the 1 inner step left, and every later step of the resumed run (the
+    update after step 5 included) equals the uninterrupted run's bitwise."""
+    for facts in overlap:
+        assert facts["in_flight_at_save"] == 1
+        [saved] = facts["saved_pending"]
+        assert saved["remaining"] == 1 and saved["params"] == [2, 3, 4, 5]
+        assert len(facts["resumed"]) == len(facts["uninterrupted"]) == dw.OVERLAP["steps"] - dw.OVERLAP_RESUME_AT
+        for step, (held, want) in enumerate(zip(facts["resumed"], facts["uninterrupted"])):
+            for key in want:
+                assert all(torch.equal(a, b) for a, b in zip(held[key], want[key])), (step, key)
+
+
+@pytest.mark.parametrize(
+    ("name", "named"),
+    [
+        ("negative", "Invalid overlap_steps: -1 (must be an integer >= 0"),
+        ("too_long", "Invalid overlap_steps: 3 (must lie in [0, 2]: below inner_steps // num_fragments = 6 // 2"),
+        ("no_fragments", "Invalid overlap_steps: 1 with num_fragments = 1"),
+        ("compressed", "Invalid overlap_steps: 1 with outer_dtype = 'bfloat16'"),
+        ("alpha", "Invalid overlap_alpha: 1.5 (must lie in [0, 1]"),
+        ("alpha_without_overlap", "Invalid overlap_alpha: 0.5 with overlap_steps = 0"),
+        ("one_worker", "Invalid overlap_steps: 1 with a single worker"),
+    ],
+)
+def test_an_overlap_the_schedule_cannot_hold_is_refused_by_name(overlap: list, name: str, named: str) -> None:
+    for facts in overlap:
+        assert named in facts[f"refused_{name}"], facts[f"refused_{name}"]

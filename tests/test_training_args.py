@@ -552,6 +552,7 @@ def test_no_schedule_warning_where_none_is_due(argv, tmp_path, recwarn):
 # ---------------------------------------------------------------- DiLoCo across processes: bad input at parse time
 
 DISTRIBUTED = ["--optim", "diloco_adamw", "--diloco_distributed", "true"]
+OV = [*DISTRIBUTED, "--diloco_fragments", "2", "--diloco_inner_steps", "6"]  # H // P = 3: overlaps of 1, 2 steps
 
 
 @pytest.mark.parametrize(
@@ -576,6 +577,15 @@ DISTRIBUTED = ["--optim", "diloco_adamw", "--diloco_distributed", "true"]
         ("4", [*DISTRIBUTED, "--accelerator_config", '{"dispatch_batches": true}'], r"dispatch_batches=true"),
         ("4", [*DISTRIBUTED, "--diloco_workers", "1", "--diloco_outer_dtype", "int8"], r"dtype: 'int8' with a s"),
         ("4", ["--optim", "diloco_adamw", "--diloco_outer_dtype", "bfloat16"], r"--diloco_outer_dtype bfloat16 only"),
+        ("4", ["--optim", "diloco_adamw", "--diloco_overlap_steps", "1"], r"--diloco_overlap_steps 1 only applies w"),
+        ("4", ["--optim", "gpa_adamw", "--gpa_distributed", "true", "--diloco_overlap_steps", "1"], r"applies to --o"),
+        ("4", [*DISTRIBUTED, "--diloco_overlap_steps", "1"], r"--diloco_overlap_steps: 1 with --diloco_fragments = 1"),
+        ("4", [*DISTRIBUTED, "--diloco_overlap_steps", "-1"], r"Invalid --diloco_overlap_steps: -1 \(must be an int"),
+        ("4", [*OV, "--diloco_overlap_steps", "3"], r"--diloco_overlap_steps: 3 \(must lie in \[0, 2\]: below --dil"),
+        ("4", [*OV, "--diloco_overlap_steps", "1", "--diloco_outer_dtype", "int8"], r"with --diloco_outer_dtype = 'i"),
+        ("4", [*OV, "--diloco_overlap_steps", "1", "--diloco_workers", "1"], r"--diloco_overlap_steps: 1 with --dil"),
+        ("4", [*OV, "--diloco_overlap_steps", "1", "--diloco_overlap_alpha", "2"], r"--diloco_overlap_alpha: 2.0 \(m"),
+        ("4", [*OV, "--diloco_overlap_alpha", "0.5"], r"--diloco_overlap_alpha: 0.5 with --diloco_overlap_steps = 0"),
     ],
 )
 def test_diloco_distributed_bad_input_is_refused_at_parse_time(world_size, argv, message, tmp_path, monkeypatch):
@@ -681,6 +691,20 @@ def test_int8_with_fragments_smaller_than_a_block_is_refused_when_the_optimizer_
     for argv in (["--diloco_fragments", "2", "--diloco_outer_dtype", "int8"], ["--diloco_outer_dtype", "bfloat16"]):
         _, kwargs = optimizer_cls_and_kwargs(parse([*DISTRIBUTED, "--diloco_fragments", "4", *argv], tmp_path), model)
         assert kwargs["outer_dtype"] == argv[-1]
+
+
+def test_the_overlap_flags_reach_the_optimizer(tmp_path, monkeypatch):
+    """--diloco_overlap_steps 2 --diloco_overlap_alpha 0.5 (H = 6, P = 2): DiLoCo is built with overlap_steps 2 and
+    overlap_alpha 0.5; without them no overlap argument is passed (the blocking sync, as before)."""
+    from hf_gpa.optim_table import optimizer_cls_and_kwargs
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    args = parse([*OV, "--diloco_overlap_steps", "2", "--diloco_overlap_alpha", "0.5"], tmp_path)
+    _, kwargs = optimizer_cls_and_kwargs(args, model)
+    assert (kwargs["overlap_steps"], kwargs["overlap_alpha"]) == (2, 0.5)
+    _, kwargs = optimizer_cls_and_kwargs(parse(OV, tmp_path), model)
+    assert "overlap_steps" not in kwargs and "overlap_alpha" not in kwargs
 
 
 @needs_a_lazy_process_group

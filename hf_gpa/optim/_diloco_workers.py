@@ -51,13 +51,17 @@ sends them: `outer_sent_bytes`; the same on every process), which the Trainer lo
 Streaming (P fragments): the parameters, in the order of the param groups, are split into P contiguous runs of about
 equal size (each at least one tensor), and fragment k has its outer step at the inner steps t with
 (t - k H // P) % H == 0, so that one outer all-reduce carries about 1/P of the model. P = 1 is plain DiLoCo.
+
+Overlapped (``overlap_steps`` tau > 0, float32 only): `start_averaged_pseudo_gradients` takes the pseudo-gradients and
+starts their all-reduces in the background (``async_op=True``); the optimizer calls its ``finish`` (wait, divide by
+M) tau inner steps later. The same buckets, collective and division as `averaged_pseudo_gradients`: the same bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -78,6 +82,7 @@ __all__ = [
     "worker_layout",
     "island_allreduce_hook",
     "saved_diloco_layout",
+    "start_averaged_pseudo_gradients",
     "fragment_of_each",
     "fragment_due",
 ]
@@ -472,6 +477,38 @@ def _overlaps(numels: Sequence[int], start: int, stop: int) -> list[tuple[int, i
             out.append((i, lo - offset, hi - offset, lo - start))
         offset += numel
     return out
+
+
+def start_averaged_pseudo_gradients(
+    outers: Sequence[torch.Tensor],
+    inners: Sequence[torch.Tensor],
+    layout: WorkerLayout,
+    traffic: OuterTraffic | None = None,
+) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """`averaged_pseudo_gradients` in float32, started in the background (an overlapped outer sync): the
+    pseudo-gradients are taken now and their all-reduces started (``async_op=True``, one per bucket, in the same order
+    on every process); returns the tensors that will hold the averages and ``finish``, which waits for the
+    all-reduces and divides by M. The tensors hold the averages, bitwise those of `averaged_pseudo_gradients`, once
+    ``finish()`` returned (call it once)."""
+    import torch.distributed as dist
+
+    assert layout.outer_dtype == "float32", "an overlapped outer sync sends float32"
+    averaged: list[torch.Tensor] = [outers[0]] * len(outers)
+    started = []
+    for flat, idx, views in _flat_buckets(outers):
+        for i, view in zip(idx, views):
+            torch.sub(outers[i], inners[i], out=view)
+            averaged[i] = view
+        started.append((flat, dist.all_reduce(flat, group=layout.outer_group, async_op=True)))
+        if traffic is not None:
+            traffic.outer_bytes += outer_sent_bytes(flat.numel(), flat.element_size(), "float32", layout.num_workers)
+
+    def finish() -> None:
+        for flat, work in started:
+            work.wait()
+            flat.div_(layout.num_workers)
+
+    return averaged, finish
 
 
 def _split_like(flat: torch.Tensor, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ._base import saved_optimizer_name
-from ._checks import check_diloco, check_num_fragments
+from ._checks import check_diloco, check_num_fragments, check_overlap
 from ._diloco_workers import (
     ALL_GATHER_WORKERS,
     OuterTraffic,
@@ -38,6 +38,7 @@ from ._diloco_workers import (
     fragment_of_each,
     outer_sent_bytes,
     saved_diloco_layout,
+    start_averaged_pseudo_gradients,
     worker_layout,
 )
 from ._state_layout import HALF_DTYPES, diloco_state, held_through_half, wide_dtype
@@ -69,6 +70,25 @@ OUTER_RESIDUAL = "outer_residual"
 OUTER_SERVER_RESIDUAL = "outer_server_residual"
 #: The state dict's entry for `OuterTraffic` (outer steps taken, bytes sent between workers).
 OUTER_TRAFFIC = "diloco_outer_traffic"
+#: The state dict's entry for the overlapped outer syncs not applied yet (``overlap_steps`` > 0).
+PENDING_SYNCS = "diloco_pending_syncs"
+
+
+@dataclasses.dataclass
+class _PendingSync:
+    """An overlapped outer sync: the due (group, parameter) pairs, the tensors that hold (or will hold, once
+    ``finish`` ran) their averaged pseudo-gradients, and the inner steps left before its outer update."""
+
+    due: list[tuple[dict[str, Any], torch.Tensor]]
+    pseudo_grads: list[torch.Tensor]
+    remaining: int
+    finish: Callable[[], None] | None
+
+    def settle(self) -> None:
+        """Wait for the all-reduces (once)."""
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
 
 
 class DiLoCo(BaseOptimizerWrapper):
@@ -111,6 +131,19 @@ class DiLoCo(BaseOptimizerWrapper):
     with (t - k H // P) % H == 0, so one outer all-reduce carries about 1/P of the model. The outer weights that
     ``eval()`` shows are then each fragment's as of its last outer step (fragments up to H - 1 steps apart).
 
+    **Overlap** (``overlap_steps`` = tau > 0, Douillard et al. 2025): when fragment k is due at inner step t, its
+    pseudo-gradient outer - inner is taken and its all-reduce started in the background (``async_op=True``), and
+    ``step()`` returns; after inner step t + tau, ``step()`` waits for it, takes the Nesterov step of the fragment's
+    outer weights with the averaged pseudo-gradient, and mixes the new outer weights into the fragment's inner
+    weights, which moved on for tau steps meanwhile:
+
+        inner <- alpha inner + (1 - alpha) outer      (alpha = ``overlap_alpha``; alpha = 0: inner <- outer)
+
+    (computed as ``inner * alpha + outer * (1 - alpha)``; alpha = 0 copies the outer weights, as at tau = 0). The
+    updates due after the same inner step are applied before the syncs due then are started. tau = 0 is the blocking
+    sync, bitwise. ``state_dict()`` waits for the syncs in flight and saves their averaged pseudo-gradients and the
+    inner steps left before their updates (``"diloco_pending_syncs"``), which its load restores: a resume is bitwise.
+
     A state dict records the layout (world size, M, P, and this process's worker) in its param groups; loading it on
     another layout raises a ``ValueError`` naming what differs, before anything changes. Each process saves and loads
     its own state: in eval mode the parameters hold the outer weights (the same on every process: save the model
@@ -145,6 +178,11 @@ class DiLoCo(BaseOptimizerWrapper):
             workers, reduced chunk by chunk and the averages compressed again, with error feedback too
             (``state["outer_server_residual"]``); compressed ones need more than one worker, and int8 fragments of at
             least 256 elements. See ``_diloco_workers``.
+        overlap_steps: tau, streaming DiLoCo's overlap (default: 0, none): a fragment's all-reduce is started in the
+            background when it is due and its outer update applied tau inner steps later. Needs more than one worker,
+            P > 1 fragments, tau < H // P and the float32 ``outer_dtype``. See **Overlap** above.
+        overlap_alpha: alpha in [0, 1], the weight of the inner weights that moved on during an overlapped sync in
+            the mixing (default: 0, they are replaced by the new outer weights); only with ``overlap_steps`` > 0.
         **base_kwargs: the base optimizer's own arguments (lr, betas, weight_decay, ...).
 
     Papers: Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023);
@@ -164,12 +202,23 @@ class DiLoCo(BaseOptimizerWrapper):
         num_workers: int | None = None,
         num_fragments: int = DEFAULT_NUM_FRAGMENTS,
         outer_dtype: str = "float32",
+        overlap_steps: int = 0,
+        overlap_alpha: float = 0.0,
         **base_kwargs: Any,
     ) -> None:
         # Every argument is checked before anything is created or communicated: the layout's, the wrapper's and the
         # base's values (super().__init__), P against the tensors; only then are the process groups created and the
         # weights broadcast.
         self.layout: WorkerLayout = worker_layout(distributed, process_group, num_workers, num_fragments, outer_dtype)
+        self.overlap_steps, self.overlap_alpha = check_overlap(
+            overlap_steps, overlap_alpha, self.layout.num_fragments, outer_dtype=outer_dtype
+        )
+        if self.overlap_steps and self.layout.num_workers == 1:
+            raise ValueError(
+                f"Invalid overlap_steps: {overlap_steps!r} with a single worker, which sends no pseudo-gradient to "
+                "overlap (more than one worker: DiLoCo across processes with num_workers > 1); leave it 0"
+            )
+        self._pending: list[_PendingSync] = []
         self._fragments: list[int] = []
         self.outer_traffic = OuterTraffic()
         defaults = dict(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum, inner_step=0)
@@ -182,6 +231,7 @@ class DiLoCo(BaseOptimizerWrapper):
     def _check_own(self, values: dict[str, Any]) -> None:
         check_diloco(values[INNER_STEPS], values[OUTER_LR], values[OUTER_MOMENTUM])
         check_num_fragments(self.layout.num_fragments, inner_steps=values[INNER_STEPS])
+        check_overlap(self.overlap_steps, self.overlap_alpha, self.layout.num_fragments, values[INNER_STEPS])
         if self.layout.distributed and any(is_dtensor(p) for p in values.get("params", ())):
             raise ValueError(
                 "Invalid params: DTensor parameters (FSDP2, tensor parallelism) with a DiLoCo across processes, which "
@@ -301,8 +351,24 @@ class DiLoCo(BaseOptimizerWrapper):
             local_tensor(p).copy_(local_tensor(inner))
         for group in self.param_groups:
             group[INNER_STEP] += 1
+        self._apply_pending()
         self._outer_step(self._due())
         return loss
+
+    def _apply_pending(self) -> None:
+        """Overlap: one inner step less for every sync in flight; the outer updates of those whose tau steps are
+        over are applied now, in the order they were started."""
+        for pending in self._pending:
+            pending.remaining -= 1
+        while self._pending and self._pending[0].remaining <= 0:
+            pending = self._pending.pop(0)
+            pending.settle()
+            self._outer_update(pending.due, pending.pseudo_grads)
+
+    def _settle_pending(self) -> None:
+        """Wait for every sync in flight (their updates stay pending)."""
+        for pending in self._pending:
+            pending.settle()
 
     def _due(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
         """(group, parameter) of the parameters with outer weights whose fragment takes its outer step now (P = 1:
@@ -322,7 +388,21 @@ class DiLoCo(BaseOptimizerWrapper):
             return
         inners = [local_tensor(self._inner(p)) for _, p in due]
         outers = [local_tensor(self.state[p][OUTER]) for _, p in due]
-        pseudo_grads = self._pseudo_gradients(outers, inners, [p for _, p in due])
+        if self.overlap_steps:
+            self.outer_traffic.outer_steps += 1
+            averaged, finish = start_averaged_pseudo_gradients(outers, inners, self.layout, self.outer_traffic)
+            self._pending.append(_PendingSync(due, averaged, self.overlap_steps, finish))
+            return
+        self._outer_update(due, self._pseudo_gradients(outers, inners, [p for _, p in due]))
+
+    def _outer_update(
+        self, due: list[tuple[dict[str, Any], torch.Tensor]], pseudo_grads: Iterable[torch.Tensor]
+    ) -> None:
+        """The Nesterov step of the due parameters' outer weights with their averaged pseudo-gradients, and the inner
+        weights reset to the new outer weights (alpha = 0) or mixed with them."""
+        alpha = self.overlap_alpha
+        inners = [local_tensor(self._inner(p)) for _, p in due]
+        outers = [local_tensor(self.state[p][OUTER]) for _, p in due]
         for (group, p), inner, outer, pseudo_grad in zip(due, inners, outers, pseudo_grads):
             # pseudo_grad: in the outer weights' dtype (float32 for bf16/fp16 parameters)
             mu, outer_lr, buf = (
@@ -332,9 +412,12 @@ class DiLoCo(BaseOptimizerWrapper):
             )
             buf.mul_(mu).add_(pseudo_grad)
             outer.sub_(pseudo_grad.add_(buf, alpha=mu), alpha=outer_lr)
-            inner.copy_(outer)
+            if alpha == 0.0:
+                inner.copy_(outer)
+            else:
+                inner.mul_(alpha).add_(outer, alpha=1.0 - alpha)
             if inner is not local_tensor(p):
-                local_tensor(p).copy_(outer)
+                local_tensor(p).copy_(inner)
 
     def _pseudo_gradients(
         self, outers: list[torch.Tensor], inners: list[torch.Tensor], params: list[torch.Tensor] | None = None
@@ -373,6 +456,17 @@ class DiLoCo(BaseOptimizerWrapper):
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             group[DILOCO_LAYOUT] = self.layout.saved()
+        if self._pending:  # overlapped syncs in flight: waited for, saved with the steps left before their updates
+            self._settle_pending()
+            index = {id(p): i for i, p in enumerate(self._all_params())}
+            state_dict[PENDING_SYNCS] = [
+                {
+                    "remaining": pending.remaining,
+                    "params": [index[id(p)] for _, p in pending.due],
+                    "pseudo_gradients": [g.clone() for g in pending.pseudo_grads],
+                }
+                for pending in self._pending
+            ]
         if self.layout.distributed:  # what crossed the workers so far (a single worker sends nothing)
             state_dict[OUTER_TRAFFIC] = dataclasses.asdict(self.outer_traffic)
         if self._own_inner_weights():
@@ -395,10 +489,19 @@ class DiLoCo(BaseOptimizerWrapper):
         if saved is not None:
             self.layout.check_saved(saved, f"{self.optimizer_name}.load_state_dict()")
         groups = [{k: v for k, v in group.items() if k != DILOCO_LAYOUT} for group in state_dict["param_groups"]]
-        traffic = state_dict.get(OUTER_TRAFFIC)
-        state_dict = {k: v for k, v in state_dict.items() if k != OUTER_TRAFFIC}
+        traffic, pending = state_dict.get(OUTER_TRAFFIC), state_dict.get(PENDING_SYNCS, [])
+        state_dict = {k: v for k, v in state_dict.items() if k not in (OUTER_TRAFFIC, PENDING_SYNCS)}
         super().load_state_dict({**state_dict, "param_groups": groups})
         self.outer_traffic = OuterTraffic(**traffic) if traffic is not None else OuterTraffic()
+        params, group_of = self._all_params(), {id(p): g for g in self.param_groups for p in g["params"]}
+        self._pending = []
+        for saved_sync in pending:
+            due = [(group_of[id(params[i])], params[i]) for i in saved_sync["params"]]
+            grads = [
+                g.to(device=local_tensor(self.state[p][OUTER]).device, copy=True)
+                for (_, p), g in zip(due, saved_sync["pseudo_gradients"])
+            ]
+            self._pending.append(_PendingSync(due, grads, int(saved_sync["remaining"]), None))
         if self._own_inner_weights():  # a state taken in train mode: the parameters take this worker's inner weights
             with torch.no_grad():
                 for p in self._all_params():
@@ -408,12 +511,24 @@ class DiLoCo(BaseOptimizerWrapper):
                         local_tensor(p).copy_(local_tensor(inner))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "layout": self.layout, "outer_traffic": self.outer_traffic}
+        self._settle_pending()  # a copy gets the averaged pseudo-gradients, not the collectives in flight
+        return {
+            **super().__getstate__(),
+            "layout": self.layout,
+            "outer_traffic": self.outer_traffic,
+            "overlap_steps": self.overlap_steps,
+            "overlap_alpha": self.overlap_alpha,
+            "_pending": self._pending,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._fragments = []
         self.outer_traffic = state.get("outer_traffic", OuterTraffic())
+        # torch's load_state_dict calls this with the state and groups only: the overlap stays the constructor's
+        self.overlap_steps = state.get("overlap_steps", getattr(self, "overlap_steps", 0))
+        self.overlap_alpha = state.get("overlap_alpha", getattr(self, "overlap_alpha", 0.0))
+        self._pending = state.get("_pending", getattr(self, "_pending", []))
 
     # ---- parameters cast under it (see ``_wrapper``): the outer weights and momentum follow in wide_dtype, the
     # float32 inner weights of a bf16/fp16 parameter come or go ----
