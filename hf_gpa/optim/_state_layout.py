@@ -113,6 +113,14 @@ def gpa_diloco_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
     return state
 
 
+def diloco_residual(outer: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A compressed outer sync's error-feedback residual of a parameter (``state["outer_residual"]``, and with more
+    than two workers ``state["outer_server_residual"]``), created at its first compressed outer step: zeros in the
+    dtype of its outer weights (``outer``, this process's local tensor), contiguous (the flat buckets view it), and
+    sharded as ``p`` is."""
+    return shard_like(torch.zeros(outer.shape, dtype=outer.dtype, device=outer.device), p)
+
+
 # ---- the 24-bit values of "compact" ----
 #
 # A float32 u is rounded to 24 bits (sign, 8 exponent bits, 15 mantissa bits) and kept as two words:

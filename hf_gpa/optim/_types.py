@@ -85,6 +85,11 @@ OUTER = "outer"  # DiLoCo's outer weights (the inner weights while in eval mode)
 OUTER_MOMENTUM_BUFFER = "outer_momentum_buffer"  # DiLoCo's outer Nesterov buffer
 INNER = "inner"  # DiLoCo across M > 1 workers, a state dict taken in train mode: this worker's inner weights
 INNER_FP32 = "inner_fp32"  # DiLoCo, bf16/fp16 parameters: the inner weights in float32 (the parameter: rounded)
+#: DiLoCo across workers, a compressed ``outer_dtype``: the error-feedback residual of a parameter's pseudo-gradient
+OUTER_RESIDUAL = "outer_residual"
+#: ... and, with more than two workers, its second stage's: what re-compressing the average of this worker's chunk
+#: lost (of the parameter's shape; only its elements in this worker's chunk of the flat bucket are used)
+OUTER_SERVER_RESIDUAL = "outer_server_residual"
 
 # ---- param-group keys ----
 

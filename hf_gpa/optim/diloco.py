@@ -41,7 +41,7 @@ from ._diloco_workers import (
     start_averaged_pseudo_gradients,
     worker_layout,
 )
-from ._state_layout import HALF_DTYPES, diloco_state, held_through_half, wide_dtype
+from ._state_layout import HALF_DTYPES, diloco_residual, diloco_state, held_through_half, wide_dtype
 from ._tensors import authoritative_y, bits_differ, is_dtensor, local_tensor, shard_like
 from ._types import (
     DEFAULT_INNER_STEPS,
@@ -57,17 +57,14 @@ from ._types import (
     OUTER_LR,
     OUTER_MOMENTUM,
     OUTER_MOMENTUM_BUFFER,
+    OUTER_RESIDUAL,
+    OUTER_SERVER_RESIDUAL,
     TRAIN_MODE,
 )
 from ._wrapper import BaseOptimizerWrapper
 
 __all__ = ["DiLoCo"]
 
-#: The error-feedback residual of a compressed outer all-reduce (``outer_dtype`` bfloat16 or int8), per parameter.
-OUTER_RESIDUAL = "outer_residual"
-#: Its second stage's with more than two workers: what re-compressing the average of this worker's chunk lost, per
-#: parameter (of the parameter's shape; only its elements in this worker's chunk of the flat bucket are used).
-OUTER_SERVER_RESIDUAL = "outer_server_residual"
 #: The state dict's entry for `OuterTraffic` (outer steps taken, bytes sent between workers).
 OUTER_TRAFFIC = "diloco_outer_traffic"
 #: The state dict's entry for the overlapped outer syncs not applied yet (``overlap_steps`` > 0).
@@ -433,11 +430,9 @@ class DiLoCo(BaseOptimizerWrapper):
             assert params is not None, "a compressed outer all-reduce keeps a residual per parameter"
             two_stage = self.layout.num_workers > ALL_GATHER_WORKERS
             for p, outer in zip(params, outers):
-                if OUTER_RESIDUAL not in self.state[p]:
-                    self.state[p][OUTER_RESIDUAL] = shard_like(torch.zeros_like(outer), p)
-                if two_stage and OUTER_SERVER_RESIDUAL not in self.state[p]:  # also a state saved without one: zero
-                    zero = torch.zeros(outer.shape, dtype=outer.dtype, device=outer.device)  # contiguous: view(-1)
-                    self.state[p][OUTER_SERVER_RESIDUAL] = shard_like(zero, p)
+                for key in (OUTER_RESIDUAL, OUTER_SERVER_RESIDUAL) if two_stage else (OUTER_RESIDUAL,):
+                    if key not in self.state[p]:  # also a state saved without a server residual: zero
+                        self.state[p][key] = diloco_residual(outer, p)
             residuals = [local_tensor(self.state[p][OUTER_RESIDUAL]) for p in params]
             if two_stage:
                 servers = [local_tensor(self.state[p][OUTER_SERVER_RESIDUAL]) for p in params]
