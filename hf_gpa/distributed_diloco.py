@@ -387,6 +387,15 @@ class DiLoCoWorkersMixin:
             logger.info(workers_start_line(unwrap_gpa_optimizer(self.optimizer)))
         return optimizer
 
+    def apply_outer_syncs_in_flight(self) -> None:
+        """At the end of training (`GPATrainer`'s ``on_train_end``, before the model is put at the outer weights):
+        the overlapped outer syncs still in flight (``--diloco_overlap_steps``) are applied, so that the weights
+        evaluated, saved and pushed after training hold every pseudo-gradient the workers sent. A checkpoint saved
+        during training keeps them in flight, so its resume applies them at their own step, bitwise."""
+        optimizer = unwrap_gpa_optimizer(getattr(self, "optimizer", None))
+        if isinstance(optimizer, DiLoCo):
+            optimizer.apply_syncs_in_flight()
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The next class's; under DiLoCo across processes, the logs of a training step (those with its ``loss``)
         also carry ``outer_steps`` and ``outer_bytes``, the optimizer's `OuterTraffic` so far."""

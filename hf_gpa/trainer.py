@@ -129,6 +129,7 @@ class EvaluationWeightsAtTrainEnd(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._trainer()
         if trainer is not None:
+            trainer.apply_outer_syncs_in_flight()
             trainer._hold_x()
 
 

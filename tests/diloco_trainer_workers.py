@@ -233,11 +233,11 @@ def two_ranks(out: Path) -> dict[str, Any]:
     facts["unseeded"] = run(out, "unseeded", model=model, max_steps=INNER_STEPS, save_strategy="no")
 
     facts["streaming"] = run(out, "streaming", save_strategy="no", eval_strategy="no", **STREAMING)
-    # Streaming with each fragment's sync overlapped by one inner step (--diloco_overlap_steps 1): 7 steps, so that
-    # the last sync (fragment 1's, started after step 6) is applied after step 7.
+    # Streaming with each fragment's sync overlapped by one inner step (--diloco_overlap_steps 1): 8 steps, so that
+    # the last sync (fragment 0's, started after step 8) is still in flight when training ends.
     facts["overlapped"] = run(
         out, "overlapped", save_strategy="no", eval_strategy="no", logging_steps=1,
-        **{**STREAMING, "max_steps": 7, "diloco_overlap_steps": 1, "diloco_overlap_alpha": 0.5},
+        **{**STREAMING, "max_steps": 8, "diloco_overlap_steps": 1, "diloco_overlap_alpha": 0.5},
     )  # fmt: skip
     # The outer all-reduce compressed to int8: the logs count the all-gather's payload.
     facts["int8"] = run(

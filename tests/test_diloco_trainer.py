@@ -247,15 +247,16 @@ def test_the_first_process_logs_one_start_line(two_ranks: tuple) -> None:
 
 
 def test_an_overlapped_run_says_so_and_counts_its_outer_steps(two_ranks: tuple) -> None:
-    """--diloco_overlap_steps 1 --diloco_overlap_alpha 0.5 (H = 4, P = 2, 7 steps): the start line says the overlap;
-    the logs count one outer step when a fragment's sync starts (steps 2, 4, 6) and its bytes; the outer weights are
-    the same bits on both ranks after every step, and they move one step after a sync starts (3, 5, 7), not when
-    it starts."""
+    """--diloco_overlap_steps 1 --diloco_overlap_alpha 0.5 (H = 4, P = 2, 8 steps): the start line says the overlap;
+    the logs count one outer step when a fragment's sync starts (steps 2, 4, 6, 8) and its bytes; the outer weights
+    are the same bits on both ranks after every step, and they move one step after a sync starts (3, 5, 7), not when
+    it starts. The sync started after the last step is applied when training ends: the weights held after training
+    are the outer weights after step 8 with that update (the same on both ranks), not without it."""
     _, (first, second) = two_ranks
     (line,) = first["overlapped"]["start_lines"]
     assert "H = 4, 2 fragments, outer dtype float32, overlap 1 inner steps (each fragment's all-reduce runs" in line
     assert "mixing alpha 0.5" in line and "no overlap" not in line
-    assert [e["outer_steps"] for e in logged_steps(first["overlapped"])] == [0, 1, 1, 2, 2, 3, 3]
+    assert [e["outer_steps"] for e in logged_steps(first["overlapped"])] == [0, 1, 1, 2, 2, 3, 3, 4]
     steps_a, steps_b = first["overlapped"]["steps"], second["overlapped"]["steps"]
     for a, b in zip(steps_a, steps_b):
         assert all(torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"]), a["step"]
@@ -265,6 +266,10 @@ def test_an_overlapped_run_says_so_and_counts_its_outer_steps(two_ranks: tuple) 
         if any(not torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"])
     ]
     assert moved == [3, 5, 7]
+    last = steps_a[-1]["outer"]
+    held = [f["overlapped"]["held_after_train"] for f in (first, second)]
+    assert all(torch.equal(held[0][n], held[1][n]) for n in last)
+    assert any(not torch.equal(held[0][n], last[n]) for n in last)  # the last sync's update, applied at the end
 
 
 # ---------------------------------------------------------------- the outer weights: evaluated, saved, the same

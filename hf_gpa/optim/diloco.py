@@ -362,6 +362,24 @@ class DiLoCo(BaseOptimizerWrapper):
             pending.settle()
             self._outer_update(pending.due, pending.pseudo_grads)
 
+    @torch.no_grad()
+    def apply_syncs_in_flight(self) -> None:
+        """Overlap: wait for every sync in flight and apply its outer update now, in the order they were started,
+        ahead of its tau steps: for the end of training, where no later step would apply it (`GPATrainer` calls it
+        then). The outer weights then hold every pseudo-gradient the workers sent. Collective (every process calls
+        it); in eval mode it switches to train mode for the updates and back."""
+        if not self._pending:
+            return
+        in_eval = not all(group[TRAIN_MODE] for group in self.param_groups)
+        if in_eval:
+            self.train()
+        while self._pending:
+            pending = self._pending.pop(0)
+            pending.settle()
+            self._outer_update(pending.due, pending.pseudo_grads)
+        if in_eval:
+            self.eval()
+
     def _settle_pending(self) -> None:
         """Wait for every sync in flight (their updates stay pending)."""
         for pending in self._pending:
