@@ -78,13 +78,18 @@ def _describe(args: TrainingArguments, model: nn.Module | None) -> _Described | 
         inner = "AdamW" if args.optim == GPAOptimizerNames.DILOCO_ADAMW else _MUON_CARD_NAME
         kind, across = "single-worker DiLoCo", ""
         if getattr(args, "diloco_distributed", False):
-            world = int(os.environ.get("WORLD_SIZE", args.world_size))  # the launcher's, as the flags were checked
-            workers = args.diloco_workers or world
             kind = "DiLoCo across workers"
+            tau = getattr(args, "diloco_overlap_steps", 0)
+            overlap = (
+                f", each fragment's sync overlapped with the next {tau} inner step(s) (mixing alpha "
+                f"{getattr(args, 'diloco_overlap_alpha', 0.0):g})"
+                if tau
+                else ""
+            )
             across = (
-                f" across the {world} processes of the run, as {workers_in_words(workers, world // workers)} "
-                "(--diloco_workers), each averaging its pseudo-gradient with the others' at every outer step (sent "
-                f"in {getattr(args, 'diloco_outer_dtype', 'float32')}), in {args.diloco_fragments} fragment(s)"
+                f"{_across_workers(args)}, each averaging its pseudo-gradient with the others' at every outer step "
+                f"(sent in {getattr(args, 'diloco_outer_dtype', 'float32')}), in {args.diloco_fragments} "
+                f"fragment(s){overlap}"
             )
         what = (
             f"{across}: {inner} inner steps with H = {args.diloco_inner_steps} inner steps, outer learning rate "
@@ -101,8 +106,24 @@ def _describe(args: TrainingArguments, model: nn.Module | None) -> _Described | 
         steps = args.gpa_effective_inner_steps
         h = "" if steps is None else f", H = {steps:.4g} (mu_x = 0.9 ** (1 / H), the equivalent DiLoCo inner steps)"
         constants = f"mu_x = {args.gpa_mu_x:.6g}, mu_y = {args.gpa_mu_y:.6g}{h}, averaging = {args.gpa_averaging}"
+    if getattr(args, "gpa_distributed", False):
+        constants = (
+            f"mu_x = {args.gpa_mu_x:.6g} and mu_y = {args.gpa_mu_y:.6g} per outer step, H = {args.gpa_sync_steps} "
+            f"inner steps between two synchronisations, outer learning rate {args.gpa_outer_lr:.6g}, in "
+            f"{args.diloco_fragments} fragment(s)"
+        )
+        what = f"{_across_workers(args)}: GPA's primal averaging as the outer step of {base} workers, with {constants}"
+        return _Described("GPA across workers", what, "GPA's evaluation sequence x", "inner weights", split)
     what = f": Generalized Primal Averaging around {base} with {constants}"
     return _Described("GPA", what, "GPA's evaluation sequence x", "gradient point y", split)
+
+
+def _across_workers(args: TrainingArguments) -> str:
+    """The phrase " across the W processes of the run, as M workers of W / M processes (--diloco_workers)"."""
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))  # the launcher's, as the flags were checked
+    workers = args.diloco_workers or world
+    in_words = workers_in_words(workers, world // workers)
+    return f" across the {world} processes of the run, as {in_words} (--diloco_workers)"
 
 
 def with_gpa_tags(

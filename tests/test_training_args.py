@@ -721,6 +721,24 @@ def test_the_model_card_names_diloco_across_workers(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     card = gpa_model_card_section(parse([*DISTRIBUTED, "--diloco_outer_dtype", "int8"], tmp_path))
     assert "as 2 workers of 1 process (--diloco_workers)" in card and "(sent in int8)" in card
+    argv = [*DISTRIBUTED, "--diloco_fragments", "2", "--diloco_overlap_steps", "1", "--diloco_overlap_alpha", "0.5"]
+    card = gpa_model_card_section(parse(argv, tmp_path))
+    assert "in 2 fragment(s), each fragment's sync overlapped with the next 1 inner step(s) (mixing alpha 0.5)" in card
+
+
+@needs_a_lazy_process_group
+def test_the_model_card_names_gpa_across_workers(tmp_path, monkeypatch):
+    """--gpa_distributed: the card says GPA across workers, their number, H and the per-outer-step mu_x / mu_y (it
+    said plain GPA with a per-step mu_x before)."""
+    from hf_gpa.model_card import gpa_model_card_section, gpa_run_summary
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse([*GPA_DISTRIBUTED, "--diloco_workers", "2", "--gpa_sync_steps", "8", "--gpa_mu_y", "0.5"], tmp_path)
+    card = gpa_model_card_section(args)
+    assert "## Optimizer: GPA across workers" in card
+    assert "across the 4 processes of the run, as 2 workers of 2 processes (--diloco_workers)" in card
+    assert "mu_x = 0.9 and mu_y = 0.5 per outer step, H = 8 inner steps between two synchronisations" in card
+    assert "GPA across workers" in gpa_run_summary(args)
 
 
 # ---------------------------------------------------------------- GPA across processes: bad input at parse time
