@@ -592,6 +592,12 @@ def test_diloco_distributed_bad_input_is_refused_at_parse_time(world_size, argv,
     """DiLoCo across processes: M that does not divide WORLD_SIZE, P < 1 or > H, H < 1, a single process, the flags
     without --diloco_distributed or with another --optim, and FSDP, DeepSpeed, the step in backward, fp16 loss
     scaling or dispatched batches: a ValueError naming the flag, before anything is built."""
+    refused_on(world_size, argv, message, tmp_path, monkeypatch)
+
+
+def refused_on(world_size: str | None, argv: list[str], message: str, tmp_path, monkeypatch) -> None:
+    """Parsing ``argv`` with ``WORLD_SIZE`` set to ``world_size`` (None: unset) raises a ValueError matching
+    ``message``."""
     if world_size is None:
         monkeypatch.delenv("WORLD_SIZE", raising=False)
     else:
@@ -601,12 +607,13 @@ def test_diloco_distributed_bad_input_is_refused_at_parse_time(world_size, argv,
 
 
 @pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
-def test_diloco_distributed_under_an_fsdp_or_deepspeed_launch_is_refused(variable, tmp_path, monkeypatch):
-    """accelerate launch with an FSDP or DeepSpeed config (which sets these variables): refused by name."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
+@pytest.mark.parametrize("mode", ["--diloco_distributed", "--gpa_distributed"])
+def test_across_processes_under_an_fsdp_or_deepspeed_launch_is_refused(mode, variable, tmp_path, monkeypatch):
+    """accelerate launch with an FSDP or DeepSpeed config (which sets these variables): DiLoCo and GPA across
+    processes refused by name."""
     monkeypatch.setenv(variable, "true")
-    with pytest.raises(ValueError, match="--diloco_distributed cannot run with (FSDP|DeepSpeed)"):
-        parse(DISTRIBUTED, tmp_path)
+    argv = DISTRIBUTED if mode == "--diloco_distributed" else GPA_DISTRIBUTED
+    refused_on("2", argv, f"{mode} cannot run with (FSDP|DeepSpeed)", tmp_path, monkeypatch)
 
 
 def test_an_unknown_outer_dtype_is_refused_by_name(tmp_path, monkeypatch, capsys):
@@ -783,23 +790,9 @@ def test_gpa_distributed_bad_input_is_refused_at_parse_time(world_size, argv, me
     """GPA across processes: H < 1, a mu or the outer lr outside its range, M that does not divide WORLD_SIZE, P > H,
     a single process, FSDP, DeepSpeed, fp16 loss scaling, dispatched batches, --diloco_distributed beside it, a
     per-step averaging flag, the step in backward, an --optim it cannot wrap, its flags without it, a compressed outer
-    dtype (DiLoCo's only): a ValueError
-    naming the flag and the allowed range, while parsing, before anything is built."""
-    if world_size is None:
-        monkeypatch.delenv("WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("WORLD_SIZE", world_size)
-    with pytest.raises(ValueError, match=message):
-        parse(argv, tmp_path)
-
-
-@pytest.mark.parametrize("variable", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
-def test_gpa_distributed_under_an_fsdp_or_deepspeed_launch_is_refused(variable, tmp_path, monkeypatch):
-    """accelerate launch with an FSDP or DeepSpeed config (which sets these variables): refused by name."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv(variable, "true")
-    with pytest.raises(ValueError, match="--gpa_distributed cannot run with (FSDP|DeepSpeed)"):
-        parse(GPA_DISTRIBUTED, tmp_path)
+    dtype (DiLoCo's only): a ValueError naming the flag and the allowed range, while parsing, before anything is
+    built."""
+    refused_on(world_size, argv, message, tmp_path, monkeypatch)
 
 
 def test_gpa_distributed_from_python_must_be_a_bool(tmp_path, monkeypatch):
