@@ -269,15 +269,17 @@ def four_ranks(out: Path) -> dict[str, Any]:
 SCENARIOS = {"two_ranks": two_ranks, "four_ranks": four_ranks}
 
 
-def main(scenario: str, out: str) -> None:
+def main(scenario: str, out: str, scenarios: dict[str, Any] = SCENARIOS, dies: tuple[str, ...] = ()) -> None:
+    """Run ``scenarios[scenario]`` on this rank and save its facts to ``out``; the process group is torn down at
+    the end, except in a scenario of ``dies`` (after a peer died, tearing down may wait on it)."""
     out_dir = Path(out).resolve()
     torch.set_num_threads(1)  # the ranks share 2 cores in CI
     try:
-        facts = SCENARIOS[scenario](out_dir)
+        facts = scenarios[scenario](out_dir)
         torch.save(facts, out_dir / f"{scenario}_rank{dist.get_rank()}.pt")
         dist.barrier()  # every rank done before any tears its connections down (gloo can abort at exit otherwise)
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and scenario not in dies:
             dist.destroy_process_group()
 
 

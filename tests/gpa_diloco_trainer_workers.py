@@ -216,15 +216,7 @@ SCENARIOS = {"two_ranks": two_ranks, "dies": dies}
 
 
 def main(scenario: str, out: str) -> None:
-    out_dir = Path(out).resolve()
-    torch.set_num_threads(1)  # the ranks share 2 cores in CI
-    try:
-        facts = SCENARIOS[scenario](out_dir)
-        torch.save(facts, out_dir / f"{scenario}_rank{dist.get_rank()}.pt")
-        dist.barrier()  # every rank done before any tears its connections down (gloo can abort at exit otherwise)
-    finally:
-        if dist.is_initialized() and scenario != "dies":  # after a peer died, tearing down may wait on it
-            dist.destroy_process_group()
+    dw.main(scenario, out, SCENARIOS, dies=("dies",))
 
 
 if __name__ == "__main__":
