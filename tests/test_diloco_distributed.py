@@ -328,14 +328,18 @@ def test_a_rank_that_fails_before_the_outer_step_makes_the_others_fail(tmp_path:
 DOC = REPO / "docs" / "distributed.md"
 
 
+def documented_block(marker: str) -> str:
+    """The one Python block of docs/distributed.md whose skip-test marker contains ``marker``."""
+    blocks = re.findall(r"<!-- skip-test:([^>]*)-->\n```python\n(.*?)\n```", DOC.read_text(), re.S)
+    found = [code for note, code in blocks if marker in note]
+    assert len(found) == 1, (marker, len(found))
+    return found[0]
+
+
 def test_the_documented_loop_runs_on_four_processes(tmp_path: Path) -> None:
     """docs/distributed.md's DiLoCo loop, as written, under ``torchrun --nproc_per_node 4`` (2 islands of 2)."""
-    blocks = re.findall(
-        r"<!-- skip-test:[^>]*test_diloco_distributed[^>]*-->\n```python\n(.*?)\n```", DOC.read_text(), re.S
-    )
-    assert len(blocks) == 1
     script = tmp_path / "diloco_loop.py"
-    script.write_text(blocks[0] + "\n")
+    script.write_text(documented_block("test_diloco_distributed.py runs this block") + "\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)]
     run_logged(
         cmd, tmp_path / "launch.log", launch_env(REPO), LAUNCH_TIMEOUT_S, what="the documented loop", cwd=tmp_path
@@ -525,3 +529,14 @@ def test_a_mesh_that_is_not_the_island_is_refused_by_name(fsdp_islands: list, wh
         message = facts[f"refused_{what}"]
         pattern = named.replace("{even_or_odd}", "1, 3" if rank % 2 else "0, 2")
         assert re.search(pattern, message), (rank, message)
+
+
+def test_the_documented_fsdp2_loop_runs_on_four_processes(tmp_path: Path) -> None:
+    """docs/distributed.md's FSDP2-inside-each-island loop, as written, under ``torchrun --nproc_per_node 4`` (2
+    islands of 2): it trains and rank 0 saves the gathered outer weights."""
+    script = tmp_path / "fsdp2_loop.py"
+    script.write_text(documented_block("test_the_documented_fsdp2_loop_runs_on_four_processes") + "\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)]
+    run_logged(cmd, tmp_path / "launch.log", launch_env(REPO), LAUNCH_TIMEOUT_S, what="the FSDP2 loop", cwd=tmp_path)
+    outer = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert [tuple(t.shape) for t in outer.values()] == [(32, 8), (32,), (1, 32), (1,)]
