@@ -12,6 +12,7 @@ group in a ``finally``, also when its scenario raises.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import sys
@@ -371,6 +372,83 @@ def overlap(out: Path, rank: int) -> None:
     torch.save(facts, out / f"overlap_rank{rank}.pt")
 
 
+def _sharded_mlp(mesh: Any) -> torch.nn.Module:
+    """``build_mlp`` sharded by FSDP2 (one group per Linear, then the root, as accelerate applies it) over ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_mlp(torch.float32)
+    for module in model:
+        if isinstance(module, torch.nn.Linear):
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (an all-gather over its mesh: every process of the mesh calls it), a copy."""
+    return t.full_tensor().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def fsdp_snapshot(model: torch.nn.Module, optimizer: DiLoCo) -> dict[str, list[torch.Tensor]]:
+    """`snapshot` of a model sharded inside the island: the whole tensors (gathered in the island), and this
+    process's shards of the outer weights and momentum (``local_*``)."""
+    params = list(model.parameters())
+    held: dict[str, list[torch.Tensor]] = {
+        "inner": [_full(p) for p in params],
+        "outer": [_full(optimizer.state[p]["outer"]) for p in params],
+        "momentum": [_full(optimizer.state[p]["outer_momentum_buffer"]) for p in params],
+    }
+    for key, state_key in (("inner", None), ("outer", "outer"), ("momentum", "outer_momentum_buffer")):
+        held[f"local_{key}"] = [_local(p if state_key is None else optimizer.state[p][state_key]) for p in params]
+    return held
+
+
+def fsdp_islands(out: Path, rank: int) -> None:
+    """FSDP2 inside each of 2 islands of 2 processes (a ("worker", "shard") mesh, ``fully_shard`` over "shard"): the
+    run, a resume from a state taken in train mode mid-period, and the meshes that are not the island, refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    facts: dict[str, Any] = {}
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("worker", "shard"))
+    model = _sharded_mlp(mesh["shard"])
+    optimizer = diloco(model, num_workers=2)
+    facts["layout"] = optimizer.layout.saved()
+    facts["shard_ranks"] = mesh["shard"].mesh.tolist()
+    facts["run"] = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        mse(model, *rank_rows(step, rank, world_size, torch.float32)).backward()
+        optimizer.step()
+        facts["run"].append(fsdp_snapshot(model, optimizer))
+        if step + 1 == RESUME_AT:  # mid-period (H = 3: after the outer step at 3), in train mode
+            saved = copy.deepcopy(optimizer.state_dict())
+
+    model = _sharded_mlp(mesh["shard"])
+    optimizer = diloco(model, num_workers=2)
+    optimizer.load_state_dict(saved)
+    facts["resumed"] = []
+    for step in range(RESUME_AT, STEPS):
+        optimizer.zero_grad()
+        mse(model, *rank_rows(step, rank, world_size, torch.float32)).backward()
+        optimizer.step()
+        facts["resumed"].append(fsdp_snapshot(model, optimizer))
+
+    # Meshes that are not this process's island: all 4 processes; the strided ranks {0, 2}, {1, 3}; HSDP's 2-D mesh.
+    wrong = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("shard", "worker"))
+    for name, other in (("all", init_device_mesh("cpu", (world_size,))), ("strided", wrong["shard"]), ("hsdp", mesh)):
+        facts[f"refused_{name}"] = error_of(lambda other=other: diloco(_sharded_mlp(other), num_workers=2))
+    overlapped = dict(inner_steps=4, num_fragments=2, overlap_steps=1)
+    for name, kwargs in (("int8", dict(outer_dtype="int8")), ("overlap", overlapped)):
+        facts[f"refused_{name}"] = error_of(
+            lambda kwargs=kwargs: diloco(_sharded_mlp(mesh["shard"]), num_workers=2, **kwargs)
+        )
+    torch.save(facts, out / f"fsdp_islands_rank{rank}.pt")
+
+
 def _same(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> bool:
     return all(torch.equal(x, y) for key in a for x, y in zip(a[key], b[key]))
 
@@ -382,6 +460,7 @@ SCENARIOS = {
     "compressed": compressed,
     "seams": seams,
     "overlap": overlap,
+    "fsdp_islands": fsdp_islands,
 }
 
 

@@ -370,15 +370,25 @@ def test_distributed_on_a_single_process_is_refused(group_of_one: Any) -> None:
         _diloco(build_mlp(torch.float32), process_group=group_of_one, num_workers=2)
 
 
-def test_dtensor_parameters_are_refused_across_processes(group_of_one: Any) -> None:
-    """FSDP2 shards (DTensor parameters) with a DiLoCo across processes: a ValueError naming them."""
+def test_dtensor_parameters_across_processes_only_on_the_island_mesh(group_of_one: Any) -> None:
+    """FSDP2 shards (DTensor parameters) with a DiLoCo across processes: taken on a 1-D mesh over the island (here
+    the one process), refused by name on a 2-D (HSDP) mesh, and refused by `GPADiLoCo` (not supported on shards
+    yet). The 4-process runs are in tests/test_diloco_distributed.py."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from hf_gpa import GPADiLoCo
+
     model = build_mlp(torch.float32)
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    with pytest.raises(ValueError, match="DTensor parameters"):
-        _diloco(model, process_group=group_of_one)
+    optimizer = _diloco(model, process_group=group_of_one, inner_steps=2)
+    _run(optimizer, model, 2)  # an outer step on the shards
+    hsdp = build_mlp(torch.float32)
+    fully_shard(hsdp, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("worker", "shard")))
+    with pytest.raises(ValueError, match=r"Invalid params: a DTensor parameter \(FSDP2\) on a 2-D device mesh"):
+        _diloco(hsdp, process_group=group_of_one)
+    with pytest.raises(ValueError, match=r"DTensor parameters \(FSDP2, tensor parallelism\) with a GPADiLoCo"):
+        GPADiLoCo(model.parameters(), process_group=group_of_one)
 
 
 def _trained_state(**kwargs: Any) -> dict[str, Any]:

@@ -328,14 +328,18 @@ def test_a_rank_that_fails_before_the_outer_step_makes_the_others_fail(tmp_path:
 DOC = REPO / "docs" / "distributed.md"
 
 
+def documented_block(marker: str) -> str:
+    """The one Python block of docs/distributed.md whose skip-test marker contains ``marker``."""
+    blocks = re.findall(r"<!-- skip-test:([^>]*)-->\n```python\n(.*?)\n```", DOC.read_text(), re.S)
+    found = [code for note, code in blocks if marker in note]
+    assert len(found) == 1, (marker, len(found))
+    return found[0]
+
+
 def test_the_documented_loop_runs_on_four_processes(tmp_path: Path) -> None:
     """docs/distributed.md's DiLoCo loop, as written, under ``torchrun --nproc_per_node 4`` (2 islands of 2)."""
-    blocks = re.findall(
-        r"<!-- skip-test:[^>]*test_diloco_distributed[^>]*-->\n```python\n(.*?)\n```", DOC.read_text(), re.S
-    )
-    assert len(blocks) == 1
     script = tmp_path / "diloco_loop.py"
-    script.write_text(blocks[0] + "\n")
+    script.write_text(documented_block("test_diloco_distributed.py runs this block") + "\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)]
     run_logged(
         cmd, tmp_path / "launch.log", launch_env(REPO), LAUNCH_TIMEOUT_S, what="the documented loop", cwd=tmp_path
@@ -450,3 +454,89 @@ def test_a_resume_with_an_overlapped_sync_in_flight_is_bitwise(overlap: list) ->
 def test_an_overlap_the_schedule_cannot_hold_is_refused_by_name(overlap: list, name: str, named: str) -> None:
     for facts in overlap:
         assert named in facts[f"refused_{name}"], facts[f"refused_{name}"]
+
+
+# ---------------------------------------------------------------- FSDP2 inside each island (4 processes)
+
+#: FSDP2 inside 2 islands of 2 against the unsharded simulation. Measured: bitwise (max |diff| 0). The island's
+#: gradients are averaged by FSDP2's reduce-scatter (a sum of 2 terms, the same in either order, and a division by 2,
+#: exact) and the pseudo-gradients by the outer all-reduce of 2 (likewise exact); AdamW and the Nesterov step are
+#: elementwise, the same bits on a shard as on the whole tensor. The bound kept for a backend or FSDP2 version that
+#: scales the gradients otherwise (a pre- and post-division by sqrt 2, each rounding once per element): a few float32
+#: roundings of the weights' size per step, carried on by AdamW, well within 1e-6 over 7 steps.
+FSDP_ISLANDS_TOL = dict(rtol=0.0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def fsdp_islands(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return launch("fsdp_islands", 4, tmp_path_factory.mktemp("fsdp_islands"))
+
+
+def test_fsdp2_inside_two_islands_of_two_equals_the_unsharded_simulation(fsdp_islands: list) -> None:
+    """``fully_shard`` over the "shard" dimension of a (2, 2) ("worker", "shard") mesh, DiLoCo with num_workers=2:
+    the gathered inner weights, outer weights and outer momentum after every step equal the single-process
+    simulation of 2 workers of 2 ranks (their gradients averaged in the island) within `FSDP_ISLANDS_TOL`; the mesh's
+    islands are the layout's."""
+    expected = simulate(num_workers=2, island_size=2, inner_steps=dw.INNER_STEPS, num_fragments=1, steps=dw.STEPS)
+    for rank, facts in enumerate(fsdp_islands):
+        assert facts["layout"]["worker"] == rank // 2
+        assert facts["shard_ranks"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+        assert_matches(facts["run"], expected, worker=rank // 2, **FSDP_ISLANDS_TOL)
+    # the two workers differ between outer steps: each island trained on its own rows
+    assert not torch.equal(fsdp_islands[0]["run"][0]["inner"][0], fsdp_islands[2]["run"][0]["inner"][0])
+
+
+def test_fsdp2_islands_hold_the_same_outer_shards_at_the_same_position(fsdp_islands: list) -> None:
+    """The processes holding the same shard (position i in each island: ranks 0 and 2, 1 and 3) hold the same bits
+    of the outer weights and momentum after every step; the two shards of an island differ (it is sharded)."""
+    for first, second in ((0, 2), (1, 3)):
+        for a, b in zip(fsdp_islands[first]["run"], fsdp_islands[second]["run"]):
+            for key in ("local_outer", "local_momentum"):
+                assert all(torch.equal(x, y) for x, y in zip(a[key], b[key])), (first, second, key)
+    shards = [fsdp_islands[r]["run"][-1]["local_outer"][0] for r in (0, 1)]
+    assert shards[0].shape[0] + shards[1].shape[0] == fsdp_islands[0]["run"][-1]["outer"][0].shape[0]
+
+
+def test_fsdp2_islands_resume_bitwise_from_each_process_s_sharded_state(fsdp_islands: list) -> None:
+    """Each process's ``optimizer.state_dict()`` (its shards: inner weights, outer weights, momentum, AdamW state),
+    taken in train mode mid-period, loaded into a fresh sharded model and optimizer: every later step (the outer step
+    at 6 included) equals the uninterrupted run's bitwise."""
+    for facts in fsdp_islands:
+        assert len(facts["resumed"]) == dw.STEPS - dw.RESUME_AT
+        for step, (held, want) in enumerate(zip(facts["resumed"], facts["run"][dw.RESUME_AT :])):
+            for key in want:
+                assert all(torch.equal(a, b) for a, b in zip(held[key], want[key])), (step, key)
+
+
+NOT_THE_ISLAND = r"Invalid params: a DTensor parameter \(FSDP2\) on a "
+
+
+@pytest.mark.parametrize(
+    "what, named",
+    [
+        ("all", NOT_THE_ISLAND + r"1-D device mesh of shape 4 over ranks \[0, 1, 2, 3\]"),
+        ("strided", NOT_THE_ISLAND + r"1-D device mesh of shape 2 over ranks \[{even_or_odd}\]"),
+        ("hsdp", NOT_THE_ISLAND + r"2-D device mesh of shape 2x2"),
+        ("int8", r"Invalid outer_dtype: 'int8' with DTensor parameters"),
+        ("overlap", r"Invalid overlap_steps: 1 with DTensor parameters"),
+    ],
+)
+def test_a_mesh_that_is_not_the_island_is_refused_by_name(fsdp_islands: list, what: str, named: str) -> None:
+    """A DTensor parameter on a mesh over all 4 processes, over the wrong ranks (0 and 2, 1 and 3), or HSDP's 2-D mesh
+    (which would all-reduce the gradients across islands every step), and the compressed or overlapped outer sync
+    with shards: a ValueError naming it, raised before any communication (every process raised it and went on)."""
+    for rank, facts in enumerate(fsdp_islands):
+        message = facts[f"refused_{what}"]
+        pattern = named.replace("{even_or_odd}", "1, 3" if rank % 2 else "0, 2")
+        assert re.search(pattern, message), (rank, message)
+
+
+def test_the_documented_fsdp2_loop_runs_on_four_processes(tmp_path: Path) -> None:
+    """docs/distributed.md's FSDP2-inside-each-island loop, as written, under ``torchrun --nproc_per_node 4`` (2
+    islands of 2): it trains and rank 0 saves the gathered outer weights."""
+    script = tmp_path / "fsdp2_loop.py"
+    script.write_text(documented_block("test_the_documented_fsdp2_loop_runs_on_four_processes") + "\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)]
+    run_logged(cmd, tmp_path / "launch.log", launch_env(REPO), LAUNCH_TIMEOUT_S, what="the FSDP2 loop", cwd=tmp_path)
+    outer = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert [tuple(t.shape) for t in outer.values()] == [(32, 8), (32,), (1, 32), (1,)]

@@ -234,6 +234,34 @@ class WorkerLayout:
                 "that a process of its own worker (island) saved"
             )
 
+    def island_ranks(self) -> list[int]:
+        """The global ranks of this process's island, in island order (nothing is created or communicated)."""
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self.process_group)  # global ranks, in group rank order
+        size = self.island_size
+        return ranks[self.worker * size : (self.worker + 1) * size]
+
+    def check_island_mesh(self, param: torch.Tensor) -> None:
+        """Refuse, by name, a DTensor parameter (FSDP2) whose device mesh is not this process's island: 1-D, the
+        island's ranks in island order, so that the process at position i of every island holds the same shard and
+        the outer group (position i of every island) averages like shards. Nothing is communicated."""
+        mesh = param.device_mesh
+        island = self.island_ranks()
+        ranks = mesh.mesh.flatten().tolist()
+        if mesh.ndim == 1 and ranks == island:
+            return
+        shape = "x".join(str(n) for n in mesh.mesh.shape)
+        raise ValueError(
+            f"Invalid params: a DTensor parameter (FSDP2) on a {mesh.ndim}-D device mesh of shape {shape} over ranks "
+            f"{ranks}, which is not this process's island (worker {self.worker}: ranks {island}; num_workers = "
+            f"{self.num_workers} islands of {self.island_size} processes). A DiLoCo across processes needs each "
+            "island to shard its own model (the gradients averaged inside it every step, the pseudo-gradients "
+            "across islands every H steps): mesh = init_device_mesh(device, (num_workers, world_size // "
+            'num_workers), mesh_dim_names=("worker", "shard")); fully_shard(model, mesh=mesh["shard"]) (not a mesh '
+            "over all processes, nor HSDP's 2-D mesh, which would all-reduce the gradients across islands every step)"
+        )
+
     def connect(self) -> WorkerLayout:
         """This layout with its island and outer process groups (created by the member processes only)."""
         if not self.distributed or self.island_group is not None:

@@ -120,8 +120,13 @@ class DiLoCo(BaseOptimizerWrapper):
     outer weights) and the outer state is created for every parameter that requires a gradient, so that every
     process takes part in every outer all-reduce; a parameter that requires a gradient and has none (unfrozen later,
     or after ``state.clear()``, done alike on every process) gets it at the next step the same way, on every process.
-    Every process must call ``step()`` equally often. DTensor (FSDP2, tensor-parallel) parameters are refused in this
-    mode.
+    Every process must call ``step()`` equally often. FSDP2 inside each island: DTensor parameters sharded over the
+    island's processes only (``fully_shard(model, mesh=mesh["shard"])`` of a ("worker", "shard") mesh of shape
+    (M, W / M)), whose reduce-scatter averages the island's gradients; each process keeps the outer weights and
+    momentum of its own shards, which its outer group (the same shard in every island) averages, and the shards are
+    broadcast from the first island at construction. A DTensor on any other mesh (all processes, HSDP's 2-D mesh,
+    other ranks) is refused by name before anything is communicated, as are a compressed ``outer_dtype`` and an
+    overlap with them (not supported on shards yet).
 
     **Streaming** (``num_fragments`` = P > 1, Douillard et al. 2025): the parameters (in the order of the groups) are
     split into P contiguous fragments of about equal size, and fragment k takes its outer step at the inner steps t
@@ -229,11 +234,35 @@ class DiLoCo(BaseOptimizerWrapper):
         check_diloco(values[INNER_STEPS], values[OUTER_LR], values[OUTER_MOMENTUM])
         check_num_fragments(self.layout.num_fragments, inner_steps=values[INNER_STEPS])
         check_overlap(self.overlap_steps, self.overlap_alpha, self.layout.num_fragments, values[INNER_STEPS])
-        if self.layout.distributed and any(is_dtensor(p) for p in values.get("params", ())):
+        dtensors = [p for p in values.get("params", ()) if is_dtensor(p)]
+        if self.layout.distributed and dtensors:
+            self._check_island_shards(dtensors)
+
+    #: Whether DTensor parameters sharded inside each island (FSDP2 over the island's processes) are taken across
+    #: processes; a subclass whose outer step is not verified on shards refuses them.
+    _island_shards = True
+
+    def _check_island_shards(self, dtensors: list[torch.Tensor]) -> None:
+        """Across processes: DTensor parameters (FSDP2) only on this process's island mesh (`WorkerLayout`'s
+        ``check_island_mesh``), with the float32 blocking outer sync; refused by name, before any communication."""
+        name = type(self).__name__
+        if not self._island_shards:
             raise ValueError(
-                "Invalid params: DTensor parameters (FSDP2, tensor parallelism) with a DiLoCo across processes, which "
-                "averages whole tensors over the workers; use distributed=False under FSDP2, or DDP"
+                f"Invalid params: DTensor parameters (FSDP2, tensor parallelism) with a {name} across processes "
+                "(not supported yet); use distributed=False under FSDP2, or DDP"
             )
+        if self.layout.outer_dtype != "float32":
+            raise ValueError(
+                f"Invalid outer_dtype: {self.layout.outer_dtype!r} with DTensor parameters (FSDP2 inside the "
+                "islands): the compressed outer sync is not supported on shards yet; leave it float32"
+            )
+        if self.overlap_steps:
+            raise ValueError(
+                f"Invalid overlap_steps: {self.overlap_steps!r} with DTensor parameters (FSDP2 inside the islands): "
+                "the overlapped outer sync is not supported on shards yet; leave it 0"
+            )
+        for p in dtensors:
+            self.layout.check_island_mesh(p)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (checked like the constructor's); across processes, its parameters are broadcast from the
@@ -251,7 +280,11 @@ class DiLoCo(BaseOptimizerWrapper):
         gradient has its outer state now, so that each outer all-reduce has the same tensors on every process."""
         if not self.layout.distributed:
             return
-        broadcast_([local_tensor(p) for p in params], self.layout.process_group)
+        # Whole tensors from the group's first process; DTensor shards (FSDP2 inside the island) from the process at
+        # this process's position in the first island, which holds the same shard (none to send with one worker).
+        broadcast_([p for p in params if not is_dtensor(p)], self.layout.process_group)
+        if self.layout.outer_group is not None:
+            broadcast_([local_tensor(p) for p in params if is_dtensor(p)], self.layout.outer_group)
         for p in params:
             if p.requires_grad:
                 self._init_outer(p)

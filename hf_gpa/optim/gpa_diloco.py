@@ -134,6 +134,8 @@ class GPADiLoCo(DiLoCo):
             for key, value in mus.items():
                 group.setdefault(key, value)
 
+    _island_shards = False  # FSDP2 inside the islands: verified for DiLoCo's outer step only
+
     def _check_own(self, values: dict[str, Any]) -> None:
         super()._check_own(values)
         if MU_X in values:  # the constructor's were checked before DiLoCo's constructor ran
