@@ -700,6 +700,7 @@ def test_int8_with_fragments_smaller_than_a_block_is_refused_when_the_optimizer_
         assert kwargs["outer_dtype"] == argv[-1]
 
 
+@needs_a_lazy_process_group
 def test_the_overlap_flags_reach_the_optimizer(tmp_path, monkeypatch):
     """--diloco_overlap_steps 2 --diloco_overlap_alpha 0.5 (H = 6, P = 2): DiLoCo is built with overlap_steps 2 and
     overlap_alpha 0.5; without them no overlap argument is passed (the blocking sync, as before)."""
