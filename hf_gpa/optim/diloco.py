@@ -390,7 +390,12 @@ class DiLoCo(BaseOptimizerWrapper):
         over are applied now, in the order they were started."""
         for pending in self._pending:
             pending.remaining -= 1
-        while self._pending and self._pending[0].remaining <= 0:
+        self._apply_oldest_syncs(every=False)
+
+    def _apply_oldest_syncs(self, every: bool) -> None:
+        """Wait for and apply, in the order they were started, the syncs in flight whose tau steps are over (or
+        ``every`` one of them)."""
+        while self._pending and (every or self._pending[0].remaining <= 0):
             pending = self._pending.pop(0)
             pending.settle()
             self._outer_update(pending.due, pending.pseudo_grads)
@@ -406,10 +411,7 @@ class DiLoCo(BaseOptimizerWrapper):
         in_eval = not all(group[TRAIN_MODE] for group in self.param_groups)
         if in_eval:
             self.train()
-        while self._pending:
-            pending = self._pending.pop(0)
-            pending.settle()
-            self._outer_update(pending.due, pending.pseudo_grads)
+        self._apply_oldest_syncs(every=True)
         if in_eval:
             self.eval()
 
