@@ -89,7 +89,8 @@ class Method:
     #: GPA across workers ("gpa_diloco", `hf_gpa.optim.GPADiLoCo`): the outer step's mu_x and mu_y
     mu_x: float | None = None
     mu_y: float | None = None
-    #: DiLoCo's (outer lr, outer momentum); None: the paper recipe's (``paper_recipe.DILOCO_OUTER_LR`` / ``_MOMENTUM``)
+    #: DiLoCo's (outer lr, outer momentum); None: the paper recipe's (`paper_recipe.DILOCO_OUTER_LR`, `_MOMENTUM`);
+    #: For GPA across workers: the DiLoCo pair its outer lr is matched to (`hf_gpa.optim.outer_lr_like_diloco`)
     outer: tuple[float, float] | None = None
     #: the dtype DiLoCo's pseudo-gradients cross the workers in (`hf_gpa.optim.DiLoCo`'s ``outer_dtype``)
     outer_dtype: str = "float32"
@@ -159,22 +160,25 @@ class Plan:
     seeds: tuple[int, ...] = (0, 1, 2)
     #: the lr grid of each quality family, swept at the first seed (one value: no sweep): around the paper bench's
     #: best lrs (AdamW and GPA 0.02, single-worker DiLoCo 0.01 at 2,000 steps of the same global batch); DiLoCo's
-    #: widened both ways once its best lrs (H = 8: 0.02, H = 32: 0.005) came out at the edges of 0.005-0.02
+    #: widened both ways once its best lrs (H = 8: 0.02, H = 32: 0.005) came out at the edges of 0.005-0.02. GPA
+    #: across workers runs at the lr of the DiLoCo it is matched to; a family without a grid here is not run
     lrs: dict[str, tuple[float, ...]] = field(
         default_factory=lambda: {
             "adamw": (1e-2, 2e-2, 4e-2),
             "diloco": (2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2),
             "gpa": (1e-2, 2e-2, 4e-2),
-            "gpa_diloco": (5e-3, 1e-2, 2e-2),
         }
     )
+    #: how many times a grid may grow past its edge while its best point lies on that edge (lr: by a factor of 2;
+    #: DiLoCo's outer lr: by ``outer_lr_step`` at the best pair's momentum), so that every pick is bracketed
+    slide: int = 0
+    outer_lr_step: float = 0.2
+    #: DiLoCo at the first H, at its chosen lr and outer pair, with its outer all-reduce compressed: every seed
+    quality_outer_dtypes: tuple[str, ...] = ()
     timeout_s: float = 7200.0
     #: DiLoCo's (outer lr, outer momentum) pairs tried in the quality part at each H's best lr (first seed), beside
     #: the recipe's; the best of them all runs the other seeds. Empty: the recipe's only.
     outer_grid: tuple[tuple[float, float], ...] = ()
-
-    def gpa_diloco_outer_lr(self, mu_x: float, mu_y: float) -> float:
-        return outer_lr_like_diloco(pr.DILOCO_OUTER_LR, pr.DILOCO_OUTER_MOMENTUM, mu_x, mu_y)
 
     def bytes_methods(self) -> list[Method]:
         methods = [DDP_ADAMW, Method("gpa", self.gpa_inner_steps)]
@@ -193,24 +197,11 @@ class Plan:
     def speed_methods(self) -> list[Method]:
         return [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps)]
 
-    def quality_methods(self) -> list[Method]:
-        gpa_diloco = [
-            Method("gpa_diloco", h, mu_x=mu_x, mu_y=mu_y)
-            for h in self.inner_steps
-            for mu_x, mu_y in self.gpa_diloco_mus
-        ]
-        return [
-            DDP_ADAMW,
-            *(Method("diloco", h) for h in self.inner_steps),
-            *gpa_diloco,
-            Method("gpa", self.gpa_inner_steps),
-        ]
-
-    def outer_variants(self, method: Method) -> list[Method]:
-        """``method`` with each pair of ``outer_grid`` (DiLoCo only; none for the other families)."""
-        if method.family != "diloco":
-            return []
-        return [dataclasses.replace(method, outer=pair) for pair in self.outer_grid]
+    def quality_families(self) -> list[Method]:
+        """The quality part's methods before tuning, in the order it runs them (DiLoCo's outer pair, GPA across
+        workers' (mu_x, mu_y) and the compressed rows are chosen from these as they finish)."""
+        methods = [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps)]
+        return methods + ([Method("gpa", self.gpa_inner_steps)] if "gpa" in self.lrs else [])
 
 
 #: The quality budget: the paper bench's tiny Llama, 16 windows of 64 tokens a step (4 per process on 4 processes),
@@ -221,23 +212,24 @@ TINY_PLAN = Plan(
     world_size=2, inner_steps=(2, 4), streaming_inner_steps=4, fragments=(2,), islands=None, gpa_inner_steps=2,
     bytes_steps=4, speed_steps=4, speed_rounds=1, links=(LOOPBACK, Link("WAN", latency_s=0.001, bandwidth=100e6)),
     gpa_diloco_mus=((0.9, 0.5),), seeds=(0, 1),
-    lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,), "gpa_diloco": (1e-2,)}, timeout_s=300.0,
-    outer_grid=((0.6, 0.9),),
+    lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,)}, timeout_s=300.0,
+    outer_grid=((0.6, 0.9),), quality_outer_dtypes=("int8",),
 )  # fmt: skip
 #: DiLoCo in the regime it is built for: 4 workers with 16 windows (1,024 tokens) each a step, 4,096 steps (16.8M
-#: tokens, 512 outer steps at H = 8), evaluated every 256 steps. The outer grid holds the DiLoCo scaling-law study's
-#: values at M = 4 (Charles et al. 2025, Table 4: Nesterov momentum 0.9, outer lr about 0.6) and brackets them, beside
-#: the recipe's 0.75 / 0.75 (single worker); GPA across workers sweeps its (mu_x, mu_y) (`Plan.gpa_diloco_mus`).
-#: About 32 DiLoCo runs of ~8 CPU-minutes each (4 processes x ~115 ms of CPU per step, measured from the
-#: single-process 16-window step), ~4.3 core-hours, and as much again for GPA across workers.
+#: tokens, 512 outer steps at H = 8), evaluated every 256 steps (a multiple of every H: at outer-step boundaries).
+#: Every grid slides until its pick is bracketed. The outer grid holds the DiLoCo scaling-law study's values at M = 4
+#: (Charles et al. 2025, Table 4: Nesterov momentum 0.9, outer lr about 0.6) between 0.4 and 0.8, beside the
+#: recipe's 0.75 / 0.75 (single worker); GPA across workers sweeps (mu_x, mu_y) off the diagonal (on it, it is the
+#: DiLoCo it is matched to); DiLoCo at H = 8 with its outer all-reduce in bfloat16 and in int8 (issue 40's cost in
+#: loss). One run takes about 7 CPU-minutes (4 processes x ~24 ms of CPU per 16-window step, 4,096 steps, plus
+#: gloo), about 3.5 minutes of wall on 2 cores: the plan is about 40 runs, run in this order (what matters first).
 REGIME_WORKLOAD = pr.Workload(batch_size=64, steps=4096, eval_every=256, val_windows=128)
 REGIME_PLAN = Plan(
     world_size=4, inner_steps=(8, 32), seeds=(0, 1, 2),
-    lrs={
-        "adamw": (1e-2, 2e-2, 4e-2), "diloco": (2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2), "gpa": (1e-2, 2e-2, 4e-2),
-        "gpa_diloco": (5e-3, 1e-2, 2e-2),
-    },
-    outer_grid=((0.4, 0.9), (0.6, 0.9), (0.8, 0.9), (0.6, 0.75)), timeout_s=86400.0,
+    lrs={"adamw": (1e-2, 2e-2, 4e-2), "diloco": (5e-3, 1e-2, 2e-2)}, slide=2,
+    outer_grid=((0.4, 0.9), (0.6, 0.9), (0.8, 0.9)),
+    gpa_diloco_mus=((0.9, 0.5), (0.9, 0.75), (0.97, 0.75), (0.97, 0.9)),
+    quality_outer_dtypes=("bfloat16", "int8"), timeout_s=86400.0,
 )  # fmt: skip
 
 
@@ -276,29 +268,42 @@ class Trainee:
                 self.optimizer.train()
 
 
+def entry_key(method: Method) -> Method:
+    """The method whose ``--optim`` entry ``method`` is built from: its family and H (`build` sets the rest)."""
+    return Method(method.family, method.inner_steps)
+
+
 def optimizer_entries(plan: Plan, workload: pr.Workload) -> dict[Method, tuple[type, dict[str, Any]]]:
-    """The ``--optim`` table's entry (class, keyword arguments) of every method of the plan: the paper recipe's flags
-    (`paper_recipe.optimizer_flags`) read by the one table, once, in the launching process; each run sets its lr."""
-    methods = {*plan.bytes_methods(), *plan.speed_methods(), *plan.quality_methods()}
-    methods |= {variant for method in plan.quality_methods() for variant in plan.outer_variants(method)}
+    """The ``--optim`` table's entry (class, keyword arguments) of every family and H the plan may run: the paper
+    recipe's flags (`paper_recipe.optimizer_flags`) read by the one table, once, in the launching process; each run
+    sets its lr, outer pair, (mu_x, mu_y) and outer dtype."""
+    methods = {*plan.bytes_methods(), *plan.speed_methods(), *plan.quality_families()}
+    methods |= {Method("gpa_diloco", h) for h in plan.inner_steps}
     entries = {}
-    for method in sorted(methods, key=lambda m: m.name):
+    for method in sorted({entry_key(m) for m in methods}, key=lambda m: (m.family, m.inner_steps or 0)):
         mu_y = plan.gpa_mu_y if method.family == "gpa" else None
         family = "diloco" if method.family == "gpa_diloco" else method.family
-        spec = pr.RunSpec(family, plan.comm_lr, 0, workload.steps, STEM, method.inner_steps, mu_y, outer=method.outer)
-        entries[method] = workloads.optimizer_cls_and_kwargs(pr.optimizer_flags(spec, workload))
-        if method.family == "gpa_diloco":
-            entries[method] = gpa_diloco_entry(entries[method], method, plan)
+        spec = pr.RunSpec(family, plan.comm_lr, 0, workload.steps, STEM, method.inner_steps, mu_y)
+        cls, kwargs = workloads.optimizer_cls_and_kwargs(pr.optimizer_flags(spec, workload))
+        if method.family == "gpa_diloco":  # the recipe DiLoCo's base, H and inner AdamW; the outer step GPA's
+            cls, kwargs = GPADiLoCo, {k: v for k, v in kwargs.items() if k != "outer_momentum"}
+        entries[method] = cls, kwargs
     return entries
 
 
-def gpa_diloco_entry(diloco: tuple[type, dict[str, Any]], method: Method, plan: Plan) -> tuple[type, dict[str, Any]]:
-    """GPA across workers, which the ``--optim`` table has no entry for yet: the recipe DiLoCo's entry (its base, H,
-    inner AdamW) with `GPADiLoCo`'s outer step (the plan's outer lr, the method's mu_x and mu_y) for the Nesterov."""
-    _, kwargs = diloco
-    kwargs = {k: v for k, v in kwargs.items() if k != "outer_momentum"}
-    outer_lr = plan.gpa_diloco_outer_lr(method.mu_x, method.mu_y)
-    return GPADiLoCo, {**kwargs, "outer_lr": outer_lr, "mu_x": method.mu_x, "mu_y": method.mu_y}
+def method_overrides(method: Method) -> dict[str, Any]:
+    """What ``method`` sets over its family's entry: the outer pair, GPA across workers' (mu_x, mu_y) and the outer
+    lr matched to its DiLoCo pair, the outer dtype."""
+    overrides: dict[str, Any] = {}
+    outer = method.outer or (pr.DILOCO_OUTER_LR, pr.DILOCO_OUTER_MOMENTUM)
+    if method.family == "diloco" and method.outer is not None:
+        overrides["outer_lr"], overrides["outer_momentum"] = outer
+    if method.family == "gpa_diloco":
+        outer_lr = outer_lr_like_diloco(*outer, method.mu_x, method.mu_y)
+        overrides |= {"outer_lr": outer_lr, "mu_x": method.mu_x, "mu_y": method.mu_y}
+    if method.outer_dtype != "float32":
+        overrides["outer_dtype"] = method.outer_dtype
+    return overrides
 
 
 def build(method: Method, context: Context, seed: int, lr: float) -> Trainee:
@@ -312,12 +317,10 @@ def build(method: Method, context: Context, seed: int, lr: float) -> Trainee:
     model = workload.build(seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    cls, kwargs = context.entries[method]
-    overrides: dict[str, Any] = {"lr": lr}
+    cls, kwargs = context.entries[entry_key(method)]
+    overrides: dict[str, Any] = {"lr": lr, **method_overrides(method)}
     if method.family in ACROSS_WORKERS:
         overrides |= {"distributed": True, "num_workers": method.num_workers, "num_fragments": method.num_fragments}
-    if method.outer_dtype != "float32":
-        overrides["outer_dtype"] = method.outer_dtype
     optimizer = workloads.optimizer_from_entry(cls, kwargs, params, weight_decay=workload.weight_decay, **overrides)
     group = dist.group.WORLD
     if method.family in ACROSS_WORKERS:
@@ -471,18 +474,76 @@ def measure_speed(context: Context) -> None:
 
 
 def measure_quality(context: Context) -> None:
-    """Each quality method: its lr grid at the first seed; for DiLoCo then each outer (lr, momentum) pair of the plan
-    at that lr, also at the first seed; then every other seed at the best of them."""
+    """Every quality method tuned at the first seed (`tuned`), then every other seed at its pick, in the order that
+    matters most: DDP-AdamW, DiLoCo at each H, GPA across workers at each H (matched to that H's DiLoCo), DiLoCo at
+    the first H with its outer all-reduce compressed, GPA-AdamW under DDP."""
     plan = context.plan
-    for method in plan.quality_methods():
-        grid, first = plan.lrs[method.family], plan.seeds[0]
-        finals = {lr: quality_run(context, method, lr, first) for lr in grid}
-        best = min(grid, key=lambda lr: finals[lr])
-        candidates = {method: finals[best]}
-        candidates |= {variant: quality_run(context, variant, best, first) for variant in plan.outer_variants(method)}
-        chosen = min(candidates, key=lambda m: candidates[m])
-        for seed in plan.seeds[1:]:
-            quality_run(context, chosen, best, seed)
+    picks = {}
+    for method in plan.quality_families():
+        if method.family == "gpa":
+            continue
+        picks[method.inner_steps] = every_seed(context, *tuned(context, method))
+    for h in plan.inner_steps:
+        if plan.gpa_diloco_mus:
+            every_seed(context, *tuned_gpa_diloco(context, *picks[h]))
+    for dtype in plan.quality_outer_dtypes:
+        diloco, lr = picks[plan.inner_steps[0]]
+        every_seed(context, dataclasses.replace(diloco, outer_dtype=dtype), lr, tuned_here=False)
+    if "gpa" in plan.lrs:
+        every_seed(context, *tuned(context, Method("gpa", plan.gpa_inner_steps)))
+
+
+def every_seed(context: Context, method: Method, lr: float, tuned_here: bool = True) -> tuple[Method, float]:
+    """``method`` at ``lr`` on every seed after the first (on every seed where it was not ``tuned_here``)."""
+    for seed in context.plan.seeds[1 if tuned_here else 0 :]:
+        quality_run(context, method, lr, seed)
+    return method, lr
+
+
+def tuned(context: Context, method: Method) -> tuple[Method, float]:
+    """``method``'s lr, the best of its family's grid at the first seed, the grid doubled or halved past an edge
+    while the best lies on it (at most ``plan.slide`` times); for DiLoCo then each outer pair of the plan at that lr,
+    the best pair's outer lr slid the same way (by ``plan.outer_lr_step``). Every process returns the same pick."""
+    plan, first = context.plan, context.plan.seeds[0]
+    finals = {lr: quality_run(context, method, lr, first) for lr in plan.lrs[method.family]}
+    for _ in range(plan.slide):
+        best = min(finals, key=lambda lr: finals[lr])
+        if best not in (min(finals), max(finals)) or len(finals) < 2:
+            break
+        lr = best / 2 if best == min(finals) else best * 2
+        finals[lr] = quality_run(context, method, lr, first)
+    lr = min(finals, key=lambda lr: finals[lr])
+    if method.family != "diloco" or not plan.outer_grid:
+        return method, lr
+    candidates = {method: finals[lr]}
+    for pair in plan.outer_grid:
+        variant = dataclasses.replace(method, outer=pair)
+        candidates[variant] = quality_run(context, variant, lr, first)
+    for _ in range(plan.slide):
+        best = min(candidates, key=lambda m: candidates[m])
+        if best.outer is None:
+            break
+        outer_lr, momentum = best.outer
+        row = sorted(m.outer[0] for m in candidates if m.outer is not None and m.outer[1] == momentum)
+        if len(row) < 2 or row[0] < outer_lr < row[-1]:
+            break
+        step = plan.outer_lr_step if outer_lr == row[-1] else -plan.outer_lr_step
+        if outer_lr + step <= 0:
+            break
+        variant = dataclasses.replace(method, outer=(round(outer_lr + step, 6), momentum))
+        candidates[variant] = quality_run(context, variant, lr, first)
+    return min(candidates, key=lambda m: candidates[m]), lr
+
+
+def tuned_gpa_diloco(context: Context, diloco: Method, lr: float) -> tuple[Method, float]:
+    """GPA across workers at ``diloco``'s H and lr, its outer lr matched to ``diloco``'s outer pair: the best (mu_x,
+    mu_y) of the plan at the first seed."""
+    outer = diloco.outer or (pr.DILOCO_OUTER_LR, pr.DILOCO_OUTER_MOMENTUM)
+    candidates = {}
+    for mu_x, mu_y in context.plan.gpa_diloco_mus:
+        method = Method("gpa_diloco", diloco.inner_steps, mu_x=mu_x, mu_y=mu_y, outer=outer)
+        candidates[method] = quality_run(context, method, lr, context.plan.seeds[0])
+    return min(candidates, key=lambda m: candidates[m]), lr
 
 
 def quality_key(method: Method, lr: float, seed: int) -> str:
