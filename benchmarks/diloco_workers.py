@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from benchmarks import paper_recipe as pr
 from benchmarks import report, workloads
+from benchmarks.paired_stats import mean_interval, paired_differences, t_quantile
 from benchmarks.ranks import LOOPBACK, Link, Meter, run_ranks
 from hf_gpa.optim import GPADiLoCo, outer_lr_like_diloco
 
@@ -718,6 +719,57 @@ def quality_table(runs: list[dict[str, Any]]) -> str:
     return report.markdown_table(header, table, right=(1, 3, 4, 5, 7, 8))
 
 
+def _complete(row: dict[str, Any], seeds: Sequence[int]) -> bool:
+    return [run["seed"] for run in row["runs"]] == list(seeds)
+
+
+def references(row: dict[str, Any], summary: list[dict[str, Any]], seeds: Sequence[int]) -> list[dict[str, Any]]:
+    """What ``row`` is compared with, seed by seed: DDP-AdamW; for GPA across workers the DiLoCo of its H that ran
+    every seed (its pick); for a compressed outer all-reduce the float32 DiLoCo it compresses."""
+    method = row["runs"][0]
+    picks = [other for other in summary if other is not row and _complete(other, seeds)]
+    found = [other for other in picks if other["method"] == DDP_ADAMW.name]
+    if method["family"] == "gpa_diloco":
+        found += [
+            other for other in picks
+            if other["runs"][0]["family"] == "diloco" and other["runs"][0]["inner_steps"] == method["inner_steps"]
+            and other["runs"][0].get("outer_dtype", "float32") == "float32"
+        ]  # fmt: skip
+    if method.get("outer_dtype", "float32") != "float32":
+        found += [other for other in picks if _same_but_float32(other["runs"][0], method)]
+    return found
+
+
+def paired_table(runs: list[dict[str, Any]], seeds: Sequence[int]) -> str:
+    """Each pick that ran every seed against its references (`references`): the mean of the per-seed differences
+    of final loss with its 95% Student-t interval, the relative gap, and whether the interval decides the sign."""
+    summary = quality_summary(runs)
+    header = ["method", "against", "seeds", "final loss difference, mean [95% CI]", "relative", "decided"]
+    table = []
+    for row in summary:
+        if row["method"] == DDP_ADAMW.name or not _complete(row, seeds):
+            continue
+        for ref in references(row, summary, seeds):
+            mine = {run["seed"]: run["final_val"] for run in row["runs"]}
+            theirs = {run["seed"]: run["final_val"] for run in ref["runs"]}
+            diffs = list(paired_differences(mine, theirs).values())
+            if not all(map(math.isfinite, diffs)):
+                table.append([row["method"], ref["method"], len(diffs), "a run diverged", "", ""])
+                continue
+            interval = mean_interval(diffs)
+            decided = ("yes: lower" if interval.high < 0 else "yes: higher") if interval.decided else "no"
+            table.append([row["method"], ref["method"], len(diffs), interval.text(),
+                          f"{interval.mean / ref['mean']:+.2%}", decided])  # fmt: skip
+    return report.markdown_table(header, table, right=(2, 3, 4)) if table else ""
+
+
+def tuning_table(runs: list[dict[str, Any]], seed: int) -> str:
+    """Every run of the first seed: the grids each pick was chosen from."""
+    rows = [run for run in runs if run["part"] == "quality" and run["seed"] == seed]
+    table = [[run["method"], f"{run['lr']:g}", f"{run['final_val']:.4f}"] for run in rows]
+    return report.markdown_table(["method (first seed)", "lr", "final val loss"], table, right=(1, 2))
+
+
 def report_text(data: dict[str, Any]) -> str:
     workload, runs = data["workload"], data["runs"]
     world = workload["world_size"]
@@ -765,13 +817,33 @@ def report_text(data: dict[str, Any]) -> str:
             f"which was tried at the first seed at that H's best lr; GPA's mu_y {data['plan']['gpa_mu_y']}); "
             "each method's lr the best of its grid at the first seed, the other seeds at it (for DiLoCo at the best "
             "outer pair of its H). DiLoCo: every process a worker, each with its share of the global batch. "
-            "GPA-DiLoCo (GPA across workers, `hf_gpa.optim.GPADiLoCo`): DiLoCo's inner AdamW and H, the outer step "
-            f"GPA's primal averaging with outer lr {pr.DILOCO_OUTER_LR} (1 + {pr.DILOCO_OUTER_MOMENTUM}) / (1 - mu_x "
-            "mu_y) (its first move of the restart point the recipe DiLoCo's); mu_x = mu_y = the momentum is the "
-            "recipe's DiLoCo again (the control). The loss is that of the evaluation weights (DiLoCo's outer weights, "
+            "GPA-DiLoCo (GPA across workers, `hf_gpa.optim.GPADiLoCo`): DiLoCo's inner AdamW, H and lr, the outer "
+            "step GPA's primal averaging with the outer lr gamma (1 + mu) / (1 - mu_x mu_y) of the DiLoCo pair "
+            "(gamma, mu) its row names (its first move of the restart point that DiLoCo's; mu_x = mu_y = mu is "
+            "that DiLoCo again). The loss is that of the evaluation weights (DiLoCo's outer weights, "
             "GPA's x) on the fixed validation windows; bytes between workers per step as the bytes part counted them "
             "for the same family, H, M, P.\n",
             text + "\n",
+        ]
+        seeds = data["plan"]["seeds"]
+        text = paired_table(runs, seeds)
+        if text:
+            parts += [
+                f"### Paired differences over seeds {', '.join(map(str, seeds))}\n",
+                f"Each pick that ran every seed, seed by seed against DDP-AdamW (and GPA across workers against the "
+                "DiLoCo of its H, a compressed outer all-reduce against its float32 DiLoCo): every seed gives the "
+                "methods the same initial weights and batches. A negative difference is a lower loss; `decided` "
+                f"says whether the 95% interval excludes zero. With {len(seeds)} seeds the interval is wide (t = "
+                f"{t_quantile(0.975, len(seeds) - 1):.2f}): a difference it does not decide is not shown to be "
+                "zero.\n",
+                text + "\n",
+            ]
+        parts += [
+            f"### Every run of the first seed (seed {seeds[0]}): the grids\n",
+            "Each grid slid past its edge while its best point lay on it (at most "
+            f"{data['plan'].get('slide', 0)} times); DiLoCo's outer pairs at its best lr; GPA across workers at its "
+            "DiLoCo's lr with its outer lr matched to that DiLoCo's outer pair.\n",
+            tuning_table(runs, seeds[0]) + "\n",
         ]
     return "\n".join(parts)
 

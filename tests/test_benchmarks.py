@@ -4,11 +4,14 @@ without touching ``sys.path``. A benchmark's figures are never asserted here: th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
+import math
 import pkgutil
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -213,17 +216,23 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     assert speed[1]["modelled_link_s_per_step"]["DDP-AdamW"] >= plan.links[1].latency_s
 
     quality = {row["method"]: row for row in diloco_workers.quality_summary(runs)}
-    expected = [m.name for method in plan.quality_methods() for m in (method, *plan.outer_variants(method))]
-    assert list(quality) == expected and any(", outer 0.6/0.9" in name for name in expected)
+    outer = ", outer 0.75/0.75"  # GPA across workers is matched to its DiLoCo's outer pair (here the recipe's)
+    mu_x, mu_y = plan.gpa_diloco_mus[0]
+    assert list(quality) == [
+        "DDP-AdamW", *(f"DiLoCo H={h}{o}" for h in plan.inner_steps for o in ("", ", outer 0.6/0.9")),
+        *(f"GPA-DiLoCo H={h} mu_x={mu_x:g} mu_y={mu_y:g}{outer}" for h in plan.inner_steps),
+        f"DiLoCo H={plan.inner_steps[0]}, outer int8", "GPA-AdamW (DDP, H=2)",
+    ]  # fmt: skip
     assert all(0 < row["mean"] < 10 for row in quality.values())
     for h in plan.inner_steps:  # the recipe's outer pair and the grid's, at the first seed; the better one every seed
         recipe, swept = quality[f"DiLoCo H={h}"], quality[f"DiLoCo H={h}, outer 0.6/0.9"]
-        better, worse = (recipe, swept) if recipe["finals"][0] <= swept["finals"][0] else (swept, recipe)
-        assert [run["seed"] for run in better["runs"]] == list(plan.seeds)
-        assert [run["seed"] for run in worse["runs"]] == [plan.seeds[0]]
-    assert sum(name.startswith("GPA-DiLoCo") for name in quality) == len(plan.inner_steps) * len(
-        plan.gpa_diloco_mus
-    )
+        assert recipe["finals"][0] <= swept["finals"][0]  # this tiny run's pick (else the outer names above change)
+        assert [run["seed"] for run in recipe["runs"]] == list(plan.seeds)
+        assert [run["seed"] for run in swept["runs"]] == [plan.seeds[0]]
+    assert [run["seed"] for run in quality[f"DiLoCo H={plan.inner_steps[0]}, outer int8"]["runs"]] == list(plan.seeds)
+    paired = diloco_workers.paired_table(runs, plan.seeds)
+    assert f"| GPA-DiLoCo H={plan.inner_steps[0]} mu_x={mu_x:g} mu_y={mu_y:g}{outer} | DiLoCo H=2 | 2 |" in paired
+    assert f"| DiLoCo H={plan.inner_steps[0]}, outer int8 | DiLoCo H=2 | 2 |" in paired
     text = (tmp_path / "diloco_workers.md").read_text()
     assert all(f"## {title}" in text for title in ("Bytes per training step", "Steps per second", "Validation loss"))
     assert (tmp_path / "diloco_workers.png").stat().st_size
@@ -347,5 +356,30 @@ def test_diloco_workers_regime_preset_is_the_regime_diloco_is_built_for() -> Non
         lr for lr, _ in plan.outer_grid
     )
     assert len(plan.seeds) >= 3
-    names = [variant.name for variant in plan.outer_variants(dw.Method("diloco", 8))]
-    assert "DiLoCo H=8, outer 0.6/0.9" in names and plan.outer_variants(dw.DDP_ADAMW) == []
+    assert plan.slide >= 1 and plan.quality_outer_dtypes == ("bfloat16", "int8")
+    assert all(mu_x != mu_y for mu_x, mu_y in plan.gpa_diloco_mus)  # the diagonal is the matched DiLoCo itself
+
+
+def test_diloco_workers_tuning_slides_each_grid_until_its_pick_is_bracketed(monkeypatch) -> None:
+    """`tuned` grows an lr grid past the edge its best point lies on (doubling, at most ``slide`` times), then
+    DiLoCo's outer lr the same way at the best pair's momentum; the runs it asks for are the ones it needs."""
+    from benchmarks import diloco_workers as dw
+
+    asked = []
+
+    def fake_run(context, method, lr, seed):  # a loss whose lr optimum is 0.08, outer optimum 1.0 at momentum 0.9
+        asked.append((method.outer, lr))
+        outer_lr, momentum = method.outer or (0.75, 0.75)
+        return abs(math.log2(lr / 0.08)) + abs(outer_lr - 1.0) + (momentum != 0.9)
+
+    monkeypatch.setattr(dw, "quality_run", fake_run)
+    plan = dataclasses.replace(dw.REGIME_PLAN, slide=2)
+    context = types.SimpleNamespace(plan=plan)
+    method, lr = dw.tuned(context, dw.Method("diloco", 8))
+    assert lr == 0.08  # 0.005, 0.01, 0.02 slid twice (0.04, 0.08): at most ``slide`` extensions, here still the edge
+    assert [lr for outer, lr in asked if outer is None] == [0.005, 0.01, 0.02, 0.04, 0.08]
+    assert method.outer == (1.0, 0.9)  # 0.4, 0.6, 0.8 at 0.9, slid to 1.0 (best) then 1.2 (worse): bracketed
+    assert [outer for outer, _ in asked if outer is not None][-2:] == [(1.0, 0.9), (1.2, 0.9)]
+    asked.clear()
+    method, lr = dw.tuned(context, dw.Method("adamw"))
+    assert asked == [(None, 0.01), (None, 0.02), (None, 0.04), (None, 0.08), (None, 0.16)] and lr == 0.08
