@@ -95,6 +95,9 @@ class Method:
     outer: tuple[float, float] | None = None
     #: the dtype DiLoCo's pseudo-gradients cross the workers in (`hf_gpa.optim.DiLoCo`'s ``outer_dtype``)
     outer_dtype: str = "float32"
+    #: streaming DiLoCo's overlap (`hf_gpa.optim.DiLoCo`'s ``overlap_steps`` tau and ``overlap_alpha``)
+    overlap_steps: int = 0
+    overlap_alpha: float = 0.0
 
     @property
     def name(self) -> str:
@@ -111,6 +114,8 @@ class Method:
             name = f"{name}, outer {self.outer[0]:g}/{self.outer[1]:g}"
         if self.outer_dtype != "float32":
             name = f"{name}, outer {self.outer_dtype}"
+        if self.overlap_steps:
+            name = f"{name}, overlap tau={self.overlap_steps} alpha={self.overlap_alpha:g}"
         return name if self.num_workers is None else f"{name}, M={self.num_workers} islands"
 
 
@@ -155,6 +160,7 @@ class Plan:
         LOOPBACK,
         Link("WAN", latency_s=0.05, bandwidth=100e6),
         Link("thin", latency_s=0.005, bandwidth=2e6),
+        Link("cross-region", latency_s=0.2, bandwidth=10e6),
     )
     #: the (constant) lr of the bytes and speed runs, which measure communication, not loss
     comm_lr: float = 1e-3
@@ -176,6 +182,10 @@ class Plan:
     outer_lr_step: float = 0.2
     #: DiLoCo at the first H, at its chosen lr and outer pair, with its outer all-reduce compressed: every seed
     quality_outer_dtypes: tuple[str, ...] = ()
+    #: streaming DiLoCo's overlap (tau, alpha) of the speed part (streaming DiLoCo at ``streaming_inner_steps`` with
+    #: the most ``fragments``, against the same without overlap) and of the quality part (the same pair there, at that
+    #: H's chosen lr and outer pair, every seed); None: neither
+    overlap: tuple[int, float] | None = (4, 0.5)
     timeout_s: float = 7200.0
     #: DiLoCo's (outer lr, outer momentum) pairs tried in the quality part at each H's best lr (first seed), beside
     #: the recipe's; the best of them all runs the other seeds. Empty: the recipe's only.
@@ -196,7 +206,17 @@ class Plan:
         return methods
 
     def speed_methods(self) -> list[Method]:
-        return [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps)]
+        return [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps), *self.overlap_pair(Method("diloco"))]
+
+    def overlap_pair(self, diloco: Method) -> list[Method]:
+        """Streaming ``diloco`` at ``streaming_inner_steps`` and the most fragments, blocking and overlapped."""
+        if self.overlap is None:
+            return []
+        tau, alpha = self.overlap
+        streaming = dataclasses.replace(
+            diloco, inner_steps=self.streaming_inner_steps, num_fragments=max(self.fragments)
+        )
+        return [streaming, dataclasses.replace(streaming, overlap_steps=tau, overlap_alpha=alpha)]
 
     def quality_families(self) -> list[Method]:
         """The quality part's methods before tuning, in the order it runs them (DiLoCo's outer pair, GPA across
@@ -214,7 +234,7 @@ TINY_PLAN = Plan(
     bytes_steps=4, speed_steps=4, speed_rounds=1, links=(LOOPBACK, Link("WAN", latency_s=0.001, bandwidth=100e6)),
     gpa_diloco_mus=((0.9, 0.5),), seeds=(0, 1),
     lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,)}, timeout_s=300.0,
-    outer_grid=((0.6, 0.9),), quality_outer_dtypes=("int8",),
+    outer_grid=((0.6, 0.9),), quality_outer_dtypes=("int8",), overlap=(1, 0.5),
 )  # fmt: skip
 #: DiLoCo in the regime it is built for: 4 workers with 16 windows (1,024 tokens) each a step, 4,096 steps (16.8M
 #: tokens, 512 outer steps at H = 8), evaluated every 256 steps (a multiple of every H: at outer-step boundaries).
@@ -304,6 +324,8 @@ def method_overrides(method: Method) -> dict[str, Any]:
         overrides |= {"outer_lr": outer_lr, "mu_x": method.mu_x, "mu_y": method.mu_y}
     if method.outer_dtype != "float32":
         overrides["outer_dtype"] = method.outer_dtype
+    if method.overlap_steps:
+        overrides |= {"overlap_steps": method.overlap_steps, "overlap_alpha": method.overlap_alpha}
     return overrides
 
 
@@ -490,6 +512,10 @@ def measure_quality(context: Context) -> None:
     for dtype in plan.quality_outer_dtypes:
         diloco, lr = picks[plan.inner_steps[0]]
         every_seed(context, dataclasses.replace(diloco, outer_dtype=dtype), lr, tuned_here=False)
+    if plan.streaming_inner_steps in picks:
+        diloco, lr = picks[plan.streaming_inner_steps]
+        for method in plan.overlap_pair(diloco):
+            every_seed(context, method, lr, tuned_here=False)
     if "gpa" in plan.lrs:
         every_seed(context, *tuned(context, Method("gpa", plan.gpa_inner_steps)))
 
@@ -737,6 +763,12 @@ def references(row: dict[str, Any], summary: list[dict[str, Any]], seeds: Sequen
         ]  # fmt: skip
     if method.get("outer_dtype", "float32") != "float32":
         found += [other for other in picks if _same_but_float32(other["runs"][0], method)]
+    if method.get("overlap_steps", 0):
+        same = ("family", "inner_steps", "num_workers", "num_fragments", "outer", "outer_dtype")
+        found += [
+            other for other in picks if not other["runs"][0].get("overlap_steps", 0)
+            and all(other["runs"][0].get(key) == method.get(key) for key in same)
+        ]  # fmt: skip
     return found
 
 
@@ -831,7 +863,8 @@ def report_text(data: dict[str, Any]) -> str:
             parts += [
                 f"### Paired differences over seeds {', '.join(map(str, seeds))}\n",
                 f"Each pick that ran every seed, seed by seed against DDP-AdamW (and GPA across workers against the "
-                "DiLoCo of its H, a compressed outer all-reduce against its float32 DiLoCo): every seed gives the "
+                "DiLoCo of its H, a compressed outer all-reduce against its float32 DiLoCo, an overlapped streaming "
+                "sync against the blocking one): every seed gives the "
                 "methods the same initial weights and batches. A negative difference is a lower loss; `decided` "
                 f"says whether the 95% interval excludes zero. With {len(seeds)} seeds the interval is wide (t = "
                 f"{t_quantile(0.975, len(seeds) - 1):.2f}): a difference it does not decide is not shown to be "

@@ -9,13 +9,16 @@ noting, in the process's `Meter`, the operation, the bytes of the tensors this p
 the global ranks of the group. torch.distributed's documented extension point does the wiring
 (``torch.distributed.Backend.register_backend``); nothing is patched.
 
-The link model (`Link`): before a collective of a group of n > 1 processes, each process sleeps
-``latency_s + wire_bytes / bandwidth``, where ``wire_bytes`` is what the process sends to the others on a ring: 2 (n -
-1) / n of the payload for an all-reduce, n - 1 times it for an all-gather (each process passes on every other's
-piece), the payload less the part addressed to itself for an all-to-all, the payload for any other collective (a
-broadcast, as its root sends it). The collective then runs on gloo over loopback. This
-is a blocking, per-collective model: DDP's overlap of communication with the rest of the backward pass is not
-modelled (with the tiny models of the benchmarks, there is almost no backward left to overlap with).
+The link model (`Link`): a collective of a group of n > 1 processes completes no sooner than ``latency_s +
+wire_bytes / bandwidth`` after it was issued, where ``wire_bytes`` is what the process sends to the others on a
+ring: 2 (n - 1) / n of the payload for an all-reduce, n - 1 times it for an all-gather (each process passes on every
+other's piece), the payload less the part addressed to itself for an all-to-all, the payload for any other
+collective (a broadcast, as its root sends it). The collective runs on gloo over loopback at once; waiting for it
+(its work's ``wait()``, or its future) lasts until that delay has passed since it was issued. So a blocking
+collective costs the whole delay, and one started in the background (``async_op=True``: streaming DiLoCo's
+overlapped outer sync) costs only what is left of it when it is waited for, as over a real link. DDP's overlap of
+its bucketed all-reduces with the rest of the backward pass is modelled the same way (with the tiny models of the
+benchmarks, there is almost no backward left to overlap with).
 """
 
 from __future__ import annotations
@@ -109,16 +112,53 @@ class Meter:
         finally:
             self._paused = before
 
-    def note(self, op: str, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...], kept: int = 0) -> None:
+    def note(self, op: str, tensors: Sequence[torch.Tensor], ranks: tuple[int, ...], kept: int = 0) -> float:
+        """Record a collective; the ``time.monotonic()`` before which it may not complete (0: no delay)."""
         if self._paused:
-            return
+            return 0.0
         collective = Collective(op, sum(t.numel() * t.element_size() for t in tensors), ranks, self.step, kept)
         self.collectives.append(collective)
         if len(ranks) > 1 and self.link is not LOOPBACK:
-            time.sleep(self.link.delay_s(collective.wire_bytes))
+            return time.monotonic() + self.link.delay_s(collective.wire_bytes)
+        return 0.0
 
     def clear(self) -> None:
         self.collectives = []
+
+
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
+
+class DelayedWork(dist.Work):
+    """A gloo collective's work that completes no sooner than the link's ``deadline`` (`Meter.note`): ``wait()``
+    sleeps what is left of the delay, and so does the future (DDP's buckets wait on that) before it gives the
+    collective's result."""
+
+    def __init__(self, work: dist.Work, deadline: float) -> None:
+        super().__init__()
+        self.work, self.deadline = work, deadline
+
+    def wait(self, timeout: Any = None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        _sleep_until(self.deadline)
+        return done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and time.monotonic() >= self.deadline
+
+    def get_future(self) -> torch.futures.Future:
+        def after_the_link(future: torch.futures.Future) -> Any:
+            _sleep_until(self.deadline)
+            return future.value()
+
+        return self.work.get_future().then(after_the_link)
+
+
+def _delayed(work: dist.Work, deadline: float) -> dist.Work:
+    return DelayedWork(work, deadline) if deadline else work
 
 
 class MeteredGloo(dist.ProcessGroup):
@@ -135,16 +175,16 @@ class MeteredGloo(dist.ProcessGroup):
         return METERED_GLOO
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        self.meter.note("allreduce", tensors, self.ranks)
-        return self.gloo.allreduce(tensors, *_given(opts))
+        deadline = self.meter.note("allreduce", tensors, self.ranks)
+        return _delayed(self.gloo.allreduce(tensors, *_given(opts)), deadline)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        self.meter.note("broadcast", tensors, self.ranks)
-        return self.gloo.broadcast(tensors, *_given(opts))
+        deadline = self.meter.note("broadcast", tensors, self.ranks)
+        return _delayed(self.gloo.broadcast(tensors, *_given(opts)), deadline)
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        self.meter.note("allgather", inputs, self.ranks)
-        return self.gloo.allgather(outputs, inputs, *_given(opts))
+        deadline = self.meter.note("allgather", inputs, self.ranks)
+        return _delayed(self.gloo.allgather(outputs, inputs, *_given(opts)), deadline)
 
     def alltoall_base(
         self,
@@ -156,12 +196,13 @@ class MeteredGloo(dist.ProcessGroup):
     ) -> Any:
         row = input.element_size() * (input[0].numel() if input.dim() else 1)
         own = input_split_sizes[self.rank()] if input_split_sizes else input.shape[0] // self.size()
-        self.meter.note("alltoall", [input], self.ranks, kept=own * row)
-        return self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, *_given(opts))
+        deadline = self.meter.note("alltoall", [input], self.ranks, kept=own * row)
+        work = self.gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes, *_given(opts))
+        return _delayed(work, deadline)
 
     def barrier(self, opts: Any = None) -> Any:
-        self.meter.note("barrier", [], self.ranks)
-        return self.gloo.barrier(*_given(opts))
+        deadline = self.meter.note("barrier", [], self.ranks)
+        return _delayed(self.gloo.barrier(*_given(opts)), deadline)
 
 
 def _given(opts: Any) -> tuple[Any, ...]:

@@ -214,6 +214,8 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     assert [run["link"]["name"] for run in speed] == [link.name for link in plan.links]
     assert all(ratio > 0 for run in speed for ratio in run["ratio_to_ddp"].values())
     assert speed[1]["modelled_link_s_per_step"]["DDP-AdamW"] >= plan.links[1].latency_s
+    names = [method.name for method in plan.speed_methods()]  # streaming DiLoCo blocking and overlapped among them
+    assert all(list(run["ratio_to_ddp"]) == names for run in speed) and "overlap tau=1" in names[-1]
 
     quality = {row["method"]: row for row in diloco_workers.quality_summary(runs)}
     outer = ", outer 0.75/0.75"  # GPA across workers is matched to its DiLoCo's outer pair (here the recipe's)
@@ -221,7 +223,8 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     assert list(quality) == [
         "DDP-AdamW", *(f"DiLoCo H={h}{o}" for h in plan.inner_steps for o in ("", ", outer 0.6/0.9")),
         *(f"GPA-DiLoCo H={h} mu_x={mu_x:g} mu_y={mu_y:g}{outer}" for h in plan.inner_steps),
-        f"DiLoCo H={plan.inner_steps[0]}, outer int8", "GPA-AdamW (DDP, H=2)",
+        f"DiLoCo H={plan.inner_steps[0]}, outer int8", "streaming DiLoCo H=4 P=2",
+        "streaming DiLoCo H=4 P=2, overlap tau=1 alpha=0.5", "GPA-AdamW (DDP, H=2)",
     ]  # fmt: skip
     assert all(0 < row["mean"] < 10 for row in quality.values())
     for h in plan.inner_steps:  # the recipe's outer pair and the grid's, at the first seed; the better one every seed
@@ -233,6 +236,7 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     paired = diloco_workers.paired_table(runs, plan.seeds)
     assert f"| GPA-DiLoCo H={plan.inner_steps[0]} mu_x={mu_x:g} mu_y={mu_y:g}{outer} | DiLoCo H=2 | 2 |" in paired
     assert f"| DiLoCo H={plan.inner_steps[0]}, outer int8 | DiLoCo H=2 | 2 |" in paired
+    assert "| streaming DiLoCo H=4 P=2, overlap tau=1 alpha=0.5 | streaming DiLoCo H=4 P=2 | 2 |" in paired
     text = (tmp_path / "diloco_workers.md").read_text()
     assert all(f"## {title}" in text for title in ("Bytes per training step", "Steps per second", "Validation loss"))
     assert (tmp_path / "diloco_workers.png").stat().st_size
@@ -251,6 +255,46 @@ def test_a_launch_of_ranks_past_its_timeout_is_killed() -> None:
     with pytest.raises(TimeoutError, match="_sleeps on 2 processes was not done after 3 s"):
         run_ranks(_sleeps, 2, (600.0,), timeout_s=3)
     assert time.monotonic() - start < 60
+
+
+def _times_the_link(rank: int, meter: Any, out: str) -> None:
+    """Under a link of 0.3 s latency: a blocking all-reduce, an all-reduce started in the background and waited for
+    after 0.4 s of other work, and a DDP step (which waits on its buckets' futures); process 0 writes the times."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from benchmarks.ranks import Link
+
+    meter.link = Link("slow", latency_s=0.3)
+    times = {}
+    start = time.monotonic()
+    dist.all_reduce(torch.ones(4))
+    times["blocking"] = time.monotonic() - start
+    start = time.monotonic()
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    time.sleep(0.4)
+    work.wait()
+    times["overlapped"] = time.monotonic() - start
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    start = time.monotonic()
+    model(torch.ones(2, 4)).sum().backward()
+    times["ddp"] = time.monotonic() - start
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+
+
+def test_the_simulated_link_delays_completion_so_a_background_collective_overlaps(tmp_path: Path) -> None:
+    """`benchmarks.ranks.Link` charges a collective's delay from when it is issued to when it is waited for: a
+    blocking one pays all of it, one started in the background pays none of it after longer work (the overlap
+    streaming DiLoCo's outer sync is measured for), and DDP's gradient all-reduce, waited for through its future,
+    pays it too."""
+    from benchmarks.ranks import run_ranks
+
+    out = tmp_path / "times.json"
+    run_ranks(_times_the_link, 2, (str(out),), timeout_s=120)
+    times = json.loads(out.read_text())
+    assert times["blocking"] >= 0.3 and times["ddp"] >= 0.3
+    assert 0.4 <= times["overlapped"] < 0.6  # not 0.4 + 0.3
 
 
 def _stated(**changes: float) -> dict[str, Any]:
