@@ -32,7 +32,7 @@ Each part runs in one launch of W spawned processes with a timeout; results are 
     nohup python -m benchmarks.diloco_workers --parts quality > quality.log 2>&1 &
     python -m benchmarks.diloco_workers --tiny --out outputs/dl    # 2 processes, 1 minute: the whole pipeline
     nohup python -m benchmarks.diloco_workers --regime --parts bytes quality \
-        --out benchmarks/results/gpa_diloco_regime > regime.log 2>&1 &   # issue 39's regime: many core-hours
+        --out benchmarks/results/diloco_regime > regime.log 2>&1 &   # issue 39's regime: many core-hours
 
 The quality table and the "loss against bytes" panel give each method's final loss (mean and seed range) beside the
 bytes between workers per step that the bytes part counted for it.
