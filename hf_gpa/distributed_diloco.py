@@ -379,11 +379,11 @@ def workers_in_words(num_workers: int, island_size: int) -> str:
 
 
 def workers_start_line(optimizer: DiLoCo) -> str:
-    """The line a run of DiLoCo across processes logs at its start: the workers, H, the fragments, the outer dtype
-    and the overlap, and the bytes each process sends to the other workers over one outer period (H inner steps:
-    every fragment once; `DiLoCo.outer_bytes_per_period`, what ``outer_bytes`` will count) against what it would send
-    per step under DDP over all W processes: a ring all-reduce of every trainable parameter's gradient in its dtype,
-    2 (W - 1) / W of their bytes."""
+    """The line a run of DiLoCo across processes logs at its start: the workers (and FSDP2 inside the islands), H,
+    the fragments, the outer dtype and the overlap, and the bytes each process sends to the other workers over one
+    outer period (H inner steps: every fragment once; `DiLoCo.outer_bytes_per_period`, what ``outer_bytes`` will
+    count) against what it would send per step under DDP over all W processes: a ring all-reduce of every trainable
+    parameter's gradient in its dtype, 2 (W - 1) / W of their bytes."""
     layout = optimizer.layout
     steps = optimizer.param_groups[0][INNER_STEPS]
     fragments = layout.num_fragments
@@ -404,11 +404,14 @@ def workers_start_line(optimizer: DiLoCo) -> str:
             f"overlap {optimizer.overlap_steps} inner steps (each fragment's all-reduce runs in the background, its "
             f"outer update applied {optimizer.overlap_steps} steps later, mixing alpha {optimizer.overlap_alpha})"
         )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    sharded = ", each island's model sharded by FSDP2 over its processes" if any(map(is_dtensor, params)) else ""
     return (
         f"hf_gpa: DiLoCo across workers: {workers_in_words(layout.num_workers, layout.island_size)} "
-        f"({layout.world_size} processes), H = {steps}, {fragments} fragment{'s' if fragments != 1 else ''}, outer "
-        f"dtype {layout.outer_dtype}, {overlap}. Every {steps} inner "
-        f"steps each process sends {period:,} bytes between workers ({per} {collective} of the pseudo-gradient), "
+        f"({layout.world_size} processes{sharded}), H = {steps}, "
+        f"{fragments} fragment{'s' if fragments != 1 else ''}, outer dtype {layout.outer_dtype}, {overlap}. "
+        f"Every {steps} inner steps each process sends {period:,} bytes between workers ({per} {collective} of "
+        "the pseudo-gradient), "
         f"against {ddp:,} bytes per step under DDP ({ddp * steps:,} per {steps} steps): {period / (ddp * steps):.3g} "
         "of DDP's. The logs carry outer_steps and outer_bytes (this process's, so far)."
     )

@@ -570,6 +570,8 @@ def test_fsdp2_islands_equal_the_unsharded_islands(fsdp_islands: tuple) -> None:
         assert sharded["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
         logged = [(e["outer_steps"], e["outer_bytes"]) for e in logged_steps(sharded)]
         assert logged == [(1, 2 * sharded["numel"]), (2, 4 * sharded["numel"])]  # float32 half of the model
+    line = "2 workers of 2 processes (4 processes, each island's model sharded by FSDP2 over its processes)"
+    assert line in facts[0]["run"]["start_lines"][0] and line not in facts[0]["ddp"]["start_lines"][0]
     for other in facts[1:]:  # the outer weights: the same bits on every process
         for a, b in zip(facts[0]["run"]["steps"], other["run"]["steps"]):
             assert all(torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"])
@@ -611,8 +613,9 @@ def test_fsdp2_islands_checkpoint_refused_on_another_layout(fsdp_islands: tuple)
     name before anything is trained or loaded."""
     _, facts = fsdp_islands
     for f in facts:
-        assert "saved with FSDP2 inside each island (the FSDP config), this run runs with whole weights" in (
-            f["ddp_refused"]
+        assert (
+            "saved with FSDP2 inside each island (the FSDP config), this run runs with whole weights"
+            in (f["ddp_refused"])
         )
         assert "saved with --diloco_workers = 2, this optimizer runs with 4" in f["other_m_refused"]
         assert f["ddp_refused_before_training"] and f["other_m_refused_before_training"]
@@ -632,11 +635,13 @@ TINY_CLM = (
 
 
 @pytest.mark.slow
-def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path) -> None:
-    """docs/distributed.md's accelerate launch of run_clm_gpa.py, as written plus --use_cpu and the README's tiny
-    settings (a streamed dataset: every process reads its own batches): 2 workers of 2 processes train, save a
-    checkpoint with every process's optimizer state and evaluate."""
-    blocks = re.findall(r"<!-- skip-test:[^>]*test_diloco_trainer[^>]*-->\n```bash\n(.*?)\n```", DOC.read_text(), re.S)
+@pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path, config: str) -> None:
+    """docs/distributed.md's accelerate launches of run_clm_gpa.py (DDP islands, and FSDP2 inside each island), as
+    written plus --use_cpu and the README's tiny settings (a streamed dataset: every process reads its own batches):
+    2 workers of 2 processes train, save a checkpoint with every process's optimizer state and evaluate."""
+    marker = rf"<!-- skip-test:[^>]*documented {config} command[^>]*-->\n```bash\n(.*?)\n```"
+    blocks = re.findall(marker, DOC.read_text(), re.S)
     assert len(blocks) == 1
     command = (
         blocks[0]
@@ -649,6 +654,7 @@ def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path) -> No
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     log = tmp_path / "launch.log"
     run_logged(["bash", "-e", "-c", f"{command} {TINY_CLM}"], log, env, 600, "the documented command", tmp_path)
-    checkpoint = tmp_path / "outputs" / "clm-diloco" / "checkpoint-3"
+    output = tmp_path / "outputs" / ("clm-diloco" if config == "ddp" else "clm-diloco-fsdp2")
+    checkpoint = output / "checkpoint-3"
     assert {f"optimizer_rank{r}.pt" for r in range(4)} <= {p.name for p in checkpoint.iterdir()}
-    assert "eval_loss" in (tmp_path / "outputs" / "clm-diloco" / "all_results.json").read_text()
+    assert "eval_loss" in (output / "all_results.json").read_text()
