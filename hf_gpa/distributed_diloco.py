@@ -433,9 +433,10 @@ def island_token_count(count: torch.Tensor, layout: WorkerLayout) -> torch.Tenso
 
 class DiLoCoWorkersMixin:
     """The `Trainer` hooks that differ under DiLoCo across processes (``--diloco_distributed``), for a trainer class
-    to compose (`GPATrainer` does): a DDP over the worker's island (`_wrap_model`), the token count taken over the
-    island (`_get_num_items_in_batch`), the start line (`create_optimizer`) and the outer traffic in the logs
-    (`log`), one optimizer state file per process in a checkpoint
+    to compose (`GPATrainer` does): a DDP over the worker's island (`_wrap_model`), or under FSDP the model sharded
+    over the island (`create_optimizer`, `_wrap_model`, `save_model`, `create_accelerator_and_postprocess`), the
+    token count taken over the island (`_get_num_items_in_batch`), the start line (`create_optimizer`) and the outer
+    traffic in the logs (`log`), one optimizer state file per process in a checkpoint
     (`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`), and `refuse_other_checkpoint` before
     training. Every hook takes ``*args, **kwargs`` and passes them on to the next class in the MRO unchanged, which
     it leaves alone for any other optimizer."""

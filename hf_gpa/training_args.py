@@ -741,13 +741,19 @@ class GPATrainingArguments(TrainingArguments):
         checkpointing = env("FSDP_ACTIVATION_CHECKPOINTING", str(config.get("activation_checkpointing", False)))
         if strtobool(str(checkpointing)):
             refusals.append(
-                "FSDP activation checkpointing (fsdp_activation_checkpointing); use --gradient_checkpointing instead"
+                "FSDP activation checkpointing (fsdp_activation_checkpointing), which accelerate applies only to a "
+                "model it shards itself; leave it off"
             )
         state_dict_type = env("FSDP_STATE_DICT_TYPE", str(config.get("state_dict_type", "FULL_STATE_DICT")))
         if "SHARDED" in state_dict_type.upper():
             refusals.append(
                 f"fsdp_state_dict_type {state_dict_type}: the model files hold the full outer weights "
                 "(FULL_STATE_DICT), the inner state one optimizer file per process"
+            )
+        if self.load_best_model_at_end:
+            refusals.append(
+                "--load_best_model_at_end: loading a checkpoint's full weights into the sharded model is not "
+                "supported yet; leave it out (resuming from a checkpoint is)"
             )
         if self.diloco_outer_dtype != "float32":
             refusals.append(

@@ -287,8 +287,12 @@ def fsdp_islands(out: Path) -> dict[str, Any]:
     facts: dict[str, Any] = {"run": run(out, "run", **islands)}
     checkpoint = str(out / "run" / RESUME_FROM)
     facts["resumed"] = run(out, "resumed", resume=checkpoint, **islands)
+    script = dict(eval_strategy="no", do_train=True, resume_from_checkpoint=checkpoint, **islands)
+    facts["script_resumes"] = checkpoint_to_resume(diloco_args(out / "script", **script), logging.getLogger())
     os.environ["ACCELERATE_USE_FSDP"] = "false"  # the reference: the same 2 workers with whole weights (DDP)
     facts["ddp"] = run(out, "ddp", save_strategy="no", **islands)
+    script_args = diloco_args(out / "script", **script)
+    facts["ddp_refused_by_script"] = error_of(lambda: checkpoint_to_resume(script_args, logging.getLogger()))
     for name, overrides in (("ddp_refused", islands), ("other_m_refused", dict(diloco_workers=4))):
         other = GPATrainer(
             model=tiny_llama(),

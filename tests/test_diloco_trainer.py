@@ -610,7 +610,8 @@ def test_fsdp2_islands_resume_bitwise(fsdp_islands: tuple) -> None:
 
 def test_fsdp2_islands_checkpoint_refused_on_another_layout(fsdp_islands: tuple) -> None:
     """The sharded checkpoint resumed by the same 2 workers with whole weights (DDP), or by 4 workers: refused by
-    name before anything is trained or loaded."""
+    name before anything is trained or loaded, by the Trainer and by the example scripts' resume check (which takes
+    it on the same layout)."""
     _, facts = fsdp_islands
     for f in facts:
         assert (
@@ -619,6 +620,9 @@ def test_fsdp2_islands_checkpoint_refused_on_another_layout(fsdp_islands: tuple)
         )
         assert "saved with --diloco_workers = 2, this optimizer runs with 4" in f["other_m_refused"]
         assert f["ddp_refused_before_training"] and f["other_m_refused_before_training"]
+        # The example scripts' resume check: the same layout resumes, the same workers without FSDP are refused.
+        assert f["script_resumes"].endswith("checkpoint-4")
+        assert "saved with FSDP2 inside each island (the FSDP config)" in f["ddp_refused_by_script"]
 
 
 # ---------------------------------------------------------------- the documented command

@@ -646,7 +646,8 @@ def test_fsdp2_inside_islands_is_taken_at_parse_time(tmp_path, monkeypatch) -> N
         ({"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}, ISLANDS, r"dp_shard_size 2, HYBRID_SHARD\)"),
         ({"PARALLELISM_CONFIG_TP_SIZE": "2"}, ISLANDS, r"tensor, context or sequence parallelism"),
         ({"FSDP_OFFLOAD_PARAMS": "true"}, ISLANDS, r"FSDP parameter offload \(fsdp_offload_params"),
-        ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, ISLANDS, r"activation checkpointing .*--gradient_checkpointing"),
+        ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, ISLANDS, r"activation checkpointing .*leave it off"),
+        ({}, [*ISLANDS, "--load_best_model_at_end", "--eval_strategy", "steps"], r"--load_best_model_at_end: load"),
         ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}, ISLANDS, r"fsdp_state_dict_type SHARDED_STATE_DICT"),
         ({}, [*ISLANDS, "--diloco_outer_dtype", "int8"], r"--diloco_outer_dtype int8: the compressed outer sync is"),
         ({}, [*ISLANDS, *OV[4:], "--diloco_overlap_steps", "1"], r"--diloco_overlap_steps 1: the overlapped outer s"),
@@ -656,7 +657,8 @@ def test_fsdp2_inside_islands_is_taken_at_parse_time(tmp_path, monkeypatch) -> N
 def test_fsdp2_inside_islands_bad_input_is_refused_at_parse_time(env, argv, message, tmp_path, monkeypatch) -> None:
     """Under the FSDP2 launch on 4 processes: islands of one process or one island of all, FSDP1, a shard group that
     is not the island (HSDP, another dp_shard_size, hybrid sharding), other parallelisms, offload, FSDP's activation
-    checkpointing, sharded state dicts, the compressed or overlapped outer sync, GPA across workers: a ValueError
+    checkpointing, sharded state dicts, the best model loaded at the end, the compressed or overlapped outer sync, GPA
+    across workers: a ValueError
     naming the flag or the config's field, before anything is built."""
     for name, value in {**FSDP2_LAUNCH, **env}.items():
         monkeypatch.setenv(name, value)
@@ -797,7 +799,6 @@ def test_the_model_card_names_gpa_across_workers(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- GPA across processes: bad input at parse time
-
 
 
 @pytest.mark.parametrize(
