@@ -618,10 +618,19 @@ def test_across_processes_under_an_fsdp_or_deepspeed_launch_is_refused(mode, var
                monkeypatch)  # fmt: skip
 
 
+# Parsing with WORLD_SIZE > 1 and no launch: accelerate 1.15 (the pinned version) sets up no process group for a CPU
+# run that does not ask for one; 1.10 (the lowest) starts one from WORLD_SIZE alone, which needs the launcher's
+# MASTER_ADDR and the other processes. The refusals come before transformers sets up the device, on both.
+needs_a_lazy_process_group = pytest.mark.skipif(
+    Version(accelerate.__version__) < Version("1.15"),
+    reason=f"accelerate {accelerate.__version__} starts a process group from WORLD_SIZE alone while parsing",
+)
+
 FSDP2_LAUNCH = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # set by accelerate launch with the FSDP2 config
 ISLANDS = [*DISTRIBUTED, "--diloco_workers", "2"]
 
 
+@needs_a_lazy_process_group
 def test_fsdp2_inside_islands_is_taken_at_parse_time(tmp_path, monkeypatch) -> None:
     """accelerate launch with the FSDP2 config on 4 processes, --diloco_distributed true --diloco_workers 2: parsed,
     with each island of 2 processes to be sharded (refused before issue 40's FSDP2 inside islands)."""
@@ -681,15 +690,6 @@ def test_diloco_distributed_from_python_must_be_a_bool(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"Invalid --diloco_distributed: 'yes'"):
         make(tmp_path, optim="diloco_adamw", diloco_distributed="yes")
-
-
-# Parsing with WORLD_SIZE > 1 and no launch: accelerate 1.15 (the pinned version) sets up no process group for a CPU
-# run that does not ask for one; 1.10 (the lowest) starts one from WORLD_SIZE alone, which needs the launcher's
-# MASTER_ADDR and the other processes. The refusals above come before transformers sets up the device, on both.
-needs_a_lazy_process_group = pytest.mark.skipif(
-    Version(accelerate.__version__) < Version("1.15"),
-    reason=f"accelerate {accelerate.__version__} starts a process group from WORLD_SIZE alone while parsing",
-)
 
 
 @needs_a_lazy_process_group
