@@ -7,6 +7,13 @@ With W processes and M workers, each worker is an island of W / M processes. Thr
   group (`island_ddp`) instead of letting accelerate build one over all W processes: between outer steps no
   gradient, bucket layout or buffer crosses the workers; only the optimizer's outer all-reduce does, once per outer
   step (per fragment).
+* Under FSDP (``accelerate launch --config_file configs/accelerate_fsdp2.yaml``, ``--diloco_workers M`` with
+  1 < M < W), the Trainer shards each island's model over the island's processes instead (`shard_islands`: FSDP2's
+  ``fully_shard`` over the "shard" dimension of a (M, W / M) ("worker", "shard") device mesh, one group per decoder
+  layer, then the root), before the optimizer is built: each process holds its shard of its worker's inner weights
+  and inner optimizer state, the gradients are reduce-scattered inside the island, and DiLoCo all-reduces each shard
+  of the pseudo-gradient with the process at the same island position of every other island. Saves gather the full
+  model over each island (`full_model_state_dict`), as FSDP2's FULL_STATE_DICT saves do.
 * Every process holds its worker's inner weights and inner optimizer state, which differ between workers, so every
   process writes its own optimizer state into a checkpoint (`worker_optimizer_file`: ``optimizer_rank{r}.pt``, in
   eval mode: the model file holds the outer weights, the same on every process, written once by the first).
@@ -40,6 +47,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
@@ -48,21 +56,27 @@ from transformers.trainer_utils import get_last_checkpoint
 from hf_gpa.checkpoint import unwrap_gpa_optimizer
 from hf_gpa.optim import DiLoCo, WorkerLayout, saved_diloco_layout, saved_optimizer_name
 from hf_gpa.optim._diloco_workers import ALL_GATHER_WORKERS, broadcast_
+from hf_gpa.optim._tensors import is_dtensor, local_tensor
 from hf_gpa.optim._types import AVERAGING, INNER_STEPS, MU_X, MU_Y, OUTER_LR, OUTER_MOMENTUM
 
 if TYPE_CHECKING:
-    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
     from transformers import TrainingArguments
 
 __all__ = [
     "OPTIMIZER_RANK_NAME",
     "DiLoCoWorkersMixin",
+    "ISLAND_MESH_DIMS",
+    "IslandShardedModel",
     "broadcast_unstepped",
+    "full_model_state_dict",
     "island_ddp",
+    "island_mesh",
     "island_token_count",
     "refuse_other_layout",
     "refuse_other_outer",
     "requested_layout",
+    "shard_islands",
     "worker_optimizer_file",
     "workers_in_words",
     "workers_start_line",
@@ -95,9 +109,13 @@ def requested_layout(args: TrainingArguments, world_size: int, rank: int) -> Wor
     return WorkerLayout(world_size, workers, args.diloco_fragments, worker=rank // (world_size // workers))
 
 
-def refuse_other_layout(checkpoint: str, layout: WorkerLayout | None, rank: int) -> None:
+def refuse_other_layout(
+    checkpoint: str, layout: WorkerLayout | None, rank: int, *, island_shards: bool = False
+) -> None:
     """Raise a ``ValueError`` naming what differs when ``checkpoint`` was saved on another layout than ``layout``
-    (that of this run, None when it is not DiLoCo across processes), before anything is loaded.
+    (that of this run, None when it is not DiLoCo across processes), before anything is loaded; also when its states
+    hold FSDP2 shards (each island sharded) and this run does not shard its islands (``island_shards``), or the
+    reverse.
 
     A checkpoint without optimizer state (``--save_only_model``) passes: training then starts from its weights.
     """
@@ -140,6 +158,15 @@ def refuse_other_layout(checkpoint: str, layout: WorkerLayout | None, rank: int)
         raise ValueError(
             f"resume_from_checkpoint {checkpoint} has no {os.path.basename(own)}: the optimizer state of this "
             "process's worker is missing (an incomplete checkpoint); resume from an earlier one"
+        )
+    sharded = _saved_shards(own)
+    if sharded != island_shards:
+        said = {True: "FSDP2 inside each island (the FSDP config)", False: "whole weights on every process (DDP)"}
+        raise ValueError(
+            f"resume_from_checkpoint {checkpoint}: its optimizer states were saved with {said[sharded]}, this run "
+            f"runs with {said[island_shards]}. A DiLoCo state resumes only on the layout that saved it: launch with "
+            f"the {'FSDP2' if sharded else 'DDP'} config (configs/accelerate_{'fsdp2' if sharded else 'ddp'}.yaml), "
+            f"or start a new run from its outer weights (--model_name_or_path {checkpoint})"
         )
 
 
@@ -232,6 +259,12 @@ def refuse_other_outer(checkpoint: str, args: TrainingArguments, rank: int) -> N
             )
 
 
+def _saved_shards(path: str) -> bool:
+    """Whether the optimizer state at ``path`` holds DTensor shards (FSDP2 inside the islands)."""
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return any(is_dtensor(v) for s in state.get("state", {}).values() for v in s.values() if torch.is_tensor(v))
+
+
 def _saved_layout(path: str) -> dict[str, int] | None:
     # mmap: only the param groups are read, not the state tensors.
     return saved_diloco_layout(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
@@ -257,6 +290,67 @@ def island_ddp(model: nn.Module, layout: WorkerLayout, device: torch.device, **d
     return DistributedDataParallel(model, process_group=layout.island_group, device_ids=device_ids, **ddp_kwargs)
 
 
+#: The dimensions of the device mesh of FSDP2 inside the islands: the workers (replicas), the processes of one.
+ISLAND_MESH_DIMS = ("worker", "shard")
+
+
+def island_mesh(layout: WorkerLayout, device_type: str) -> DeviceMesh:
+    """The (M, W / M) ("worker", "shard") device mesh of ``layout``: row i holds island i's processes in island
+    order, so that ``mesh["shard"]`` is this process's island (the mesh DiLoCo takes shards on) and the processes at
+    one island position, which hold the same shard, form the outer group. Every process must call it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (layout.num_workers, layout.island_size), mesh_dim_names=ISLAND_MESH_DIMS)
+
+
+def shard_islands(
+    model: nn.Module, layout: WorkerLayout, device: torch.device, **fully_shard_kwargs: Any
+) -> DeviceMesh:
+    """Shard ``model`` in place with FSDP2 over this process's island: ``fully_shard`` on each module of the classes
+    the model names unsplittable (``_no_split_modules``: a decoder layer, as accelerate's TRANSFORMER_BASED_WRAP),
+    then on the root, over ``island_mesh(layout)["shard"]``; returns the mesh. ``fully_shard_kwargs``: FSDP2's other
+    arguments (``reshard_after_forward``, ``mp_policy``). Every process must call it, before the optimizer is built.
+
+    Why here and not in accelerate: accelerate (1.10 to 1.15) shards over ``accelerator.torch_device_mesh`` indexed
+    by its parallelism config's ``fsdp_dim_names``: all processes, or with ``dp_replicate_size`` > 1 HSDP's 2-D
+    ("dp_replicate", "dp_shard_cp") mesh, whose gradients are all-reduced across the replicas at every step, which
+    DiLoCo exists to avoid; it has no setting for a sub-mesh without that replication. And on CPU processes it turns
+    its FSDP plugin off (MULTI_CPU), so it would shard nothing there."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = island_mesh(layout, device.type)
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules())[1:]:
+        if type(module).__name__ in blocks and not isinstance(module, FSDPModule):
+            fully_shard(module, mesh=mesh["shard"], **fully_shard_kwargs)
+    root = {k: v for k, v in fully_shard_kwargs.items() if k != "reshard_after_forward"}  # the root: FSDP2's default
+    fully_shard(model, mesh=mesh["shard"], **root)
+    return mesh
+
+
+class IslandShardedModel(nn.Module):
+    """The module the Trainer trains when it shards each island itself and accelerate does not run FSDP2 (CPU
+    processes): ``module`` (sharded by `shard_islands`) as it is, so that the Trainer leaves it to accelerate for
+    mixed precision and compilation only and accelerate builds no DDP over all processes (it refuses DTensor
+    parameters there). FSDP2 does the island's gradient reduction."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of ``model`` sharded inside the islands, gathered over each island on CPU, as FSDP2's
+    FULL_STATE_DICT saves gather it (torch's ``get_model_state_dict``, which accelerate's ``get_state_dict`` calls):
+    every process must call it; the first process of the run gets the tensors, the others an empty dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 @torch.no_grad()
 def broadcast_unstepped(model: nn.Module, optimizer: DiLoCo) -> None:
     """Every process takes the first process's parameters of ``model`` that ``optimizer`` (a DiLoCo across processes)
@@ -267,23 +361,29 @@ def broadcast_unstepped(model: nn.Module, optimizer: DiLoCo) -> None:
     saved, and each process would evaluate a model of its own).
     """
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    tensors = [p.detach() for p in model.parameters() if id(p) not in stepped] + list(model.buffers())
+    unstepped = [p.detach() for p in model.parameters() if id(p) not in stepped]
+    tensors = [t for t in [*unstepped, *model.buffers()] if not is_dtensor(t)]
     if tensors:
         broadcast_(tensors, optimizer.layout.process_group)
+    # FSDP2 inside the islands: a frozen parameter's shard from the process at this island position of the first
+    # island, which holds the same shard, as DiLoCo takes the shards it steps.
+    shards = [local_tensor(t) for t in unstepped if is_dtensor(t)]
+    if shards and optimizer.layout.outer_group is not None:
+        broadcast_(shards, optimizer.layout.outer_group)
 
 
 def workers_in_words(num_workers: int, island_size: int) -> str:
-    """"4 workers of 2 processes", "2 workers of 1 process"."""
+    """ "4 workers of 2 processes", "2 workers of 1 process"."""
     workers = f"{num_workers} worker{'s' if num_workers != 1 else ''}"
     return f"{workers} of {island_size} process{'es' if island_size != 1 else ''}"
 
 
 def workers_start_line(optimizer: DiLoCo) -> str:
-    """The line a run of DiLoCo across processes logs at its start: the workers, H, the fragments, the outer dtype
-    and the overlap, and the bytes each process sends to the other workers over one outer period (H inner steps:
-    every fragment once; `DiLoCo.outer_bytes_per_period`, what ``outer_bytes`` will count) against what it would send
-    per step under DDP over all W processes: a ring all-reduce of every trainable parameter's gradient in its dtype,
-    2 (W - 1) / W of their bytes."""
+    """The line a run of DiLoCo across processes logs at its start: the workers (and FSDP2 inside the islands), H,
+    the fragments, the outer dtype and the overlap, and the bytes each process sends to the other workers over one
+    outer period (H inner steps: every fragment once; `DiLoCo.outer_bytes_per_period`, what ``outer_bytes`` will
+    count) against what it would send per step under DDP over all W processes: a ring all-reduce of every trainable
+    parameter's gradient in its dtype, 2 (W - 1) / W of their bytes."""
     layout = optimizer.layout
     steps = optimizer.param_groups[0][INNER_STEPS]
     fragments = layout.num_fragments
@@ -304,11 +404,14 @@ def workers_start_line(optimizer: DiLoCo) -> str:
             f"overlap {optimizer.overlap_steps} inner steps (each fragment's all-reduce runs in the background, its "
             f"outer update applied {optimizer.overlap_steps} steps later, mixing alpha {optimizer.overlap_alpha})"
         )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    sharded = ", each island's model sharded by FSDP2 over its processes" if any(map(is_dtensor, params)) else ""
     return (
         f"hf_gpa: DiLoCo across workers: {workers_in_words(layout.num_workers, layout.island_size)} "
-        f"({layout.world_size} processes), H = {steps}, {fragments} fragment{'s' if fragments != 1 else ''}, outer "
-        f"dtype {layout.outer_dtype}, {overlap}. Every {steps} inner "
-        f"steps each process sends {period:,} bytes between workers ({per} {collective} of the pseudo-gradient), "
+        f"({layout.world_size} processes{sharded}), H = {steps}, "
+        f"{fragments} fragment{'s' if fragments != 1 else ''}, outer dtype {layout.outer_dtype}, {overlap}. "
+        f"Every {steps} inner steps each process sends {period:,} bytes between workers ({per} {collective} of "
+        "the pseudo-gradient), "
         f"against {ddp:,} bytes per step under DDP ({ddp * steps:,} per {steps} steps): {period / (ddp * steps):.3g} "
         "of DDP's. The logs carry outer_steps and outer_bytes (this process's, so far)."
     )
@@ -330,9 +433,10 @@ def island_token_count(count: torch.Tensor, layout: WorkerLayout) -> torch.Tenso
 
 class DiLoCoWorkersMixin:
     """The `Trainer` hooks that differ under DiLoCo across processes (``--diloco_distributed``), for a trainer class
-    to compose (`GPATrainer` does): a DDP over the worker's island (`_wrap_model`), the token count taken over the
-    island (`_get_num_items_in_batch`), the start line (`create_optimizer`) and the outer traffic in the logs
-    (`log`), one optimizer state file per process in a checkpoint
+    to compose (`GPATrainer` does): a DDP over the worker's island (`_wrap_model`), or under FSDP the model sharded
+    over the island (`create_optimizer`, `_wrap_model`, `save_model`, `create_accelerator_and_postprocess`), the
+    token count taken over the island (`_get_num_items_in_batch`), the start line (`create_optimizer`) and the outer
+    traffic in the logs (`log`), one optimizer state file per process in a checkpoint
     (`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`), and `refuse_other_checkpoint` before
     training. Every hook takes ``*args, **kwargs`` and passes them on to the next class in the MRO unchanged, which
     it leaves alone for any other optimizer."""
@@ -342,6 +446,47 @@ class DiLoCoWorkersMixin:
         inner = unwrap_gpa_optimizer(self.optimizer)
         layout = inner.layout if isinstance(inner, DiLoCo) else None
         return layout if layout is not None and layout.distributed else None
+
+    #: The ("worker", "shard") mesh each island's model is sharded on (FSDP2 inside the islands), else None.
+    _island_mesh: DeviceMesh | None = None
+
+    def create_accelerator_and_postprocess(self, *args: Any, **kwargs: Any) -> Any:
+        """The next class's; with FSDP2 inside the islands (`GPATrainingArguments.diloco_island_shards`) the Trainer's
+        own FSDP paths are turned off (``is_fsdp_enabled``): this trainer shards the model (`shard_islands`), loads a
+        checkpoint's full weights before sharding, and saves the full model (`save_model`) itself."""
+        result = super().create_accelerator_and_postprocess(*args, **kwargs)
+        if getattr(self.args, "diloco_island_shards", False):
+            self.is_fsdp_enabled = False
+        return result
+
+    def _shard_islands(self) -> None:
+        """FSDP2 inside the islands: shard the model over this process's island (`shard_islands`) once, before the
+        optimizer is built on its DTensor parameters; accelerate's FSDP2 settings (reshard after forward, mixed
+        precision) where its plugin is on."""
+        if not getattr(self.args, "diloco_island_shards", False) or self._island_mesh is not None:
+            return
+        layout = requested_layout(self.args, self.args.world_size, self.args.process_index)
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        kwargs: dict[str, Any] = {}
+        if plugin is not None:
+            kwargs["reshard_after_forward"] = plugin.reshard_after_forward
+            if plugin.mixed_precision_policy is not None:
+                kwargs["mp_policy"] = plugin.mixed_precision_policy
+        self._island_mesh = shard_islands(self.model, layout, self.args.device, **kwargs)
+
+    def save_model(self, *args: Any, **kwargs: Any) -> None:
+        """The next class's; with FSDP2 inside the islands, every process gathers the full model over its island
+        (`full_model_state_dict`: the call accelerate makes for FSDP2's FULL_STATE_DICT) and the first writes it."""
+        if self._island_mesh is None:
+            super().save_model(*args, **kwargs)
+            return
+        output_dir = kwargs.get("output_dir", args[0] if args else None) or self.args.output_dir
+        internal = kwargs.get("_internal_call", args[1] if len(args) > 1 else False)
+        state_dict = full_model_state_dict(self.model)
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not internal:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def refuse_other_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         """Given `train`'s arguments: refuse the checkpoint it would resume when it was saved on another layout of
@@ -354,7 +499,9 @@ class DiLoCoWorkersMixin:
             return
         rank = self.args.process_index
         layout = self._workers_layout() or requested_layout(self.args, self.args.world_size, rank)
-        refuse_other_layout(os.fspath(checkpoint), layout, rank)
+        refuse_other_layout(
+            os.fspath(checkpoint), layout, rank, island_shards=getattr(self.args, "diloco_island_shards", False)
+        )
         refuse_other_outer(os.fspath(checkpoint), self.args, rank)
 
     def _wrap_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
@@ -368,11 +515,20 @@ class DiLoCoWorkersMixin:
         training = kwargs.get("training", args[0] if args else True)
         layout = self._workers_layout()
         already_wrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False) is not model
+        if isinstance(model, IslandShardedModel):
+            return model
         if not training or layout is None or wrapped is not model or already_wrapped:
             return wrapped
         # Frozen parameters and buffers the same on every process (the island's DDP makes them so in the island only),
         # before any process's inner weights are loaded by a resume.
         broadcast_unstepped(model, unwrap_gpa_optimizer(self.optimizer))
+        if self._island_mesh is not None:
+            if getattr(self.accelerator, "is_fsdp2", False):
+                # accelerate's FSDP2 (on accelerators) takes the model with its optimizer and leaves a model that
+                # is already an FSDPModule as it is (manual wrapping): the Trainer's accelerator.prepare does that.
+                return model
+            prepared = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+            return IslandShardedModel(prepared)
         prepared = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         handler = self.accelerator.ddp_handler
         ddp = island_ddp(prepared, layout, self.args.device, **(handler.to_kwargs() if handler is not None else {}))
@@ -381,7 +537,10 @@ class DiLoCoWorkersMixin:
         return ddp
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-        """The next class's; under DiLoCo across processes, the first process logs `workers_start_line`."""
+        """The next class's; under DiLoCo across processes, the first process logs `workers_start_line`. With FSDP2
+        inside the islands the model is sharded first (`_shard_islands`)."""
+        if self.optimizer is None:
+            self._shard_islands()
         optimizer = super().create_optimizer(*args, **kwargs)
         if self._workers_layout() is not None and self.args.process_index == 0:
             logger.info(workers_start_line(unwrap_gpa_optimizer(self.optimizer)))

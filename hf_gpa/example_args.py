@@ -401,7 +401,9 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
     # DiLoCo and GPA only with the constants that saved them (--diloco_inner_steps, ..., --gpa_mu_x, --gpa_sync_steps).
     world_size, rank = training_args.world_size, training_args.process_index
     with _as_refused_argument():
-        refuse_other_layout(checkpoint, requested_layout(training_args, world_size, rank), rank)
+        layout = requested_layout(training_args, world_size, rank)
+        shards = getattr(training_args, "diloco_island_shards", False)
+        refuse_other_layout(checkpoint, layout, rank, island_shards=shards)
         refuse_other_outer(checkpoint, training_args, rank)
     if not given:
         logger.info(

@@ -28,7 +28,8 @@ happened to run just before the save. This subclass fixes the places that read o
   resume.
 * The model card names the optimizer and its constants (`hf_gpa.model_card`).
 * DiLoCo across the processes (``--diloco_distributed``): `_wrap_model()` gives the model a DDP over its worker's
-  island of processes only, every process saves and resumes its own worker's optimizer state, and a checkpoint
+  island of processes only (under the FSDP2 config, the model is sharded by FSDP2 over the island instead, before
+  the optimizer is built), every process saves and resumes its own worker's optimizer state, and a checkpoint
   saved on another layout is refused before training: the hooks of `hf_gpa.distributed_diloco.DiLoCoWorkersMixin`,
   which this class composes.
 

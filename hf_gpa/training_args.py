@@ -173,9 +173,7 @@ class GPATrainingArguments(TrainingArguments):
     )
     diloco_inner_steps: int = field(
         default=DEFAULT_INNER_STEPS,
-        metadata={
-            "help": "With --optim diloco_adamw or diloco_muon: the inner steps H between outer steps (>= 1)."
-        },
+        metadata={"help": "With --optim diloco_adamw or diloco_muon: the inner steps H between outer steps (>= 1)."},
     )
     diloco_outer_lr: float = field(
         default=DEFAULT_OUTER_LR,
@@ -674,11 +672,14 @@ class GPATrainingArguments(TrainingArguments):
                     "worker, which sends no pseudo-gradient to overlap; leave it 0, or use more workers"
                 )
         refusals = []
-        if self._uses_fsdp:
+        if self._uses_fsdp and flag == "--gpa_distributed":
             refusals.append(
-                "FSDP: it shards every parameter over all processes, while each DiLoCo worker keeps whole inner "
-                "weights of its own; use DDP (configs/accelerate_ddp.yaml)"
+                "FSDP: GPA's outer step across workers is not supported on FSDP2's shards yet; use DDP "
+                "(configs/accelerate_ddp.yaml), or --optim diloco_adamw --diloco_distributed true, which shards "
+                "each island under FSDP2"
             )
+        elif self._uses_fsdp:
+            self._check_island_shards(world_size)
         if self._deepspeed_route is not None:
             refusals.append("DeepSpeed: it owns the optimizer step; use DDP (configs/accelerate_ddp.yaml)")
         if self.fp16:
@@ -688,6 +689,84 @@ class GPATrainingArguments(TrainingArguments):
             )
         if refusals:
             raise ValueError(f"{flag} cannot run with " + "; ".join(refusals) + ".")
+
+    @property
+    def diloco_island_shards(self) -> bool:
+        """True when each DiLoCo worker's island is sharded by FSDP2 (``--diloco_distributed true`` under FSDP: a
+        (M, W / M) ("worker", "shard") mesh, the model sharded over "shard"); the arguments were checked for it."""
+        return self.diloco_distributed is True and self._uses_fsdp
+
+    def _check_island_shards(self, world_size: int) -> None:
+        """``--diloco_distributed true`` under FSDP: FSDP2 shards each island (W / M processes) and nothing else.
+        Everything that would shard otherwise, or that the sharded outer step does not do, is refused by name."""
+        workers = self.diloco_workers or world_size
+        island = world_size // workers
+        config = self.fsdp_config if isinstance(self.fsdp_config, dict) else {}
+        env = os.environ.get
+        refusals = []
+        version = env("FSDP_VERSION") if strtobool(env("ACCELERATE_USE_FSDP", "false")) else config.get("version", 2)
+        if str(version) != "2":
+            refusals.append(
+                f"FSDP version {version} (fsdp_version in the accelerate config, or fsdp_config's version): only "
+                "FSDP2 (fully_shard) shards inside each island; use configs/accelerate_fsdp2.yaml"
+            )
+        if workers == world_size:
+            refusals.append(
+                f"--diloco_workers {workers} on {world_size} processes (unset: one worker per process): each island "
+                "is one process, with nothing to shard; give --diloco_workers M with 1 < M < "
+                f"{world_size} dividing it (islands of W / M processes), or use DDP (configs/accelerate_ddp.yaml)"
+            )
+        elif workers == 1:
+            refusals.append(
+                "--diloco_workers 1: one island of every process is FSDP around single-worker DiLoCo; leave "
+                "--diloco_distributed out for that, or give --diloco_workers M > 1"
+            )
+        replicate = int(env("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
+        shard = int(env("PARALLELISM_CONFIG_DP_SHARD_SIZE", str(island)))
+        options = self.fsdp.split() if isinstance(self.fsdp, str) else self.fsdp if isinstance(self.fsdp, list) else []
+        hybrid = any("hybrid" in str(option).lower() for option in options)
+        hybrid = hybrid or "HYBRID" in env("FSDP_SHARDING_STRATEGY", "").upper()
+        if replicate != 1 or shard not in (1, island) or hybrid:
+            refusals.append(
+                f"an FSDP shard group that is not one island (parallelism_config dp_replicate_size {replicate}, "
+                f"dp_shard_size {shard}{', HYBRID_SHARD' if hybrid else ''}): the workers are the replicas, each "
+                f"island of {island} processes (W / M = {world_size} / {workers}) one shard group; leave "
+                f"dp_replicate_size 1 and dp_shard_size {island} (or unset) and no hybrid sharding"
+            )
+        other = [int(env(f"PARALLELISM_CONFIG_{dim}_SIZE", "1")) for dim in ("TP", "CP", "SP")]
+        if any(size != 1 for size in other):
+            refusals.append("tensor, context or sequence parallelism (parallelism_config tp/cp/sp_size > 1)")
+        if strtobool(env("FSDP_OFFLOAD_PARAMS", "false")) or config.get("cpu_offload", False):
+            refusals.append("FSDP parameter offload (fsdp_offload_params / fsdp_config cpu_offload); leave it off")
+        checkpointing = env("FSDP_ACTIVATION_CHECKPOINTING", str(config.get("activation_checkpointing", False)))
+        if strtobool(str(checkpointing)):
+            refusals.append(
+                "FSDP activation checkpointing (fsdp_activation_checkpointing), which accelerate applies only to a "
+                "model it shards itself; leave it off"
+            )
+        state_dict_type = env("FSDP_STATE_DICT_TYPE", str(config.get("state_dict_type", "FULL_STATE_DICT")))
+        if "SHARDED" in state_dict_type.upper():
+            refusals.append(
+                f"fsdp_state_dict_type {state_dict_type}: the model files hold the full outer weights "
+                "(FULL_STATE_DICT), the inner state one optimizer file per process"
+            )
+        if self.load_best_model_at_end:
+            refusals.append(
+                "--load_best_model_at_end: loading a checkpoint's full weights into the sharded model is not "
+                "supported yet; leave it out (resuming from a checkpoint is)"
+            )
+        if self.diloco_outer_dtype != "float32":
+            refusals.append(
+                f"--diloco_outer_dtype {self.diloco_outer_dtype}: the compressed outer sync is not supported on "
+                "FSDP2's shards yet; leave it float32"
+            )
+        if self.diloco_overlap_steps:
+            refusals.append(
+                f"--diloco_overlap_steps {self.diloco_overlap_steps}: the overlapped outer sync is not supported on "
+                "FSDP2's shards yet; leave it 0"
+            )
+        if refusals:
+            raise ValueError("--diloco_distributed true under FSDP cannot run with " + "; ".join(refusals) + ".")
 
     def _check_adam_flags(self) -> None:
         """AdamW's flags, checked as the optimizer checks them, where the chosen --optim reads them (an optimizer

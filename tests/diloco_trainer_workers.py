@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -52,6 +53,13 @@ def diloco_args(output_dir: Path, **overrides: Any) -> GPATrainingArguments:
         lr_scheduler_type="cosine",
     )
     return trainer_args(output_dir, 2, **{**diloco, **overrides})
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor: a DTensor's (FSDP2 inside the islands) gathered over its island, which every
+    process of the island calls at once."""
+    t = t.detach()
+    return t.full_tensor() if type(t).__name__ == "DTensor" else t.clone()
 
 
 def flight_records() -> list[dict[str, Any]] | None:
@@ -109,8 +117,8 @@ class Recorder(TrainerCallback):
                 "step": state.global_step,
                 "records": (self._begin, end),
                 "window": (self._after_bookkeeping, end),
-                "inner": {n: p.detach().clone() for n, p in named},
-                "outer": {n: inner.state[p]["outer"].clone() for n, p in named if p in inner.state},
+                "inner": {n: full(p) for n, p in named},
+                "outer": {n: full(inner.state[p]["outer"]) for n, p in named if p in inner.state},
             }
         )
         self._after_bookkeeping = end
@@ -167,7 +175,7 @@ def run(
         "steps": recorder.steps,
         "train_mode_during_eval": recorder.train_mode_during_eval,
         "eval_loss": metrics["eval_loss"],
-        "held_after_train": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "held_after_train": {n: full(p) for n, p in trainer.model.named_parameters()},
         "buffers_after_train": {n: b.clone() for n, b in trainer.model.named_buffers()},
         "records": None if records is None else [r for r in records if r["id"] > first],
         "groups": groups_of(trainer),
@@ -175,6 +183,11 @@ def run(
         "island_size": layout.island_size,
         "wrapped": type(trainer.model_wrapped).__name__,
         "ddp_group_is_island": getattr(trainer.model_wrapped, "process_group", None) is layout.island_group,
+        "shard_ranks": [
+            dist.get_process_group_ranks(p.device_mesh.get_group())
+            for p in trainer.model.parameters()
+            if type(p).__name__ == "DTensor"
+        ],
         "numel": sum(p.numel() for p in trainer.model.parameters()),
         "log_history": trainer.state.log_history,
         "start_lines": start_lines.lines,
@@ -266,7 +279,32 @@ def four_ranks(out: Path) -> dict[str, Any]:
     return {"islands": run(out, "islands", diloco_workers=2, save_strategy="no", logging_steps=INNER_STEPS)}
 
 
-SCENARIOS = {"two_ranks": two_ranks, "four_ranks": four_ranks}
+def fsdp_islands(out: Path) -> dict[str, Any]:
+    """Launched with the FSDP2 config on 4 processes: 2 islands of 2, each island's model sharded by FSDP2 over its
+    processes; a resume from the middle of a period; the same run with the islands' DDP (the config's FSDP turned
+    off), the unsharded reference; resumes of the sharded checkpoint on other layouts, refused."""
+    islands = dict(diloco_workers=2, logging_steps=INNER_STEPS)
+    facts: dict[str, Any] = {"run": run(out, "run", **islands)}
+    checkpoint = str(out / "run" / RESUME_FROM)
+    facts["resumed"] = run(out, "resumed", resume=checkpoint, **islands)
+    script = dict(eval_strategy="no", do_train=True, resume_from_checkpoint=checkpoint, **islands)
+    facts["script_resumes"] = checkpoint_to_resume(diloco_args(out / "script", **script), logging.getLogger())
+    os.environ["ACCELERATE_USE_FSDP"] = "false"  # the reference: the same 2 workers with whole weights (DDP)
+    facts["ddp"] = run(out, "ddp", save_strategy="no", **islands)
+    script_args = diloco_args(out / "script", **script)
+    facts["ddp_refused_by_script"] = error_of(lambda: checkpoint_to_resume(script_args, logging.getLogger()))
+    for name, overrides in (("ddp_refused", islands), ("other_m_refused", dict(diloco_workers=4))):
+        other = GPATrainer(
+            model=tiny_llama(),
+            args=diloco_args(out / name, eval_strategy="no", **overrides),
+            train_dataset=TokenDataset(32, seed=1),
+        )
+        facts[name] = error_of(lambda other=other: other.train(resume_from_checkpoint=checkpoint))
+        facts[f"{name}_before_training"] = other.optimizer is None and other.state.global_step == 0
+    return facts
+
+
+SCENARIOS = {"two_ranks": two_ranks, "four_ranks": four_ranks, "fsdp_islands": fsdp_islands}
 
 
 def main(scenario: str, out: str, scenarios: dict[str, Any] = SCENARIOS, dies: tuple[str, ...] = ()) -> None:

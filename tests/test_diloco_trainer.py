@@ -31,11 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "accelerate_ddp.yaml"
 
 
-def launch(scenario: str, num_processes: int, out: Path) -> list[dict[str, Any]]:
-    """``accelerate launch`` of ``scenario`` on ``num_processes`` CPU processes, with the flight recorder on; each
-    rank's record. A failure or a hang fails the test with the end of the log."""
+def launch(scenario: str, num_processes: int, out: Path, config: Path = CONFIG) -> list[dict[str, Any]]:
+    """``accelerate launch`` of ``scenario`` on ``num_processes`` CPU processes with ``config``, with the flight
+    recorder on; each rank's record. A failure or a hang fails the test with the end of the log."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     cmd += ["--num_processes", str(num_processes), "--main_process_port", str(free_port())]
     cmd += [str(WORKERS), scenario, str(out)]
     env = {**launch_env(REPO, WORKERS.parent), "TORCH_FR_BUFFER_SIZE": "100000", "HF_GPA_DISABLE_CPU_KERNEL": "1"}
@@ -534,6 +534,97 @@ def test_two_islands_of_two_average_gradients_inside_the_island_only(tmp_path: P
             assert all(torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"])
 
 
+# ---------------------------------------------------------------- FSDP2 inside each island (4 ranks, FSDP2 config)
+
+FSDP2_CONFIG = REPO / "configs" / "accelerate_fsdp2.yaml"
+#: Sharded against whole-weight islands: the same arithmetic but FSDP2's reduce-scatter of the gradients in place of
+#: DDP's all-reduce (another order of float32 sums); measured 2.0e-7 on the weights after 6 steps.
+ALL_REDUCE_ROUNDING = 1e-6
+
+
+@pytest.fixture(scope="module")
+def fsdp_islands(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One launch with configs/accelerate_fsdp2.yaml on 4 CPU processes (about 70 s on 2 shared cores)."""
+    out = tmp_path_factory.mktemp("fsdp_islands")
+    return out, launch("fsdp_islands", 4, out, config=FSDP2_CONFIG)
+
+
+def test_fsdp2_islands_equal_the_unsharded_islands(fsdp_islands: tuple) -> None:
+    """2 islands of 2 processes, each island's model sharded by FSDP2 over its processes (a DTensor mesh of the
+    island's ranks, wrapped for the Trainer without DDP): after every step the inner and outer weights equal those of
+    the same 2 workers with whole weights (the islands' DDP) within float32 all-reduce rounding (1e-6), and so does
+    the evaluation; each outer step sends half a model per process (its shard) to the other island."""
+    _, facts = fsdp_islands
+    for rank, f in enumerate(facts):
+        sharded, whole = f["run"], f["ddp"]
+        assert sharded["wrapped"] == "IslandShardedModel" and whole["wrapped"] == "DistributedDataParallel"
+        island = [2 * (rank // 2), 2 * (rank // 2) + 1]
+        assert sharded["shard_ranks"] and all(ranks == island for ranks in sharded["shard_ranks"])
+        assert not whole["shard_ranks"]
+        assert [s["step"] for s in sharded["steps"]] == [s["step"] for s in whole["steps"]] == list(range(1, 7))
+        for a, b in zip(sharded["steps"], whole["steps"]):
+            for key in ("inner", "outer"):
+                assert a[key].keys() == b[key].keys()
+                for n in a[key]:
+                    torch.testing.assert_close(a[key][n], b[key][n], rtol=0, atol=ALL_REDUCE_ROUNDING)
+        assert sharded["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
+        logged = [(e["outer_steps"], e["outer_bytes"]) for e in logged_steps(sharded)]
+        assert logged == [(1, 2 * sharded["numel"]), (2, 4 * sharded["numel"])]  # float32 half of the model
+    line = "2 workers of 2 processes (4 processes, each island's model sharded by FSDP2 over its processes)"
+    assert line in facts[0]["run"]["start_lines"][0] and line not in facts[0]["ddp"]["start_lines"][0]
+    for other in facts[1:]:  # the outer weights: the same bits on every process
+        for a, b in zip(facts[0]["run"]["steps"], other["run"]["steps"]):
+            assert all(torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"])
+
+
+@pytest.mark.parametrize("checkpoint", ["checkpoint-2", "checkpoint-4", "checkpoint-6", "final"])
+def test_fsdp2_islands_save_the_full_outer_weights(fsdp_islands: tuple, checkpoint: str) -> None:
+    """model.safetensors of every checkpoint and of save_model() is the full model gathered over the island, at the
+    outer weights of its step; every checkpoint holds one optimizer state per process (its shard of its worker)."""
+    out, (first, *_) = fsdp_islands
+    steps = {s["step"]: s["outer"] for s in first["run"]["steps"]}
+    saved = load_file(out / "run" / checkpoint / "model.safetensors")
+    expected = steps[dw.STEPS if checkpoint == "final" else int(checkpoint.split("-")[1])]
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[n], expected[n]) for n in expected)
+    if checkpoint != "final":
+        names = {p.name for p in (out / "run" / checkpoint).iterdir()}
+        assert {f"optimizer_rank{r}.pt" for r in range(4)} <= names and "optimizer.pt" not in names
+
+
+def test_fsdp2_islands_resume_bitwise(fsdp_islands: tuple) -> None:
+    """Resumed from checkpoint-4 (one step after an outer step) on the same layout, every process's inner and outer
+    weights after steps 5 and 6, the evaluation and the saved model equal the uninterrupted run's bitwise."""
+    out, facts = fsdp_islands
+    for f in facts:
+        uninterrupted = {s["step"]: s for s in f["run"]["steps"]}
+        assert [s["step"] for s in f["resumed"]["steps"]] == [5, 6]
+        for resumed in f["resumed"]["steps"]:
+            want = uninterrupted[resumed["step"]]
+            for key in ("inner", "outer"):
+                assert all(torch.equal(resumed[key][n], want[key][n]) for n in want[key]), (resumed["step"], key)
+        assert f["resumed"]["eval_loss"] == f["run"]["eval_loss"]
+    resumed, uninterrupted = (load_file(out / d / "final" / "model.safetensors") for d in ("resumed", "run"))
+    assert all(torch.equal(resumed[n], uninterrupted[n]) for n in uninterrupted)
+
+
+def test_fsdp2_islands_checkpoint_refused_on_another_layout(fsdp_islands: tuple) -> None:
+    """The sharded checkpoint resumed by the same 2 workers with whole weights (DDP), or by 4 workers: refused by
+    name before anything is trained or loaded, by the Trainer and by the example scripts' resume check (which takes
+    it on the same layout)."""
+    _, facts = fsdp_islands
+    for f in facts:
+        assert (
+            "saved with FSDP2 inside each island (the FSDP config), this run runs with whole weights"
+            in (f["ddp_refused"])
+        )
+        assert "saved with --diloco_workers = 2, this optimizer runs with 4" in f["other_m_refused"]
+        assert f["ddp_refused_before_training"] and f["other_m_refused_before_training"]
+        # The example scripts' resume check: the same layout resumes, the same workers without FSDP are refused.
+        assert f["script_resumes"].endswith("checkpoint-4")
+        assert "saved with FSDP2 inside each island (the FSDP config)" in f["ddp_refused_by_script"]
+
+
 # ---------------------------------------------------------------- the documented command
 
 DOC = REPO / "docs" / "distributed.md"
@@ -548,11 +639,13 @@ TINY_CLM = (
 
 
 @pytest.mark.slow
-def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path) -> None:
-    """docs/distributed.md's accelerate launch of run_clm_gpa.py, as written plus --use_cpu and the README's tiny
-    settings (a streamed dataset: every process reads its own batches): 2 workers of 2 processes train, save a
-    checkpoint with every process's optimizer state and evaluate."""
-    blocks = re.findall(r"<!-- skip-test:[^>]*test_diloco_trainer[^>]*-->\n```bash\n(.*?)\n```", DOC.read_text(), re.S)
+@pytest.mark.parametrize("config", ["ddp", "fsdp2"])
+def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path, config: str) -> None:
+    """docs/distributed.md's accelerate launches of run_clm_gpa.py (DDP islands, and FSDP2 inside each island), as
+    written plus --use_cpu and the README's tiny settings (a streamed dataset: every process reads its own batches):
+    2 workers of 2 processes train, save a checkpoint with every process's optimizer state and evaluate."""
+    marker = rf"<!-- skip-test:[^>]*documented {config} command[^>]*-->\n```bash\n(.*?)\n```"
+    blocks = re.findall(marker, DOC.read_text(), re.S)
     assert len(blocks) == 1
     command = (
         blocks[0]
@@ -565,6 +658,7 @@ def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path) -> No
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     log = tmp_path / "launch.log"
     run_logged(["bash", "-e", "-c", f"{command} {TINY_CLM}"], log, env, 600, "the documented command", tmp_path)
-    checkpoint = tmp_path / "outputs" / "clm-diloco" / "checkpoint-3"
+    output = tmp_path / "outputs" / ("clm-diloco" if config == "ddp" else "clm-diloco-fsdp2")
+    checkpoint = output / "checkpoint-3"
     assert {f"optimizer_rank{r}.pt" for r in range(4)} <= {p.name for p in checkpoint.iterdir()}
-    assert "eval_loss" in (tmp_path / "outputs" / "clm-diloco" / "all_results.json").read_text()
+    assert "eval_loss" in (output / "all_results.json").read_text()

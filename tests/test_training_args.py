@@ -552,6 +552,7 @@ def test_no_schedule_warning_where_none_is_due(argv, tmp_path, recwarn):
 # ---------------------------------------------------------------- DiLoCo across processes: bad input at parse time
 
 DISTRIBUTED = ["--optim", "diloco_adamw", "--diloco_distributed", "true"]
+GPA_DISTRIBUTED = ["--optim", "gpa_adamw", "--gpa_distributed", "true"]
 OV = [*DISTRIBUTED, "--diloco_fragments", "2", "--diloco_inner_steps", "6"]  # H // P = 3: overlaps of 1, 2 steps
 
 
@@ -571,7 +572,7 @@ OV = [*DISTRIBUTED, "--diloco_fragments", "2", "--diloco_inner_steps", "6"]  # H
         ("4", ["--optim", "gpa_adamw", "--diloco_distributed", "true"], r"--diloco_distributed True only applies to"),
         ("4", ["--optim", "adamw_torch", "--diloco_workers", "2"], r"--diloco_workers 2 only applies to --optim"),
         ("4", [*DISTRIBUTED, "--fp16"], r"--diloco_distributed cannot run with --fp16: its loss scaling skips"),
-        ("4", [*DISTRIBUTED, "--fsdp", "full_shard"], r"--diloco_distributed cannot run with FSDP"),
+        ("4", [*DISTRIBUTED, "--fsdp", "full_shard"], r"under FSDP cannot run with --diloco_workers 4 on 4 proc"),
         ("4", [*DISTRIBUTED, "--deepspeed", "ds.json"], r"--diloco_distributed cannot run with DeepSpeed"),
         ("4", [*DISTRIBUTED, "--gpa_step_in_backward", "true"], r"--gpa_step_in_backward cannot run with --optim dil"),
         ("4", [*DISTRIBUTED, "--accelerator_config", '{"dispatch_batches": true}'], r"dispatch_batches=true"),
@@ -613,7 +614,64 @@ def test_across_processes_under_an_fsdp_or_deepspeed_launch_is_refused(mode, var
     processes refused by name."""
     monkeypatch.setenv(variable, "true")
     argv = DISTRIBUTED if mode == "--diloco_distributed" else GPA_DISTRIBUTED
-    refused_on("2", argv, f"{mode} cannot run with (FSDP|DeepSpeed)", tmp_path, monkeypatch)
+    refused_on("2", argv, f"{mode} (true under FSDP )?cannot run with (FSDP|DeepSpeed|--diloco_workers 2)", tmp_path,
+               monkeypatch)  # fmt: skip
+
+
+# Parsing with WORLD_SIZE > 1 and no launch: accelerate 1.15 (the pinned version) sets up no process group for a CPU
+# run that does not ask for one; 1.10 (the lowest) starts one from WORLD_SIZE alone, which needs the launcher's
+# MASTER_ADDR and the other processes. The refusals come before transformers sets up the device, on both.
+needs_a_lazy_process_group = pytest.mark.skipif(
+    Version(accelerate.__version__) < Version("1.15"),
+    reason=f"accelerate {accelerate.__version__} starts a process group from WORLD_SIZE alone while parsing",
+)
+
+FSDP2_LAUNCH = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # set by accelerate launch with the FSDP2 config
+ISLANDS = [*DISTRIBUTED, "--diloco_workers", "2"]
+
+
+@needs_a_lazy_process_group
+def test_fsdp2_inside_islands_is_taken_at_parse_time(tmp_path, monkeypatch) -> None:
+    """accelerate launch with the FSDP2 config on 4 processes, --diloco_distributed true --diloco_workers 2: parsed,
+    with each island of 2 processes to be sharded (refused before issue 40's FSDP2 inside islands)."""
+    for name, value in FSDP2_LAUNCH.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse(ISLANDS, tmp_path)
+    assert args.diloco_island_shards and args.diloco_workers == 2
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    assert not parse(ISLANDS, tmp_path).diloco_island_shards
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "message"),
+    [
+        ({}, DISTRIBUTED, r"--diloco_workers 4 on 4 processes \(unset: one worker per process\): each island is one"),
+        ({}, [*DISTRIBUTED, "--diloco_workers", "4"], r"--diloco_workers 4 on 4 processes"),
+        ({}, [*DISTRIBUTED, "--diloco_workers", "1"], r"--diloco_workers 1: one island of every process is FSDP"),
+        ({"FSDP_VERSION": "1"}, ISLANDS, r"FSDP version 1 \(fsdp_version in the accelerate config"),
+        ({"PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"}, ISLANDS, r"shard group that is not one island \(paralleli"),
+        ({"PARALLELISM_CONFIG_DP_SHARD_SIZE": "4"}, ISLANDS, r"dp_shard_size 4\).*leave dp_replicate_size 1 and dp_"),
+        ({"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}, ISLANDS, r"dp_shard_size 2, HYBRID_SHARD\)"),
+        ({"PARALLELISM_CONFIG_TP_SIZE": "2"}, ISLANDS, r"tensor, context or sequence parallelism"),
+        ({"FSDP_OFFLOAD_PARAMS": "true"}, ISLANDS, r"FSDP parameter offload \(fsdp_offload_params"),
+        ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, ISLANDS, r"activation checkpointing .*leave it off"),
+        ({}, [*ISLANDS, "--load_best_model_at_end", "--eval_strategy", "steps"], r"--load_best_model_at_end: load"),
+        ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}, ISLANDS, r"fsdp_state_dict_type SHARDED_STATE_DICT"),
+        ({}, [*ISLANDS, "--diloco_outer_dtype", "int8"], r"--diloco_outer_dtype int8: the compressed outer sync is"),
+        ({}, [*ISLANDS, *OV[4:], "--diloco_overlap_steps", "1"], r"--diloco_overlap_steps 1: the overlapped outer s"),
+        ({}, GPA_DISTRIBUTED, r"--gpa_distributed cannot run with FSDP: GPA's outer step across workers"),
+    ],
+)
+def test_fsdp2_inside_islands_bad_input_is_refused_at_parse_time(env, argv, message, tmp_path, monkeypatch) -> None:
+    """Under the FSDP2 launch on 4 processes: islands of one process or one island of all, FSDP1, a shard group that
+    is not the island (HSDP, another dp_shard_size, hybrid sharding), other parallelisms, offload, FSDP's activation
+    checkpointing, sharded state dicts, the best model loaded at the end, the compressed or overlapped outer sync, GPA
+    across workers: a ValueError
+    naming the flag or the config's field, before anything is built."""
+    for name, value in {**FSDP2_LAUNCH, **env}.items():
+        monkeypatch.setenv(name, value)
+    refused_on("4", argv, message, tmp_path, monkeypatch)
 
 
 def test_an_unknown_outer_dtype_is_refused_by_name(tmp_path, monkeypatch, capsys):
@@ -632,15 +690,6 @@ def test_diloco_distributed_from_python_must_be_a_bool(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"Invalid --diloco_distributed: 'yes'"):
         make(tmp_path, optim="diloco_adamw", diloco_distributed="yes")
-
-
-# Parsing with WORLD_SIZE > 1 and no launch: accelerate 1.15 (the pinned version) sets up no process group for a CPU
-# run that does not ask for one; 1.10 (the lowest) starts one from WORLD_SIZE alone, which needs the launcher's
-# MASTER_ADDR and the other processes. The refusals above come before transformers sets up the device, on both.
-needs_a_lazy_process_group = pytest.mark.skipif(
-    Version(accelerate.__version__) < Version("1.15"),
-    reason=f"accelerate {accelerate.__version__} starts a process group from WORLD_SIZE alone while parsing",
-)
 
 
 @needs_a_lazy_process_group
@@ -750,8 +799,6 @@ def test_the_model_card_names_gpa_across_workers(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- GPA across processes: bad input at parse time
-
-GPA_DISTRIBUTED = ["--optim", "gpa_adamw", "--gpa_distributed", "true"]
 
 
 @pytest.mark.parametrize(
