@@ -243,7 +243,8 @@ def test_params_without_grads_and_empty_groups() -> None:
 def test_schedule_free_without_weight_decay_is_the_schedulefree_package(impl: str) -> None:
     """GPAAdamW(averaging="schedule_free", betas=(0, b2), mu_y=beta, weight_decay=0) under a linear warm-up, then a
     constant lr, is schedulefree.AdamWScheduleFree(betas=(beta, b2), warmup_steps=...): y, z and eval()'s x (float64,
-    1e-12). The only differences docs/concepts.md names (weight decay on z, the weight of a decaying lr) are off."""
+    1e-12): the differences docs/concepts.md names (where weight decay acts, the averaging weights under a decaying
+    lr, the warm-up given from outside here) are all left out."""
     schedulefree = pytest.importorskip("schedulefree", reason="schedulefree is the `bench` extra")
     lr, warmup, beta, beta2 = 2e-2, 5, 0.9, 0.95
     ref_params, params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
