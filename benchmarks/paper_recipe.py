@@ -50,7 +50,9 @@ BASELINE = {method: "muon" if method.endswith("muon") else "adamw" for method in
 #: 3.81. Schedule-Free-AdamW is run as published (Defazio et al., 2024): no gradient momentum (its beta 0.9 is the
 #: y-interpolation, ``SF_MU_Y``); ours is GPAAdamW with beta1 = 0 and ``averaging="schedule_free"``. It differs from
 #: ``schedulefree.AdamWScheduleFree(betas=(0.9, beta2))`` only in where weight decay acts: on z, as in the paper's
-#: Algorithm 1, where schedulefree evaluates it at y; with --weight-decay 0 the two end at the same loss.
+#: Algorithm 1, where schedulefree evaluates it at y; with --weight-decay 0 the two take the same steps
+#: (tests/test_gpa.py). Both get the same linear warm-up, then a constant lr (`schedule_of`): under a decaying lr
+#: their averages would also differ (docs/concepts.md).
 BETAS = {
     "adamw": (0.9, 0.95),
     "sf": (0.0, 0.95),

@@ -168,6 +168,18 @@ def cost_lines(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _schedule_free_note(data: dict[str, Any]) -> list[str]:
+    """What sets the two Schedule-Free rows apart, where the record has both and decays weights."""
+    if not {"sf", "sf_ref"} <= set(_methods(data)) or not data["workload"]["weight_decay"]:
+        return []
+    return [
+        "",
+        f"{LABELS['sf']} and {LABELS['sf_ref']} are two optimizers, not two implementations of one: hf_gpa's decays "
+        "the weights at z (the paper's Algorithm 1), schedulefree's at y. Both get a linear warm-up, then a constant "
+        "lr; without weight decay they take the same steps (docs/concepts.md, tests/test_gpa.py).",
+    ]
+
+
 def markdown(data: dict[str, Any]) -> str:
     """The whole report as markdown."""
     w = data["workload"]
@@ -176,6 +188,7 @@ def markdown(data: dict[str, Any]) -> str:
         f"{w['vocab_size']} ({data.get('parameters', '?')} parameters), seq {w['seq_len']} x batch {w['batch_size']}, "
         f"{w['steps']} steps, weight decay {w['weight_decay']}, evaluated every {w['eval_every']} steps on "
         f"{w['val_windows']} fixed windows (DiLoCo at outer-step boundaries: its H divides {w['eval_every']}).",
+        *_schedule_free_note(data),
         "",
         *cost_lines(data),
         "",

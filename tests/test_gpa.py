@@ -239,6 +239,36 @@ def test_params_without_grads_and_empty_groups() -> None:
     assert torch.equal(wrapper_params[1], frozen)
 
 
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_schedule_free_without_weight_decay_is_the_schedulefree_package(impl: str) -> None:
+    """GPAAdamW(averaging="schedule_free", betas=(0, b2), mu_y=beta, weight_decay=0) under a linear warm-up, then a
+    constant lr, is schedulefree.AdamWScheduleFree(betas=(beta, b2), warmup_steps=...): y, z and eval()'s x (float64,
+    1e-12): the differences docs/concepts.md names (where weight decay acts, the averaging weights under a decaying
+    lr, the warm-up given from outside here) are all left out."""
+    schedulefree = pytest.importorskip("schedulefree", reason="schedulefree is the `bench` extra")
+    lr, warmup, beta, beta2 = 2e-2, 5, 0.9, 0.95
+    ref_params, params = random_params(SHAPES, torch.float64), random_params(SHAPES, torch.float64)
+    ref = schedulefree.AdamWScheduleFree(
+        ref_params, lr=lr, betas=(beta, beta2), eps=1e-8, warmup_steps=warmup, foreach=False
+    )
+    ref.train()  # schedulefree starts in eval mode
+    opt = GPAAdamW(params, lr=lr, betas=(0.0, beta2), eps=1e-8, mu_y=beta, averaging="schedule_free", **IMPLS[impl])
+    for t in range(40):
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (t + 1) / warmup)  # schedulefree's own warm-up, given to ours from outside
+        _fake_grads(ref_params, t)
+        ref.step()
+        _fake_grads(params, t)
+        opt.step()
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(opt.state[p]["z"], ref.state[r]["z"], rtol=0, atol=1e-12)
+    opt.eval()
+    ref.eval()
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=1e-12)
+
+
 def test_schedule_free_tolerates_zero_lr_warmup_start() -> None:
     """Schedule-Free averaging with a warm-up that starts at lr = 0 stays finite and keeps x where it was."""
     params = random_params(SHAPES, torch.float64)

@@ -102,6 +102,17 @@ def test_report_counts_a_never_reaching_seed_and_pairs_the_final_losses():
     text = powered_report.markdown(data)
     assert "| GPA-AdamW | 2/3 |" in text and "[2]" in text
     assert "1 of 3 seeds never reaching it" in text and "**not decided** as a saving" in text
+    assert "two optimizers" not in text  # no weight decay: the two Schedule-Free rows are one optimizer
+
+
+def test_report_says_the_two_schedule_free_rows_differ_in_where_weight_decay_acts():
+    """With weight decay, the report says that hf_gpa's Schedule-Free decays z and schedulefree's y."""
+    runs = {s: ([3.0, 2.5, 2.2, 2.0], 2.0) for s in range(3)}
+    data = _fake_record({m: runs for m in ("gpa", "adamw", "sf_ref", "sf")})
+    data["workload"]["weight_decay"] = 0.1
+    text = powered_report.markdown(data)
+    assert "SF-AdamW (hf_gpa) and SF-AdamW (schedulefree) are two optimizers" in text
+    assert "decays the weights at z" in text and "schedulefree's at y" in text
 
 
 def test_one_axis_search_runs_its_budget_and_reports_edges_with_the_slid_grid():
