@@ -366,7 +366,8 @@ class GPATrainingArguments(TrainingArguments):
 
     def _warn_constant_schedule(self, optim: str) -> None:
         """GPA's exponential average needs a decaying lr: with a constant one x lags y to the end (warned, not refused:
-        a short constant-lr probe is legitimate). Schedule-Free averaging is made for a constant lr."""
+        a short constant-lr probe is legitimate). Schedule-Free averaging is made for a constant lr: with a decaying
+        one its weights lr_t^2 / sum lr_i^2 freeze x as the lr falls (warned too)."""
         import warnings  # here, not at the top: the one user in this file
 
         schedule = str(getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type))  # a SchedulerType member
@@ -377,6 +378,17 @@ class GPATrainingArguments(TrainingArguments):
                 "~1 / (1 - mu_x) steps and only reach the training weights' quality when the lr decays; use "
                 "--lr_scheduler_type cosine (the paper's recipe, with --warmup_steps 0.1), or --gpa_averaging "
                 "schedule_free for a constant lr",
+                UserWarning,
+                stacklevel=2,
+            )
+        free = optim in FLAG_READERS["gpa_averaging"] and self.gpa_averaging == "schedule_free"
+        if free and schedule not in ("constant", "constant_with_warmup"):  # the lr decays
+            warnings.warn(
+                f"--optim {optim} --gpa_averaging schedule_free with --lr_scheduler_type {schedule}: Schedule-Free "
+                "is made for a constant lr (it replaces the schedule), and its average weighs each step by lr_t^2, so "
+                "as this schedule decays the lr, x stops following z (schedulefree's package keeps the peak lr's "
+                "weight instead); use --lr_scheduler_type constant_with_warmup (with --warmup_steps), or "
+                "--gpa_averaging gpa for a decaying schedule",
                 UserWarning,
                 stacklevel=2,
             )

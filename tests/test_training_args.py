@@ -534,12 +534,23 @@ def test_constant_schedule_with_gpa_warns_naming_the_flag(optim, schedule, tmp_p
         parse(["--optim", optim, "--lr_scheduler_type", schedule, *extra], tmp_path)
 
 
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_schedule_free_with_a_decaying_schedule_warns_naming_the_flag(schedule, tmp_path):
+    """--gpa_averaging schedule_free under a decaying lr (the Trainer's default is linear) warns at parse time: its
+    average weighs each step by lr_t^2, so x freezes as the lr decays; the warning names the flag and what to use."""
+    argv = ["--optim", "gpa_adamw", "--gpa_averaging", "schedule_free", "--lr_scheduler_type", schedule]
+    with pytest.warns(UserWarning, match=f"--lr_scheduler_type {schedule}: Schedule-Free.*constant_with_warmup"):
+        parse(argv, tmp_path)
+
+
 @pytest.mark.parametrize(
     "argv",
     [
         ["--optim", "gpa_adamw", "--lr_scheduler_type", "cosine"],
         ["--optim", "gpa_adamw", "--lr_scheduler_type", "constant", "--gpa_averaging", "schedule_free"],
+        ["--optim", "gpa_adamw", "--lr_scheduler_type", "constant_with_warmup", "--gpa_averaging", "schedule_free"],
         ["--optim", "adamw_torch", "--lr_scheduler_type", "constant"],
+        ["--optim", "adamw_torch", "--lr_scheduler_type", "linear"],
         ["--optim", "muon", "--lr_scheduler_type", "constant"],
     ],
 )
