@@ -832,10 +832,11 @@ def report_text(data: dict[str, Any]) -> str:
         parts += [
             f"## Steps per second over a simulated link ({run['steps_per_round']} steps a round, median of "
             f"{run['rounds']} interleaved rounds)\n",
-            "Each collective of more than one process first sleeps latency + sent bytes / bandwidth on every "
-            "process (`benchmarks.ranks.Link`); the last column is the time the link model charged per step (the "
-            "rest of a step is compute and gloo on loopback, which the processes' sharing of the cores makes noisy: "
-            "the range is over the rounds).\n",
+            "No collective of more than one process completes sooner than latency + sent bytes / bandwidth after "
+            "it was issued (`benchmarks.ranks.Link`): a blocking one pays all of it, streaming DiLoCo's overlapped "
+            "sync only what its tau inner steps meanwhile did not cover. The last column is the time the link model "
+            "charged per step, overlapped or not (the rest of a step is compute and gloo on loopback, which the "
+            "processes' sharing of the cores makes noisy: the range is over the rounds).\n",
             text + "\n",
         ]
     text = quality_table(runs)
