@@ -219,8 +219,8 @@ class Plan:
         return [streaming, dataclasses.replace(streaming, overlap_steps=tau, overlap_alpha=alpha)]
 
     def quality_families(self) -> list[Method]:
-        """The quality part's methods before tuning, in the order it runs them (DiLoCo's outer pair, GPA across
-        workers' (mu_x, mu_y) and the compressed rows are chosen from these as they finish)."""
+        """The methods the quality part tunes (`measure_quality` runs them, and the variants it chooses from them:
+        DiLoCo's outer pair, GPA across workers' (mu_x, mu_y), the compressed and streaming rows)."""
         methods = [DDP_ADAMW, *(Method("diloco", h) for h in self.inner_steps)]
         return methods + ([Method("gpa", self.gpa_inner_steps)] if "gpa" in self.lrs else [])
 
@@ -498,20 +498,19 @@ def measure_speed(context: Context) -> None:
 
 def measure_quality(context: Context) -> None:
     """Every quality method tuned at the first seed (`tuned`), then every other seed at its pick, in the order that
-    matters most: DDP-AdamW, DiLoCo at each H, GPA across workers at each H (matched to that H's DiLoCo), DiLoCo at
-    the first H with its outer all-reduce compressed, GPA-AdamW under DDP."""
+    answers the most first: DDP-AdamW; then at each H, DiLoCo, GPA across workers matched to that DiLoCo, and at the
+    first H DiLoCo with its outer all-reduce compressed; streaming DiLoCo blocking and overlapped; GPA-AdamW under
+    DDP."""
     plan = context.plan
+    every_seed(context, *tuned(context, DDP_ADAMW))
     picks = {}
-    for method in plan.quality_families():
-        if method.family == "gpa":
-            continue
-        picks[method.inner_steps] = every_seed(context, *tuned(context, method))
     for h in plan.inner_steps:
+        picks[h] = every_seed(context, *tuned(context, Method("diloco", h)))
         if plan.gpa_diloco_mus:
             every_seed(context, *tuned_gpa_diloco(context, *picks[h]))
-    for dtype in plan.quality_outer_dtypes:
-        diloco, lr = picks[plan.inner_steps[0]]
-        every_seed(context, dataclasses.replace(diloco, outer_dtype=dtype), lr, tuned_here=False)
+        for dtype in plan.quality_outer_dtypes if h == plan.inner_steps[0] else ():
+            diloco, lr = picks[h]
+            every_seed(context, dataclasses.replace(diloco, outer_dtype=dtype), lr, tuned_here=False)
     if plan.streaming_inner_steps in picks:
         diloco, lr = picks[plan.streaming_inner_steps]
         for method in plan.overlap_pair(diloco):
