@@ -17,6 +17,7 @@ training step (for the replay), what it saved and the errors it saw (``{scenario
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -212,11 +213,37 @@ def dies(out: Path) -> dict[str, Any]:
     return {}
 
 
-SCENARIOS = {"two_ranks": two_ranks, "dies": dies}
+def diloco_dies(out: Path, **overrides: Any) -> dict[str, Any]:
+    """`dies` with DiLoCo across the processes (outer step at 3) and ``overrides``: its compressed or overlapped
+    outer sync, whose collectives (an all-gather of int8 shards, an all-reduce in the background) must fail too."""
+    trainer = GPATrainer(
+        model=tiny_llama(),
+        args=dw.diloco_args(out / "run", eval_strategy="no", ddp_timeout=TIMEOUT_S, **overrides),
+        train_dataset=TokenDataset(32, seed=1),
+        callbacks=[DieAt(out)],
+    )
+    trainer.train()
+    return {}
+
+
+#: DiLoCo's compressed and overlapped outer syncs in the `dies` scenario: int8 (2 workers: an all-gather) with its
+#: outer step at 3; streaming (fragment 1's sync started at step 2, in flight at checkpoint-2, applied at 3; fragment
+#: 0's at 4, after rank 1 died).
+DIES_DILOCO = {
+    "dies_int8": dict(diloco_outer_dtype="int8"),
+    "dies_overlap": dict(diloco_overlap_steps=1, **dw.STREAMING),
+}
+
+
+SCENARIOS = {
+    "two_ranks": two_ranks,
+    "dies": dies,
+    **{name: functools.partial(diloco_dies, **overrides) for name, overrides in DIES_DILOCO.items()},
+}
 
 
 def main(scenario: str, out: str) -> None:
-    dw.main(scenario, out, SCENARIOS, dies=("dies",))
+    dw.main(scenario, out, SCENARIOS, dies=("dies", *DIES_DILOCO))
 
 
 if __name__ == "__main__":

@@ -216,14 +216,19 @@ def test_a_state_of_the_other_outer_step_is_refused_by_name(tmp_path: Path) -> N
 # ---------------------------------------------------------------- a rank that dies
 
 
-def test_a_rank_killed_after_a_checkpoint_makes_the_other_fail_and_leaves_the_checkpoint_intact(tmp_path: Path):
-    """Rank 1 is killed (SIGKILL) as step 3 begins, after checkpoint-2: rank 0 fails in the outer step's
-    all-reduce within the run's collective timeout (--ddp_timeout 15 s) instead of waiting, and checkpoint-2 is
-    complete and loadable (both workers' states, the model at x, trainer_state.json)."""
+@pytest.mark.parametrize("scenario", ["dies", *gw.DIES_DILOCO])
+def test_a_rank_killed_after_a_checkpoint_makes_the_other_fail_and_leaves_the_checkpoint_intact(
+    tmp_path: Path, scenario: str
+):
+    """Rank 1 is killed (SIGKILL) as step 3 begins, after checkpoint-2: rank 0 fails in the next outer sync's
+    collective within the run's collective timeout (--ddp_timeout 15 s) instead of waiting, and checkpoint-2 is
+    complete and loadable (both workers' states, the model at the outer weights, trainer_state.json). GPA across
+    workers (its all-reduce at step 3), and DiLoCo with its outer sync in int8 (an all-gather at step 3) or
+    overlapped (streaming: a sync in flight at checkpoint-2, saved with it; the next one, at step 4, fails)."""
     port = str(free_port())
     cmds, envs, logs = [], [], []
     for rank in range(2):
-        cmds.append([sys.executable, str(WORKERS), "dies", str(tmp_path)])
+        cmds.append([sys.executable, str(WORKERS), scenario, str(tmp_path)])
         logs.append(tmp_path / f"rank{rank}.log")
         envs.append({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                      "MASTER_PORT": port, "ACCELERATE_USE_CPU": "true"})  # fmt: skip
@@ -235,9 +240,11 @@ def test_a_rank_killed_after_a_checkpoint_makes_the_other_fail_and_leaves_the_ch
     assert codes is not None, f"hung for {elapsed:.0f} s:\n{text}"
     assert codes[1] == -9, text  # killed
     assert codes[0] != 0, text  # failed, not finished
-    assert "in averaged_pseudo_gradients" in tail(logs[0]) and "all_reduce" in tail(logs[0]), text  # the outer step's
+    if scenario == "dies":
+        assert "in averaged_pseudo_gradients" in tail(logs[0]) and "all_reduce" in tail(logs[0]), text  # outer step's
     assert (tmp_path / "rank0_reached_the_outer_step").exists()
-    assert not (tmp_path / "rank0_passed_the_outer_step").exists()
+    # the overlapped run's step 3 applies the sync that finished before rank 1 died; its next sync is at step 4
+    assert (tmp_path / "rank0_passed_the_outer_step").exists() == (scenario == "dies_overlap")
     checkpoint = tmp_path / "run" / "checkpoint-2"
     assert not (tmp_path / "run" / "checkpoint-4").exists()
     names = {p.name for p in checkpoint.iterdir()}
@@ -246,7 +253,11 @@ def test_a_rank_killed_after_a_checkpoint_makes_the_other_fail_and_leaves_the_ch
     for rank in range(2):
         state = torch.load(checkpoint / f"optimizer_rank{rank}.pt", weights_only=True)
         assert state["param_groups"][0]["diloco_layout"]["worker"] == rank
-    refuse_other_layout(str(checkpoint), requested_layout(_Args(), 2, 0), 0)  # resumable on the same layout
+        if scenario == "dies_overlap":  # fragment 1's sync, in flight at step 2, saved to be applied after step 3
+            assert len(state["diloco_pending_syncs"]) == 1
+    diloco = dict(optim="diloco_adamw", gpa_distributed=False, diloco_distributed=True)
+    args = _Args() if scenario == "dies" else _Args(**diloco, **gw.DIES_DILOCO[scenario])
+    refuse_other_layout(str(checkpoint), requested_layout(args, 2, 0), 0)  # resumable on the same layout
 
 
 def _run_each(
@@ -256,7 +267,6 @@ def _run_each(
     # run_together takes one environment for all: each command gets its rank's variables through `env VAR=... cmd`.
     wrapped = [["env", *(f"{k}={v}" for k, v in extra.items()), *cmd] for cmd, extra in zip(cmds, envs)]
     return run_together(wrapped, logs, env, timeout)
-
 
 
 # ---------------------------------------------------------------- the documented command
