@@ -100,6 +100,11 @@ class Method:
     overlap_alpha: float = 0.0
 
     @property
+    def outer_pair(self) -> tuple[float, float]:
+        """``outer``, or the paper recipe's pair where it is None."""
+        return self.outer or RECIPE_OUTER
+
+    @property
     def name(self) -> str:
         if self.family == "adamw":
             return "DDP-AdamW"
@@ -119,6 +124,8 @@ class Method:
         return name if self.num_workers is None else f"{name}, M={self.num_workers} islands"
 
 
+#: DiLoCo's (outer lr, outer momentum) where a method names none: the paper recipe's
+RECIPE_OUTER = (pr.DILOCO_OUTER_LR, pr.DILOCO_OUTER_MOMENTUM)
 DDP_ADAMW = Method("adamw")
 ACROSS_WORKERS = ("diloco", "gpa_diloco")  # the families whose optimizer runs across the processes itself
 
@@ -316,11 +323,10 @@ def method_overrides(method: Method) -> dict[str, Any]:
     """What ``method`` sets over its family's entry: the outer pair, GPA across workers' (mu_x, mu_y) and the outer
     lr matched to its DiLoCo pair, the outer dtype."""
     overrides: dict[str, Any] = {}
-    outer = method.outer or (pr.DILOCO_OUTER_LR, pr.DILOCO_OUTER_MOMENTUM)
     if method.family == "diloco" and method.outer is not None:
-        overrides["outer_lr"], overrides["outer_momentum"] = outer
+        overrides["outer_lr"], overrides["outer_momentum"] = method.outer
     if method.family == "gpa_diloco":
-        outer_lr = outer_lr_like_diloco(*outer, method.mu_x, method.mu_y)
+        outer_lr = outer_lr_like_diloco(*method.outer_pair, method.mu_x, method.mu_y)
         overrides |= {"outer_lr": outer_lr, "mu_x": method.mu_x, "mu_y": method.mu_y}
     if method.outer_dtype != "float32":
         overrides["outer_dtype"] = method.outer_dtype
@@ -564,10 +570,9 @@ def tuned(context: Context, method: Method) -> tuple[Method, float]:
 def tuned_gpa_diloco(context: Context, diloco: Method, lr: float) -> tuple[Method, float]:
     """GPA across workers at ``diloco``'s H and lr, its outer lr matched to ``diloco``'s outer pair: the best (mu_x,
     mu_y) of the plan at the first seed."""
-    outer = diloco.outer or (pr.DILOCO_OUTER_LR, pr.DILOCO_OUTER_MOMENTUM)
     candidates = {}
     for mu_x, mu_y in context.plan.gpa_diloco_mus:
-        method = Method("gpa_diloco", diloco.inner_steps, mu_x=mu_x, mu_y=mu_y, outer=outer)
+        method = Method("gpa_diloco", diloco.inner_steps, mu_x=mu_x, mu_y=mu_y, outer=diloco.outer_pair)
         candidates[method] = quality_run(context, method, lr, context.plan.seeds[0])
     return min(candidates, key=lambda m: candidates[m]), lr
 
@@ -744,22 +749,37 @@ def quality_table(runs: list[dict[str, Any]]) -> str:
     return report.markdown_table(header, table, right=(1, 3, 4, 5, 7, 8))
 
 
+def _matched_diloco(candidate: dict[str, Any], gpa_diloco: dict[str, Any]) -> bool:
+    """Whether ``candidate`` is the DiLoCo that ``gpa_diloco`` (GPA across workers) is matched to: the same H and
+    workers, one fragment, no overlap, the float32 outer sync, the outer pair its outer lr was matched to."""
+    same = ("inner_steps", "num_workers", "num_fragments")
+    return (
+        candidate["family"] == "diloco"
+        and all(candidate.get(key) == gpa_diloco.get(key) for key in same)
+        and candidate.get("outer_dtype", "float32") == "float32"
+        and not candidate.get("overlap_steps", 0)
+        and _outer_pair(candidate) == _outer_pair(gpa_diloco)
+    )
+
+
+def _outer_pair(run: dict[str, Any]) -> tuple[float, float]:
+    """A recorded run's outer pair (a list in the JSON; None: the recipe's), as `Method.outer_pair`."""
+    return tuple(run["outer"]) if run.get("outer") else RECIPE_OUTER
+
+
 def _complete(row: dict[str, Any], seeds: Sequence[int]) -> bool:
     return [run["seed"] for run in row["runs"]] == list(seeds)
 
 
 def references(row: dict[str, Any], summary: list[dict[str, Any]], seeds: Sequence[int]) -> list[dict[str, Any]]:
     """What ``row`` is compared with, seed by seed: DDP-AdamW; for GPA across workers the DiLoCo of its H that ran
-    every seed (its pick); for a compressed outer all-reduce the float32 DiLoCo it compresses."""
+    every seed with the outer pair it is matched to (its pick; not a streaming or compressed row); for a compressed
+    outer all-reduce the float32 DiLoCo it compresses; for an overlapped sync the blocking one."""
     method = row["runs"][0]
     picks = [other for other in summary if other is not row and _complete(other, seeds)]
     found = [other for other in picks if other["method"] == DDP_ADAMW.name]
     if method["family"] == "gpa_diloco":
-        found += [
-            other for other in picks
-            if other["runs"][0]["family"] == "diloco" and other["runs"][0]["inner_steps"] == method["inner_steps"]
-            and other["runs"][0].get("outer_dtype", "float32") == "float32"
-        ]  # fmt: skip
+        found += [other for other in picks if _matched_diloco(other["runs"][0], method)]
     if method.get("outer_dtype", "float32") != "float32":
         found += [other for other in picks if _same_but_float32(other["runs"][0], method)]
     if method.get("overlap_steps", 0):

@@ -257,6 +257,25 @@ def test_a_launch_of_ranks_past_its_timeout_is_killed() -> None:
     assert time.monotonic() - start < 60
 
 
+def test_diloco_workers_compares_gpa_across_workers_with_the_diloco_it_is_matched_to_only() -> None:
+    """At H = 32 the plan also runs streaming DiLoCo (blocking and overlapped) on every seed: GPA across workers is
+    paired with DDP-AdamW and with the plain DiLoCo of its H and outer pair, not with those streaming rows."""
+    from benchmarks import diloco_workers as dw
+
+    def runs(method, finals):
+        return [{"part": "quality", "method": method.name, **dataclasses.asdict(method), "lr": 0.01, "seed": seed,
+                 "final_val": final, "wall_s": 1.0} for seed, final in enumerate(finals)]  # fmt: skip
+
+    streaming = dw.Plan().overlap_pair(dw.Method("diloco"))
+    gpa = dw.Method("gpa_diloco", 32, mu_x=0.97, mu_y=0.9, outer=dw.RECIPE_OUTER)
+    recorded = runs(dw.DDP_ADAMW, [3.0, 3.1]) + runs(dw.Method("diloco", 32), [3.2, 3.3]) + runs(gpa, [3.1, 3.2])
+    for i, method in enumerate(streaming):
+        recorded += runs(method, [3.4 + i, 3.5 + i])
+    summary = dw.quality_summary(recorded)
+    row = next(row for row in summary if row["method"] == gpa.name)
+    assert [ref["method"] for ref in dw.references(row, summary, [0, 1])] == ["DDP-AdamW", "DiLoCo H=32"]
+
+
 def _times_the_link(rank: int, meter: Any, out: str) -> None:
     """Under a link of 0.3 s latency: a blocking all-reduce, an all-reduce started in the background and waited for
     after 0.4 s of other work, and a DDP step (which waits on its buckets' futures); process 0 writes the times."""
