@@ -224,6 +224,30 @@ def test_without_triton_the_triton_buckets_take_foreach(monkeypatch: pytest.Monk
         _triton.triton_available.cache_clear()
 
 
+@pytest.mark.parametrize(
+    ("state_dtype", "fused", "kind"),
+    [("compact", None, "foreach"), ("compact", True, "triton"), ("float32", None, "triton")],
+)
+def test_compact_state_takes_the_triton_kernel_only_when_fused_asks(state_dtype: str, fused: bool | None, kind: str):
+    """bf16 parameters with compact state go to foreach under fused=None where the kernel would be Triton's (on an
+    H200 its compiled compact kernel ended 8 ulps from the for-loop, see StateLayout.triton_by_default); fused=True
+    still takes it, and float32 state keeps the Triton kernel by default. The C++ kernel on CPU is not affected."""
+    if not _triton.triton_available():
+        pytest.skip("triton is not installed")
+    p = torch.nn.Parameter(torch.randn(4097, dtype=torch.bfloat16))
+    opt = GPAAdamW([p], lr=1e-2, state_dtype=state_dtype, fused=fused)
+    p.grad = torch.randn_like(p)
+    with mock.patch.dict(kernels.FORCE, backend="triton"):
+        opt.step()
+    assert [b.kind for plan in opt._plans.values() for b in plan.buckets] == [kind]
+    if state_dtype == "compact" and fused is None and _kernels.load_cpu_kernel() is not None:
+        q = torch.nn.Parameter(torch.randn(7, dtype=torch.bfloat16))
+        cpu_opt = GPAAdamW([q], lr=1e-2)
+        q.grad = torch.randn_like(q)
+        cpu_opt.step()
+        assert [b.kind for plan in cpu_opt._plans.values() for b in plan.buckets] == ["cpu"]
+
+
 def test_kernels_compile_for_cuda_without_a_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter accepts code the compiler may not: the Triton kernels also compile for an H100 (sm_90) down
     to a cubin, and full aligned blocks use 16-byte vector loads and stores."""

@@ -75,7 +75,7 @@ from ._types import (
     Z,
 )
 from .averaging import averaging_mu_x
-from .kernels import FORCE, default_to_fused_or_foreach, fused_buckets, kernel_module
+from .kernels import FORCE, default_to_fused_or_foreach, fused_buckets, kernel_for, kernel_module
 
 __all__ = ["AdamWHyper", "GPAAdamW", "bias_corrections", "gpa_adamw"]
 
@@ -332,6 +332,7 @@ class GPAAdamW(GPASwitch):
             states=states,
             group=group,
             inputs=inputs,
+            fused_asked=group[FUSED] is True,
         )
         self._plans[key] = plan
         return plan
@@ -426,6 +427,7 @@ class _Plan:
         states: list[dict[str, Any]] | None = None,
         group: dict[str, Any] | None = None,
         inputs: tuple = (),
+        fused_asked: bool = False,
     ) -> None:
         self.params, self.layouts, self.cols, self.impl = params, layouts, cols, impl
         self.group, self.inputs, self.ids = group, inputs, [id(p) for p in params]
@@ -440,7 +442,7 @@ class _Plan:
                 by_layout[layout].append(i)
             buckets = [("forloop", layout, idx) for layout, idx in by_layout.items()]
         else:
-            calls = [(layout, layout.kernel_dtypes(y.dtype)) for layout, y in zip(layouts, ys)]
+            calls = [(layout, _kernel_dtypes(layout, y, fused_asked)) for layout, y in zip(layouts, ys)]
             kernel_buckets, foreach_buckets = fused_buckets(
                 ys, [(g, *c) for g, c in zip(gs, colv)], calls, use_kernels=impl == "fused"
             )
@@ -522,6 +524,15 @@ class _Plan:
         return counts, uniform
 
 
+def _kernel_dtypes(layout: StateLayout, y: torch.Tensor, fused_asked: bool) -> tuple[torch.dtype, ...] | None:
+    """The dtypes a fused kernel takes ``y``'s state in (`StateLayout.kernel_dtypes`), or None (foreach) where the
+    kernel would be a Triton kernel that its layout takes only when ``fused=True`` asks for it
+    (`StateLayout.triton_by_default`)."""
+    if not (fused_asked or layout.triton_by_default) and kernel_for(y) == "triton":
+        return None
+    return layout.kernel_dtypes(y.dtype)
+
+
 def _dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
@@ -582,7 +593,7 @@ def gpa_adamw(
             cols.append((z, m, v))
     use_fused, use_foreach = default_to_fused_or_foreach([real_view(local_tensor(p)) for p in params], foreach, fused)
     impl = "fused" if use_fused else "foreach" if use_foreach else "forloop"
-    plan = _Plan(params, grads, layouts, cols, list(state_steps), impl)
+    plan = _Plan(params, grads, layouts, cols, list(state_steps), impl, fused_asked=fused is True)
     _run(plan, plan.views_of(grads), AdamWHyper(lr, beta1, beta2, eps, weight_decay, mu_x, mu_y, maximize))
 
 
