@@ -908,7 +908,8 @@ def write_report(data: dict[str, Any], out: Path) -> None:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """Bytes between workers per step (log scale), steps/s against DDP per link, and the mean validation curve of
-    each quality method: one panel per part that has results."""
+    each quality method: one panel per part that has results. Where some methods ran every seed, the quality panels
+    show those (the picks; the grids' single-seed runs are in the report's tables), legends below the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -920,7 +921,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
         panels.append("loss against bytes")
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    summary = quality_summary(runs)
+    picks = [row for row in summary if len(row["runs"]) > 1] or summary
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 7.5), squeeze=False)
     for ax, part in zip(axes[0], panels):
         if part == "bytes":
             rows = [run for run in runs if run["part"] == "bytes"]
@@ -938,7 +941,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
             ax.set_ylabel("steps/s relative to DDP-AdamW")
             ax.legend(fontsize=8)
         elif part == "loss against bytes":
-            for row in quality_summary(runs):
+            for row in picks:
                 sent = between_workers_per_step(runs, row["runs"][0]) / 1e3
                 finals = [v for v in row["finals"] if math.isfinite(v)]
                 if finals and math.isfinite(sent):
@@ -948,16 +951,21 @@ def plot(data: dict[str, Any], path: Path) -> None:
             ax.set_xscale("log")
             ax.set_xlabel("sent between workers per step (KB, log)")
             ax.set_ylabel("final validation loss (mean, seed range)")
-            ax.legend(fontsize=6)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
         else:
-            for row in quality_summary(runs):
+            tails = []
+            for row in picks:
                 curves = [run["val"] for run in row["runs"] if "diverged_at" not in run]
                 if curves and all(len(c) == len(curves[0]) for c in curves):
                     mean = [statistics.fmean(values) for values in zip(*curves)]
                     ax.plot(row["runs"][0]["steps"], mean, label=f"{row['method']} (lr {row['lr']:g})")
+                    tails += [v for v in mean[len(mean) // 2 :] if math.isfinite(v)]
+            if tails:  # the second half of the run, where the methods part
+                pad = 0.1 * (max(tails) - min(tails)) or 0.05
+                ax.set_ylim(min(tails) - pad, max(tails) + pad)
             ax.set_xlabel("step")
             ax.set_ylabel("validation loss (mean over seeds)")
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12))
         ax.set_title(part)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -42,6 +42,7 @@ from hf_gpa.optim import (
     DEFAULT_MU_Y,
     DEFAULT_NUM_FRAGMENTS,
     DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_LR_ACROSS_WORKERS,
     DEFAULT_OUTER_MOMENTUM,
     check_averaging,
     check_betas,
@@ -55,6 +56,7 @@ from hf_gpa.optim import (
     check_outer_lr,
     check_outer_momentum,
     check_weight_decay,
+    default_outer_lr,
     inner_steps_from_mu_x,
     mu_x_from_inner_steps,
 )
@@ -175,10 +177,14 @@ class GPATrainingArguments(TrainingArguments):
         default=DEFAULT_INNER_STEPS,
         metadata={"help": "With --optim diloco_adamw or diloco_muon: the inner steps H between outer steps (>= 1)."},
     )
-    diloco_outer_lr: float = field(
-        default=DEFAULT_OUTER_LR,
+    diloco_outer_lr: float | None = field(
+        default=None,
         metadata={
-            "help": "With --optim diloco_adamw or diloco_muon: the outer (Nesterov) learning rate (finite, > 0)."
+            "help": (
+                "With --optim diloco_adamw or diloco_muon: the outer (Nesterov) learning rate (finite, > 0). Unset: "
+                f"{DEFAULT_OUTER_LR}, or {DEFAULT_OUTER_LR_ACROSS_WORKERS} with --diloco_distributed across more than "
+                "one worker (the pick of the measurement in DiLoCo's regime, docs/distributed.md)."
+            )
         },
     )
     diloco_outer_momentum: float = field(
@@ -243,9 +249,10 @@ class GPATrainingArguments(TrainingArguments):
         metadata={
             "help": (
                 "With --gpa_distributed: the rate of z's outer SGD step (finite, > 0). Unset: the rate whose first "
-                f"outer step moves y as far as DiLoCo's defaults (outer lr {DEFAULT_OUTER_LR}, momentum "
-                f"{DEFAULT_OUTER_MOMENTUM}) move its outer weights, {DEFAULT_OUTER_LR} (1 + {DEFAULT_OUTER_MOMENTUM}) "
-                "/ (1 - mu_x mu_y)."
+                "outer step moves y as far as DiLoCo's defaults across workers (outer lr "
+                f"{DEFAULT_OUTER_LR_ACROSS_WORKERS}, momentum {DEFAULT_OUTER_MOMENTUM}) move its outer weights, "
+                f"{DEFAULT_OUTER_LR_ACROSS_WORKERS} (1 + {DEFAULT_OUTER_MOMENTUM}) / (1 - mu_x mu_y); with "
+                f"--diloco_workers 1, DiLoCo's single-worker {DEFAULT_OUTER_LR} in its place."
             )
         },
     )
@@ -572,6 +579,9 @@ class GPATrainingArguments(TrainingArguments):
             self.gpa_mu_y = check_mu_y(self.gpa_mu_y, "--gpa_mu_y")
 
         self.diloco_inner_steps = check_inner_steps(self.diloco_inner_steps, "--diloco_inner_steps")
+        if self.diloco_outer_lr is None:
+            across = self.diloco_distributed is True and optim in ("diloco_adamw", "diloco_muon")
+            self.diloco_outer_lr = default_outer_lr(self.diloco_workers if across else 1)
         self.diloco_outer_lr = check_outer_lr(self.diloco_outer_lr, "--diloco_outer_lr")
         self.diloco_outer_momentum = check_outer_momentum(self.diloco_outer_momentum, "--diloco_outer_momentum")
         self._refuse_unused_flags(optim, given)
@@ -601,7 +611,7 @@ class GPATrainingArguments(TrainingArguments):
         self.gpa_sync_steps = check_inner_steps(self.gpa_sync_steps, "--gpa_sync_steps")
         if self.gpa_outer_lr is None:
             self.gpa_outer_lr = outer_lr_like_diloco(
-                DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, self.gpa_mu_x, self.gpa_mu_y
+                default_outer_lr(self.diloco_workers), DEFAULT_OUTER_MOMENTUM, self.gpa_mu_x, self.gpa_mu_y
             )
         self.gpa_outer_lr = check_outer_lr(self.gpa_outer_lr, "--gpa_outer_lr")
 
@@ -792,7 +802,11 @@ class GPATrainingArguments(TrainingArguments):
     def _refuse_unused_flags(self, optim: str, given: dict[str, Any]) -> None:
         """A flag set away from its default that ``--optim optim`` does not read is an error, not silently ignored."""
         defaults = {name: f.default for name, f in self.__dataclass_fields__.items() if name in FLAG_READERS}
-        defaults_too = {"gpa_mu_x": (DEFAULT_MU_X,)}  # the value an unset --gpa_mu_x takes (a saved config has it)
+        # The values an unset --gpa_mu_x or --diloco_outer_lr takes (a saved configuration has them).
+        defaults_too = {
+            "gpa_mu_x": (DEFAULT_MU_X,),
+            "diloco_outer_lr": (DEFAULT_OUTER_LR, DEFAULT_OUTER_LR_ACROSS_WORKERS),
+        }
         for flag in unused_flags(optim):
             value = optim_value(given[flag])
             if value == defaults[flag] or value in defaults_too.get(flag, ()):

@@ -156,6 +156,16 @@ def two_ranks(out: Path, rank: int) -> None:
 
     facts["bad_num_workers"] = error_of(lambda: diloco(build_mlp(torch.float32), num_workers=3))
 
+    # An unset outer lr: the measured across-workers default for two workers, the single-worker one for one.
+    from hf_gpa.optim import GPADiLoCo
+
+    facts["default_outer_lr"] = {
+        (cls.__name__, workers): cls(build_mlp(torch.float32).parameters(), distributed=True, num_workers=workers)
+        .param_groups[0]["outer_lr"]
+        for cls in (DiLoCo, GPADiLoCo)
+        for workers in (1, 2)
+    }
+
     # Rank 1 starts from other weights, and each rank trains one head of its own (the other's takes no gradient
     # there): the construction gives every rank rank 0's weights, and every parameter takes part in every outer step.
     torch.manual_seed(0)
@@ -201,6 +211,16 @@ def four_ranks(out: Path, rank: int) -> None:
     train(ddp, model, optimizer, range(STEPS), facts["islands_hook"])
 
     facts["bad_num_workers"] = error_of(lambda: diloco(build_mlp(torch.float32), num_workers=3))
+
+    # An unset outer lr: the measured across-workers default for two workers, the single-worker one for one.
+    from hf_gpa.optim import GPADiLoCo
+
+    facts["default_outer_lr"] = {
+        (cls.__name__, workers): cls(build_mlp(torch.float32).parameters(), distributed=True, num_workers=workers)
+        .param_groups[0]["outer_lr"]
+        for cls in (DiLoCo, GPADiLoCo)
+        for workers in (1, 2)
+    }
     torch.save(facts, out / f"four_ranks_rank{rank}.pt")
 
 

@@ -81,6 +81,21 @@ def assert_same_outer_everywhere(histories: list[list[dict[str, list[torch.Tenso
 # ---------------------------------------------------------------- 2 processes
 
 
+def test_an_unset_outer_lr_takes_the_across_workers_default(two_ranks: list) -> None:
+    """DiLoCo across two workers takes outer lr 0.6 unless given (the pick of benchmarks.diloco_workers --regime),
+    GPADiLoCo the same in its form, 0.6 (1 + 0.9) / (1 - 0.81); one worker of both processes keeps the single-worker
+    0.7 (GPADiLoCo: 7.0)."""
+    from hf_gpa.optim import outer_lr_like_diloco
+
+    for facts in two_ranks:
+        assert facts["default_outer_lr"] == {
+            ("DiLoCo", 1): 0.7,
+            ("DiLoCo", 2): 0.6,
+            ("GPADiLoCo", 1): 7.0,
+            ("GPADiLoCo", 2): outer_lr_like_diloco(0.6, 0.9, 0.9, 0.9),
+        }
+
+
 def test_two_workers_equal_the_simulation_bitwise(two_ranks: list) -> None:
     """2 workers (H = 3, 7 steps): each rank's inner weights are its worker's, the outer weights and momentum the
     simulation's, bitwise, after every step."""

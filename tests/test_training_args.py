@@ -351,9 +351,13 @@ def test_diloco_optimizer_rejects_what_the_flag_rejects(outer_lr):
     ],
 )
 def test_flags_default_to_the_optimizers_defaults(flag, optimizer, argument, tmp_path):
-    """Each flag's default is the optimizer constructor's default for the same argument."""
+    """Each flag's default is the optimizer constructor's default for the same argument (DiLoCo's unset outer lr:
+    the one its number of workers takes, one worker here)."""
+    from hf_gpa.optim import default_outer_lr
+
     args = make(tmp_path, optim="gpa_adamw")
-    assert getattr(args, flag) == inspect.signature(optimizer).parameters[argument].default
+    default = inspect.signature(optimizer).parameters[argument].default
+    assert getattr(args, flag) == (default_outer_lr(1) if argument == "outer_lr" and default is None else default)
 
 
 @pytest.mark.parametrize(
@@ -521,7 +525,8 @@ def test_help_states_each_default_once(tmp_path, capsys):
     with pytest.raises(SystemExit):
         HfArgumentParser(GPATrainingArguments).parse_args_into_dataclasses(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert text.count("(default: 0.7)") == 2  # --gpa_mu_y and --diloco_outer_lr, once each
+    assert text.count("(default: 0.7)") == 1  # --gpa_mu_y
+    assert "Unset: 0.7, or 0.6 with --diloco_distributed across more than one worker" in text  # --diloco_outer_lr
     assert "(default: 0.7). (default: 0.7)" not in text and "i.e. H = 32" not in text
 
 
@@ -639,6 +644,37 @@ needs_a_lazy_process_group = pytest.mark.skipif(
 
 FSDP2_LAUNCH = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}  # set by accelerate launch with the FSDP2 config
 ISLANDS = [*DISTRIBUTED, "--diloco_workers", "2"]
+
+
+@needs_a_lazy_process_group
+@pytest.mark.parametrize(
+    ("argv", "outer_lr"),
+    [
+        (DISTRIBUTED, 0.6),  # every process a worker: 4 workers
+        ([*DISTRIBUTED, "--diloco_workers", "2"], 0.6),
+        ([*DISTRIBUTED, "--diloco_workers", "1"], 0.7),  # one worker of 4 processes: single-worker DiLoCo
+        ([*DISTRIBUTED, "--diloco_outer_lr", "0.75"], 0.75),
+        (["--optim", "diloco_adamw"], 0.7),
+    ],
+)
+def test_an_unset_outer_lr_is_the_measured_one_across_workers(argv, outer_lr, tmp_path, monkeypatch) -> None:
+    """--diloco_outer_lr unset: 0.6 with --diloco_distributed across more than one worker (the pick of the
+    measurement in DiLoCo's regime), 0.7 for one worker; a given value stays; the resolved value round-trips through
+    the arguments' JSON, also under another --optim (a saved configuration)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse(argv, tmp_path)
+    assert args.diloco_outer_lr == outer_lr
+    (again,) = HfArgumentParser(GPATrainingArguments).parse_dict(json.loads(args.to_json_string()))
+    assert again.diloco_outer_lr == outer_lr
+    monkeypatch.delenv("WORLD_SIZE")
+    saved = json.loads(args.to_json_string())
+    saved.update(optim="gpa_adamw", diloco_distributed=False, diloco_workers=None)
+    if outer_lr == 0.75:  # given, not a default: --optim gpa_adamw would ignore it
+        with pytest.raises(ValueError, match=r"--diloco_outer_lr 0.75 only applies to --optim diloco_adamw"):
+            HfArgumentParser(GPATrainingArguments).parse_dict(saved)
+        return
+    (other,) = HfArgumentParser(GPATrainingArguments).parse_dict(saved)
+    assert other.diloco_outer_lr == outer_lr
 
 
 @needs_a_lazy_process_group
@@ -865,7 +901,8 @@ def test_gpa_distributed_from_python_must_be_a_bool(tmp_path, monkeypatch):
 def test_gpa_distributed_builds_gpa_diloco_across_processes(tmp_path, monkeypatch):
     """--optim gpa_adamw --gpa_distributed true on 4 processes as 2 workers of 2, P = 2: the optimizer is `GPADiLoCo`
     around AdamW with H from --gpa_sync_steps, mu_x and mu_y from --gpa_mu_x / --gpa_mu_y (unset mu_x: 0.9 per outer
-    step), the outer lr from --gpa_outer_lr (unset: `outer_lr_like_diloco` of DiLoCo's defaults); each process reads
+    step), the outer lr from --gpa_outer_lr (unset: `outer_lr_like_diloco` of DiLoCo's defaults across workers); each
+    process reads
     its own batches and counts its loss's tokens in its island; the arguments round-trip through their JSON."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -877,7 +914,7 @@ def test_gpa_distributed_builds_gpa_diloco_across_processes(tmp_path, monkeypatc
             "--diloco_fragments", "2", "--learning_rate", "0.01"]  # fmt: skip
     args = parse(argv, tmp_path)
     assert (args.gpa_mu_x, args.gpa_mu_y, args.gpa_sync_steps) == (0.9, 0.5, 8)
-    assert args.gpa_outer_lr == outer_lr_like_diloco(0.7, 0.9, 0.9, 0.5)
+    assert args.gpa_outer_lr == outer_lr_like_diloco(0.6, 0.9, 0.9, 0.5)  # DiLoCo's defaults across workers
     assert args.across_workers == "--gpa_distributed"
     assert args.gpa_effective_inner_steps is None  # mu_x is per outer step: no per-step H to match (the model card)
     assert args.accelerator_config.dispatch_batches is False and args.average_tokens_across_devices is False

@@ -39,7 +39,9 @@ from ._types import (
     DEFAULT_MU_Y,
     DEFAULT_NUM_FRAGMENTS,
     DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_LR_ACROSS_WORKERS,
     DEFAULT_OUTER_MOMENTUM,
+    default_outer_lr,
 )
 from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
 from .diloco import DiLoCo
@@ -73,7 +75,9 @@ __all__ = [
     "DEFAULT_MU_Y",
     "DEFAULT_NUM_FRAGMENTS",
     "DEFAULT_OUTER_LR",
+    "DEFAULT_OUTER_LR_ACROSS_WORKERS",
     "DEFAULT_OUTER_MOMENTUM",
+    "default_outer_lr",
     "check_averaging",
     "check_betas",
     "check_eps",

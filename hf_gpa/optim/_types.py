@@ -22,10 +22,12 @@ __all__ = [
     "DEFAULT_MU_Y",
     "DEFAULT_NUM_FRAGMENTS",
     "DEFAULT_OUTER_LR",
+    "DEFAULT_OUTER_LR_ACROSS_WORKERS",
     "DEFAULT_OUTER_MOMENTUM",
     "DEFAULT_STATE_DTYPE",
     "DEFAULT_WEIGHT_DECAY",
     "STATE_DTYPES",
+    "default_outer_lr",
 ]
 
 
@@ -47,6 +49,10 @@ AVERAGING_MODES: tuple[str, ...] = tuple(mode.value for mode in Averaging)
 #: Single-worker DiLoCo: inner steps H and outer (Nesterov) learning rate (paper, Algorithm 2).
 DEFAULT_INNER_STEPS = 32
 DEFAULT_OUTER_LR = 0.7
+#: DiLoCo across more than one worker: the outer lr that benchmarks.diloco_workers --regime picked (4 workers x 16
+#: windows, 4,096 steps, momentum 0.9: 0.6 of 0.4 / 0.6 / 0.8 at H = 32, and within 0.003 of the best pair at H = 8,
+#: where 0.8 lost 0.05 at both H), the DiLoCo scaling-law study's value at M = 4 (Charles et al. 2025, Table 4).
+DEFAULT_OUTER_LR_ACROSS_WORKERS = 0.6
 #: Streaming DiLoCo: the number of fragments P whose outer steps are spread over the period (1: plain DiLoCo).
 DEFAULT_NUM_FRAGMENTS = 1
 #: DiLoCo's outer momentum, also the mu of the paper's conversion mu_x = mu ** (1 / H) (Table 4).
@@ -54,6 +60,14 @@ DEFAULT_OUTER_MOMENTUM = 0.9
 #: GPA's averaging constant: the paper's mu_x for H = 32 inner steps with outer momentum 0.9 (Section 3.1), derived
 #: as ``averaging.mu_x_from_inner_steps(DEFAULT_INNER_STEPS)`` does (0.996713..., printed 0.9967 in Table 4).
 DEFAULT_MU_X = DEFAULT_OUTER_MOMENTUM ** (1.0 / DEFAULT_INNER_STEPS)
+
+
+def default_outer_lr(num_workers: int | None) -> float:
+    """DiLoCo's default outer lr for ``num_workers`` workers (None: every process of a launch a worker, more than
+    one): the single-worker one, or the one measured across workers."""
+    return DEFAULT_OUTER_LR if num_workers == 1 else DEFAULT_OUTER_LR_ACROSS_WORKERS
+
+
 #: GPA's interpolation constant of the gradient point y.
 DEFAULT_MU_Y = 0.7
 DEFAULT_AVERAGING = Averaging.GPA.value

@@ -46,7 +46,6 @@ from ._tensors import authoritative_y, bits_differ, is_dtensor, local_tensor, sh
 from ._types import (
     DEFAULT_INNER_STEPS,
     DEFAULT_NUM_FRAGMENTS,
-    DEFAULT_OUTER_LR,
     DEFAULT_OUTER_MOMENTUM,
     DILOCO_LAYOUT,
     INNER,
@@ -60,6 +59,7 @@ from ._types import (
     OUTER_RESIDUAL,
     OUTER_SERVER_RESIDUAL,
     TRAIN_MODE,
+    default_outer_lr,
 )
 from ._wrapper import BaseOptimizerWrapper
 
@@ -164,7 +164,8 @@ class DiLoCo(BaseOptimizerWrapper):
         params: iterable of parameters or dicts defining parameter groups.
         base: the inner optimizer class (default: ``torch.optim.AdamW``).
         inner_steps: H, the number of inner steps between outer steps (default: 32).
-        outer_lr: the outer learning rate :math:`\tilde\gamma` (default: 0.7).
+        outer_lr: the outer learning rate :math:`\tilde\gamma` (default: 0.7 for one worker, 0.6 across workers, as
+            measured in DiLoCo's regime: docs/distributed.md).
         outer_momentum: the outer Nesterov momentum :math:`\mu` in [0, 1) (default: 0.9).
         distributed: run across the processes of torch.distributed's default group, which must be more than one
             (default: False, a single worker that communicates nothing).
@@ -196,7 +197,7 @@ class DiLoCo(BaseOptimizerWrapper):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         base: type[torch.optim.Optimizer] = torch.optim.AdamW,
         inner_steps: int = DEFAULT_INNER_STEPS,
-        outer_lr: float = DEFAULT_OUTER_LR,
+        outer_lr: float | None = None,
         outer_momentum: float = DEFAULT_OUTER_MOMENTUM,
         *,
         distributed: bool = False,
@@ -220,6 +221,8 @@ class DiLoCo(BaseOptimizerWrapper):
                 f"Invalid overlap_steps: {overlap_steps!r} with a single worker, which sends no pseudo-gradient to "
                 "overlap (more than one worker: DiLoCo across processes with num_workers > 1); leave it 0"
             )
+        if outer_lr is None:
+            outer_lr = self._default_outer_lr(self.layout.num_workers)
         self._pending: list[_PendingSync] = []
         self._fragments: list[int] = []
         self.outer_traffic = OuterTraffic()
@@ -229,6 +232,10 @@ class DiLoCo(BaseOptimizerWrapper):
         check_outer_dtype(outer_dtype, self.layout.num_workers, self._fragment_numels())
         self.layout = self.layout.connect()
         self._distribute(self._all_params())
+
+    def _default_outer_lr(self, num_workers: int) -> float:
+        """The outer lr an unset ``outer_lr`` takes (`_types.default_outer_lr`)."""
+        return default_outer_lr(num_workers)
 
     def _check_own(self, values: dict[str, Any]) -> None:
         check_diloco(values[INNER_STEPS], values[OUTER_LR], values[OUTER_MOMENTUM])

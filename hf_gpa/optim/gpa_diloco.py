@@ -29,7 +29,17 @@ import torch
 from ._checks import as_number, check_mu_x
 from ._state_layout import gpa_diloco_state
 from ._tensors import local_tensor
-from ._types import DEFAULT_INNER_STEPS, DEFAULT_NUM_FRAGMENTS, MU_X, MU_Y, OUTER, OUTER_LR, Z
+from ._types import (
+    DEFAULT_INNER_STEPS,
+    DEFAULT_NUM_FRAGMENTS,
+    DEFAULT_OUTER_MOMENTUM,
+    MU_X,
+    MU_Y,
+    OUTER,
+    OUTER_LR,
+    Z,
+    default_outer_lr,
+)
 from .diloco import DiLoCo
 
 __all__ = [
@@ -41,7 +51,8 @@ __all__ = [
 ]
 
 #: The defaults mu_x = mu_y = 0.9 and outer_lr = 0.7 / (1 - 0.9) = 7 are DiLoCo's defaults (outer lr 0.7, Nesterov
-#: momentum 0.9) in this form: the starting point of a mu_x / mu_y sweep.
+#: momentum 0.9) in this form, for one worker: the starting point of a mu_x / mu_y sweep. Across workers the
+#: outer_lr default is DiLoCo's across workers in this form, 0.6 / (1 - 0.9) = 6 (`_types.default_outer_lr`).
 DEFAULT_GPA_DILOCO_MU = 0.9
 DEFAULT_GPA_DILOCO_OUTER_LR = 7.0
 
@@ -101,7 +112,8 @@ class GPADiLoCo(DiLoCo):
         params: iterable of parameters or dicts defining parameter groups.
         base: the inner optimizer class (default: ``torch.optim.AdamW``).
         inner_steps: H, the inner steps between outer steps (default: 32).
-        outer_lr: the rate :math:`\tilde\gamma` of z's outer SGD step (default: 7.0, DiLoCo's 0.7 / (1 - 0.9)).
+        outer_lr: the rate :math:`\tilde\gamma` of z's outer SGD step (default: DiLoCo's default outer lr over
+            1 - 0.9: 7.0 for one worker, 6.0 across workers).
         mu_x: the averaging constant of x per outer step, in [0, 1) (default: 0.9).
         mu_y: the interpolation constant of the restart point y, in [0, 1] (default: 0.9).
         distributed, process_group, num_workers, num_fragments: as for `DiLoCo`.
@@ -113,7 +125,7 @@ class GPADiLoCo(DiLoCo):
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         base: type[torch.optim.Optimizer] = torch.optim.AdamW,
         inner_steps: int = DEFAULT_INNER_STEPS,
-        outer_lr: float = DEFAULT_GPA_DILOCO_OUTER_LR,
+        outer_lr: float | None = None,
         mu_x: float = DEFAULT_GPA_DILOCO_MU,
         mu_y: float = DEFAULT_GPA_DILOCO_MU,
         *,
@@ -135,6 +147,13 @@ class GPADiLoCo(DiLoCo):
                 group.setdefault(key, value)
 
     _island_shards = False  # FSDP2 inside the islands: verified for DiLoCo's outer step only
+
+    def _default_outer_lr(self, num_workers: int) -> float:
+        """DiLoCo's default (outer lr, momentum) for ``num_workers`` in this form, on the default diagonal."""
+        if num_workers == 1:
+            return DEFAULT_GPA_DILOCO_OUTER_LR
+        mu = DEFAULT_GPA_DILOCO_MU
+        return outer_lr_like_diloco(default_outer_lr(num_workers), DEFAULT_OUTER_MOMENTUM, mu, mu)
 
     def _check_own(self, values: dict[str, Any]) -> None:
         super()._check_own(values)
