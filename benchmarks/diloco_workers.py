@@ -197,6 +197,10 @@ class Plan:
     #: DiLoCo's (outer lr, outer momentum) pairs tried in the quality part at each H's best lr (first seed), beside
     #: the recipe's; the best of them all runs the other seeds. Empty: the recipe's only.
     outer_grid: tuple[tuple[float, float], ...] = ()
+    #: Outer momenta tried last, at the first seed, at each H's picked outer lr (lr and outer lr of the pick): whether
+    #: the pick's momentum is bracketed. Reported with the grids; not candidates (the pick and what follows from it
+    #: stay). Empty: none.
+    momentum_probe: tuple[float, ...] = ()
 
     def bytes_methods(self) -> list[Method]:
         methods = [DDP_ADAMW, Method("gpa", self.gpa_inner_steps)]
@@ -241,7 +245,7 @@ TINY_PLAN = Plan(
     bytes_steps=4, speed_steps=4, speed_rounds=1, links=(LOOPBACK, Link("WAN", latency_s=0.001, bandwidth=100e6)),
     gpa_diloco_mus=((0.9, 0.5),), seeds=(0, 1),
     lrs={"adamw": (1e-2, 2e-2), "diloco": (1e-2,), "gpa": (1e-2,)}, timeout_s=300.0,
-    outer_grid=((0.6, 0.9),), quality_outer_dtypes=("int8",), overlap=(1, 0.5),
+    outer_grid=((0.6, 0.9),), quality_outer_dtypes=("int8",), overlap=(1, 0.5), momentum_probe=(0.5,),
 )  # fmt: skip
 #: DiLoCo in the regime it is built for: 4 workers with 16 windows (1,024 tokens) each a step, 4,096 steps (16.8M
 #: tokens, 512 outer steps at H = 8), evaluated every 256 steps (a multiple of every H: at outer-step boundaries).
@@ -257,7 +261,7 @@ REGIME_PLAN = Plan(
     lrs={"adamw": (1e-2, 2e-2, 4e-2), "diloco": (5e-3, 1e-2, 2e-2)}, slide=2,
     outer_grid=((0.4, 0.9), (0.6, 0.9), (0.8, 0.9)),
     gpa_diloco_mus=((0.9, 0.5), (0.9, 0.75), (0.97, 0.75), (0.97, 0.9)),
-    quality_outer_dtypes=("bfloat16", "int8"), timeout_s=86400.0,
+    quality_outer_dtypes=("bfloat16", "int8"), timeout_s=86400.0, momentum_probe=(0.6, 0.8, 0.95),
 )  # fmt: skip
 
 
@@ -506,7 +510,7 @@ def measure_quality(context: Context) -> None:
     """Every quality method tuned at the first seed (`tuned`), then every other seed at its pick, in the order that
     answers the most first: DDP-AdamW; then at each H, DiLoCo, GPA across workers matched to that DiLoCo, and at the
     first H DiLoCo with its outer all-reduce compressed; streaming DiLoCo blocking and overlapped; GPA-AdamW under
-    DDP."""
+    DDP; last, the momentum probe of each H's DiLoCo pick."""
     plan = context.plan
     every_seed(context, *tuned(context, DDP_ADAMW))
     picks = {}
@@ -523,6 +527,11 @@ def measure_quality(context: Context) -> None:
             every_seed(context, method, lr, tuned_here=False)
     if "gpa" in plan.lrs:
         every_seed(context, *tuned(context, Method("gpa", plan.gpa_inner_steps)))
+    for diloco, lr in picks.values():
+        outer_lr, picked = diloco.outer_pair
+        for momentum in plan.momentum_probe:
+            if momentum != picked:
+                quality_run(context, dataclasses.replace(diloco, outer=(outer_lr, momentum)), lr, plan.seeds[0])
 
 
 def every_seed(context: Context, method: Method, lr: float, tuned_here: bool = True) -> tuple[Method, float]:

@@ -225,7 +225,10 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
         "DiLoCo H=2, outer int8", "DiLoCo H=4", "DiLoCo H=4, outer 0.6/0.9",
         f"GPA-DiLoCo H=4 mu_x={mu_x:g} mu_y={mu_y:g}{outer}", "streaming DiLoCo H=4 P=2",
         "streaming DiLoCo H=4 P=2, overlap tau=1 alpha=0.5", "GPA-AdamW (DDP, H=2)",
+        "DiLoCo H=2, outer 0.75/0.5", "DiLoCo H=4, outer 0.75/0.5",  # the momentum probe at each pick's outer lr
     ]  # fmt: skip
+    probe = quality["DiLoCo H=2, outer 0.75/0.5"]
+    assert [run["seed"] for run in probe["runs"]] == [plan.seeds[0]] and probe["lr"] == quality["DiLoCo H=2"]["lr"]
     assert all(0 < row["mean"] < 10 for row in quality.values())
     for h in plan.inner_steps:  # the recipe's outer pair and the grid's, at the first seed; the better one every seed
         recipe, swept = quality[f"DiLoCo H={h}"], quality[f"DiLoCo H={h}, outer 0.6/0.9"]
@@ -419,6 +422,7 @@ def test_diloco_workers_regime_preset_is_the_regime_diloco_is_built_for() -> Non
         lr for lr, _ in plan.outer_grid
     )
     assert len(plan.seeds) >= 3
+    assert min(plan.momentum_probe) < 0.9 < max(plan.momentum_probe)  # the momentum bracketed around 0.9
     assert plan.slide >= 1 and plan.quality_outer_dtypes == ("bfloat16", "int8")
     assert all(mu_x != mu_y for mu_x, mu_y in plan.gpa_diloco_mus)  # the diagonal is the matched DiLoCo itself
 
