@@ -254,7 +254,8 @@ TINY_PLAN = Plan(
 #: recipe's 0.75 / 0.75 (single worker); GPA across workers sweeps (mu_x, mu_y) off the diagonal (on it, it is the
 #: DiLoCo it is matched to); DiLoCo at H = 8 with its outer all-reduce in bfloat16 and in int8 (issue 40's cost in
 #: loss). One run takes about 7 CPU-minutes (4 processes x ~24 ms of CPU per 16-window step, 4,096 steps, plus
-#: gloo), about 3.5 minutes of wall on 2 cores: the plan is about 40 runs, run in this order (what matters first).
+#: gloo), about 3.5 minutes of wall on 2 cores: the plan ran 61 runs (55, then the momentum probe's 6), in this
+#: order (what matters first).
 REGIME_WORKLOAD = pr.Workload(batch_size=64, steps=4096, eval_every=256, val_windows=128)
 REGIME_PLAN = Plan(
     world_size=4, inner_steps=(8, 32), seeds=(0, 1, 2),
