@@ -580,7 +580,7 @@ class GPATrainingArguments(TrainingArguments):
 
         self.diloco_inner_steps = check_inner_steps(self.diloco_inner_steps, "--diloco_inner_steps")
         if self.diloco_outer_lr is None:
-            across = self.diloco_distributed is True and optim in ("diloco_adamw", "diloco_muon")
+            across = self.diloco_distributed is True and optim in FLAG_READERS["diloco_distributed"]
             self.diloco_outer_lr = default_outer_lr(self.diloco_workers if across else 1)
         self.diloco_outer_lr = check_outer_lr(self.diloco_outer_lr, "--diloco_outer_lr")
         self.diloco_outer_momentum = check_outer_momentum(self.diloco_outer_momentum, "--diloco_outer_momentum")
