@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import platform
 import statistics
+import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +166,64 @@ def device_name(device: str) -> str:
     if device.startswith("cuda"):
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return f"cpu ({platform.processor() or platform.machine()})"
+
+
+#: The instruction-set flags of /proc/cpuinfo that decide which kernels torch runs on a CPU (and so the bits of a
+#: result): a virtual machine often reports a generic model name, so the flags say what the name does not.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_model() -> str:
+    """The CPU as the kernel reports it (``/proc/cpuinfo``: model name, family/model/stepping and the `ISA_FLAGS` it
+    has), else ``platform``'s guess."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's block is enough
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    isa = " ".join(flag for flag in ISA_FLAGS if flag in flags)
+    model = "/".join(fields.get(key, "?") for key in ("cpu family", "model", "stepping"))
+    return f"{fields.get('model name', platform.machine())} (family/model/stepping {model}; {isa or 'no AVX2'})"
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout the benchmark runs from, with ``+dirty`` where files differ from it (None outside
+    a git checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root, capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def environment(device: str = "cpu", num_threads: int | None = None) -> dict[str, Any]:
+    """Where a result was measured, enough to say whether another machine should reproduce it bitwise: the device
+    (`device_name`), the CPU model and the instruction set torch's CPU kernels use
+    (``torch.backends.cpu.get_cpu_capability()``: "AVX512", "AVX2", ...; ``ATEN_CPU_CAPABILITY`` lowers it), Python,
+    torch, the threads each process uses and the git commit of the code."""
+    return {
+        "device": device_name(device),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "num_threads": torch.get_num_threads() if num_threads is None else num_threads,
+        "commit": git_commit(),
+    }
 
 
 def _json_default(value: Any) -> Any:
