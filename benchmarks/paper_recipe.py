@@ -183,8 +183,11 @@ GPU_PLAN = Plan(
 )  # fmt: skip
 
 
-def load_token_windows(workload: Workload, cache_dir: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train windows, validation windows) of the workload's corpus (`benchmarks.workloads.token_windows`)."""
+def load_token_windows(
+    workload: Workload, cache_dir: Path | None = None, held_out: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train windows, validation windows) of the workload's corpus (`benchmarks.workloads.token_windows`);
+    ``held_out`` > 0: (train windows, that many held-out windows, none of them a validation window) instead."""
     return workloads.token_windows(
         workload.vocab_size,
         workload.seq_len,
@@ -192,6 +195,7 @@ def load_token_windows(workload: Workload, cache_dir: Path | None = None) -> tup
         workload.corpus,
         workload.max_train_chars,
         cache_dir,
+        held_out,
     )
 
 
@@ -204,10 +208,11 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 def results_file(path: Path, workload: Workload, plan: Any) -> report.ResultsFile:
     """The resumable record of ``workload`` at ``path`` under ``plan`` (a dataclass: `Plan`, or another benchmark's
-    plan of the same workload); records written before a workload field existed hold its default: CPU, the stdlib
-    corpus, tied embeddings."""
-    device = "cpu" if workload.device == "cpu" else report.device_name(f"cuda:{torch.cuda.current_device()}")
-    environment = {"torch": torch.__version__, "num_threads": 1, "device": device}
+    plan of the same workload), with where its runs train (`benchmarks.report.environment`: CPU model and instruction
+    set, Python, torch, threads, commit); records written before a workload field existed hold its default: CPU, the
+    stdlib corpus, tied embeddings."""
+    device = "cpu" if workload.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
+    environment = report.environment(device, num_threads=1)  # every run trains on one thread
     return report.ResultsFile(path, asdict(workload), asdict(plan), environment, asdict(Workload()))
 
 

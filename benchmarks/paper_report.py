@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.paper_recipe import BASELINE, LABELS, METHODS, WITH_H
+from benchmarks.report import environment_text, environments_of
 
 
 def steps_to_reach(steps: Sequence[float], losses: Sequence[float], target: float) -> float | None:
@@ -478,6 +479,8 @@ def write_report(json_path: Path, out_dir: Path | None = None) -> str:
         f"weight decay {workload['weight_decay']:g}, eval every {workload['eval_every']} steps on "
         f"{workload['val_windows']} fixed windows.\n\n"
     )
+    envs = environments_of(data)
+    header += "".join(f"Measured on: {environment_text(env)}.\n" for env in envs) + ("\n" if envs else "")
     table = header + markdown_table(data)
     end = end_iterates_table(data)
     if end:

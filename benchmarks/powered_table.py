@@ -6,28 +6,34 @@ Why this file exists: the 3-seed table of ``benchmarks.paper_table`` cannot tell
 (about one seed's standard deviation), gave GPA more configurations than the others, and averaged steps saved over
 the seeds that reached the target only. This pipeline fixes the protocol:
 
-1. **Equal tuning.** Every method has a grid of axes (lr for all; GPA's mu_y and H; DiLoCo's H, outer lr and outer
-   momentum; Schedule-Free's beta; Adam's betas), searched one axis at a time from the middle of the grid (each axis
-   in its order, the others at their best so far): ``1 + sum(len(axis) - 1)`` configurations, which the plan makes
-   equal across methods. A configuration's score is its mean final validation loss over the two tuning seeds, which
-   the final runs never use. A full product of the axes (GPA: 5 x 4 x 4 = 80 configurations, x 2 seeds x 5 methods)
-   does not fit a few core-hours at ~1 minute a run; the one-axis-at-a-time search does (11 each), at the cost of not
-   seeing interactions beyond one pass.
-2. **Bracketing.** A best value on the first or last point of its axis is reported with the ``--grid`` value that
-   slides the axis past it (same size, so the budgets stay equal; finished runs are reused); the final runs wait for
-   a grid whose every best is inside unless ``--allow-edges``.
-3. **Powered final runs.** Every method at its chosen setting on ``--seeds`` (>= 10): each seed gives every method the
-   same initial weights and the same batches in the same order. DiLoCo is evaluated at outer-step boundaries only
-   (its H divides the evaluation interval and the budget, else the plan is refused).
-4. **Report** (``benchmarks.powered_report``): final loss of GPA minus each other method, paired per seed, with its
-   95% Student-t interval; steps to reach AdamW's final loss of the same seed, the seeds that never reach it counted
-   as censored at the budget; which differences the data decides.
+1. **Equal tuning, in fact.** Every method has a starting grid of axes (lr for all; GPA's mu_y and H; DiLoCo's H,
+   outer lr and outer momentum; Schedule-Free's beta; Adam's betas) whose one-axis-at-a-time pass is the same size
+   (``1 + sum(len(axis) - 1)`` = 11), and every method's search evaluates the same number of distinct configurations,
+   ``--budget`` (default 40), whatever its landscape (`tune_budget`): passes from the best so far that slide an axis
+   whose best is on a movable edge past it, then, once every best is inside, refine each axis at half the spacing,
+   until the budget is spent. The pick is the lowest score among all configurations evaluated. A configuration's
+   score is its mean final loss on the validation windows over the two tuning seeds, which the final runs never use.
+   (The earlier rule, equal grid sizes with slides on top, evaluated 20 to 45 configurations per method.)
+2. **Bracketing.** A pick on the lowest or highest value its search tried of an axis that could move (only a budget
+   spent while sliding leaves one) is reported, and the final runs wait for a larger ``--budget`` unless
+   ``--allow-edges``.
+3. **Powered final runs on held-out windows.** Every method at its pick on ``--seeds`` (>= 10): each seed gives every
+   method the same initial weights and the same batches in the same order, and the runs are evaluated on
+   ``held_out_windows`` windows of the validation split that the tuning never saw (`PoweredWorkload`). DiLoCo is
+   evaluated at outer-step boundaries only (its H divides the evaluation interval and the steps, else the plan is
+   refused).
+4. **Report** (``benchmarks.powered_report``): where the runs were made (CPU, the instruction set torch used, Python,
+   torch, threads, commit: a run repeats bitwise only where all agree); final loss of GPA minus each other method,
+   paired per seed, with its 95% Student-t interval; the share of the steps each method's seed-mean curve saves to
+   reach AdamW's seed-mean final loss, and AdamW's to reach the method's, with a bootstrap interval over the seeds
+   that counts the resamples that never reach it (`benchmarks.paired_stats.steps_saved_bootstrap`); which
+   differences the data decides.
 
 Every run is appended to one JSON file as it ends; a rerun skips the finished ones, so the pipeline can be stopped
 (kill it) and resumed at any time, one process per ``--out``.
 
     python -m benchmarks.powered_table --quick --out /tmp/powered          # the whole pipeline in seconds
-    OMP_NUM_THREADS=1 nice -n 19 python -m benchmarks.powered_table --out benchmarks/results/powered_table
+    OMP_NUM_THREADS=1 nice -n 19 python -m benchmarks.powered_table --out benchmarks/results/powered_table --budget 40
     python -m benchmarks.powered_table --out benchmarks/results/powered_table --stage report
 """
 
@@ -105,8 +111,20 @@ DEFAULT_GRID: Grid = {
     "sf_ref": {"lr": _lrs(0.005, 7), "beta1": (0.8, 0.9, 0.95), "beta2": (0.95, 0.98, 0.99)},
     "sf": {"lr": _lrs(0.005, 7), "mu_y": (0.8, 0.9, 0.95), "beta2": (0.95, 0.98, 0.99)},
 }
-#: 1,024 steps of paper_recipe's tiny Llama (1.05M tokens), evaluated every 32 steps (a multiple of every DiLoCo H).
-WORKLOAD = Workload(steps=1024, eval_every=32)
+
+
+@dataclass(frozen=True)
+class PoweredWorkload(Workload):
+    """paper_recipe's workload, with the windows the final runs are evaluated on: ``held_out_windows`` windows of the
+    validation split midway between the ``val_windows`` validation windows (`benchmarks.workloads.held_out_picks`),
+    so that the windows that chose each method's setting do not also report its final loss."""
+
+    held_out_windows: int = 127
+
+
+#: 1,024 steps of paper_recipe's tiny Llama (1.05M tokens), evaluated every 32 steps (a multiple of every DiLoCo H);
+#: tuning runs on the 128 validation windows, final runs on the 127 held-out ones.
+WORKLOAD = PoweredWorkload(steps=1024, eval_every=32)
 QUICK_GRID: Grid = {
     "gpa": {"lr": (0.005, 0.01, 0.02), "H": (1, 2, 4)},
     "adamw": {"lr": (0.0025, 0.005, 0.01), "beta2": (0.9, 0.95, 0.99)},
@@ -114,14 +132,20 @@ QUICK_GRID: Grid = {
     "sf_ref": {"lr": (0.005, 0.01, 0.02), "beta1": (0.8, 0.9, 0.95)},
     "sf": {"lr": (0.005, 0.01, 0.02), "mu_y": (0.8, 0.9, 0.95)},
 }
-QUICK = dataclasses.replace(QUICK_WORKLOAD, steps=8, eval_every=4)
+QUICK = PoweredWorkload(**{**dataclasses.asdict(QUICK_WORKLOAD), "steps": 8, "eval_every": 4, "held_out_windows": 3})
+#: Configurations every method's search evaluates, slides and refinements included: a little under 4 passes of the
+#: 11-configuration grids (the earlier search, which slid without a budget, evaluated 20 to 45 per method).
+DEFAULT_BUDGET = 40
+QUICK_BUDGET = 7
 
 
 @dataclass(frozen=True)
 class PoweredPlan:
-    """What to run: each method's grid (ordered axes), the tuning seeds and the final seeds."""
+    """What to run: each method's starting grid (ordered axes), the configurations every method's search evaluates
+    (`tune_budget`), the tuning seeds and the final seeds."""
 
     grid: Grid = field(default_factory=lambda: {m: dict(axes) for m, axes in DEFAULT_GRID.items()})
+    budget: int = DEFAULT_BUDGET
     tuning_seeds: tuple[int, ...] = (1000, 1001)
     seeds: tuple[int, ...] = tuple(range(10))
 
@@ -163,8 +187,13 @@ def check_plan(plan: PoweredPlan, workload: Workload) -> None:
     sizes = {method: grid_size(axes) for method, axes in plan.grid.items()}
     if len(set(sizes.values())) != 1:
         raise ValueError(
-            f"--grid: unequal tuning budgets {sizes} (configurations = 1 + sum of (axis size - 1)); give every method "
+            f"--grid: unequal first passes {sizes} (configurations = 1 + sum of (axis size - 1)); give every method "
             "the same number"
+        )
+    if plan.budget < max(sizes.values()):
+        raise ValueError(
+            f"--budget: {plan.budget} configurations do not finish one pass of the grids ({max(sizes.values())}); "
+            "give at least that many"
         )
     for h in plan.grid["diloco"].get("H", ()):
         if workload.eval_every % h or workload.steps % h:
@@ -191,7 +220,15 @@ def run_spec(method: str, config: Mapping[str, float], seed: int, steps: int, ph
     return RunSpec(method, config["lr"], seed, steps, phase, inner, mu_y, betas, outer)
 
 
-# ---- tuning: one axis at a time ----
+# ---- tuning: one axis at a time, a fixed number of configurations ----
+
+
+def _config_key(config: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted(config.items()))
+
+
+def _values_text(values: Sequence[float]) -> str:
+    return ",".join(f"{v:g}" for v in values)
 
 
 def slide(values: Sequence[float], axis: str, side: str) -> tuple[float, ...]:
@@ -204,32 +241,59 @@ def slide(values: Sequence[float], axis: str, side: str) -> tuple[float, ...]:
         nxt = 1.0 - (1.0 - values[-1]) / 2.0 if values[-1] < 1.0 else values[-1] + (values[-1] - values[-2])
     else:
         nxt = max(0.0, values[0] - (values[1] - values[0]))
+    if axis not in _GEOMETRIC:
+        nxt = round(nxt, 6)  # 0.7, not 0.8 - 0.1 = 0.7000000000000001: one value, one run key
     return (*values[1:], nxt) if side == "high" else (nxt, *values[:-1])
+
+
+def midpoint(low: float, high: float, axis: str) -> float:
+    """The point halfway between two values of ``axis``: geometric for lr (3 significant digits) and H (a whole
+    number), arithmetic for the others (6 decimals), so that the same two points always give the same value."""
+    if axis == "lr":
+        return float(f"{math.sqrt(low * high):.3g}")
+    if axis == "H":
+        return int(round(math.sqrt(low * high)))
+    return round((low + high) / 2.0, 6)
+
+
+def refine(explored: Sequence[float], best: float, axis: str) -> tuple[float, ...]:
+    """The axis around ``best`` at half the spacing: the midpoints between ``best`` and its nearest ``explored`` values
+    on each side (one side at a bound), ``best`` in the middle, duplicates dropped."""
+    below = [v for v in explored if v < best]
+    above = [v for v in explored if v > best]
+    points = {best}
+    if below:
+        points.add(midpoint(max(below), best, axis))
+    if above:
+        points.add(midpoint(best, min(above), axis))
+    return tuple(sorted(points))
 
 
 def tune(
     method: str,
     axes: Mapping[str, Sequence[float]],
     score: Callable[[dict[str, float]], float],
+    start: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The one-axis-at-a-time search of ``method`` on ``axes``: start at every axis's middle point, then for each
-    axis in order try all its values with the other axes at their best so far and keep the best (lowest score).
+    """One pass of the one-axis-at-a-time search of ``method`` on ``axes``: from ``start`` (default: every axis's
+    middle point), for each axis in order try all its values with the other axes at their best so far and keep the
+    best (lowest score; a tie keeps the earlier value).
 
     Returns the stages (axis, values, scores, best), the selected configuration and the edges: each axis whose best
     is its first or last point, with the ``--grid`` value that slides the axis past it.
     """
-    current = {axis: values[len(values) // 2] for axis, values in axes.items()}
+    current = dict(start) if start is not None else {axis: values[len(values) // 2] for axis, values in axes.items()}
     stages, edges = [], []
     for axis, values in axes.items():
         scores = [score({**current, axis: value}) for value in values]
         best = min(range(len(values)), key=lambda i: (scores[i], i))
         current[axis] = values[best]
         stages.append({"axis": axis, "values": list(values), "scores": scores, "best": values[best]})
-        if best in (0, len(values) - 1):
+        if len(values) > 1 and best in (0, len(values) - 1):
             side = "low" if best == 0 else "high"
             slid = slide(values, axis, side)
             extend = (
-                f"--grid {method}.{axis}=" + ",".join(f"{v:g}" for v in slid)
+                f"--grid {method}.{axis}=" + _values_text(slid)
                 if len(set(slid)) == len(slid)
                 else f"none: {values[best]:g} is the bound of {axis}"
             )
@@ -237,62 +301,137 @@ def tune(
     return {"stages": stages, "selected": current, "edges": edges, "configurations": grid_size(axes)}
 
 
-def tune_sliding(
+class _BudgetSpent(Exception):
+    """The search has evaluated its budget of configurations."""
+
+
+def tune_budget(
     method: str,
     grid: dict[str, dict[str, Sequence[float]]],
     score: Callable[[dict[str, float]], float],
-    slides: int,
+    budget: int,
 ) -> dict[str, Any]:
-    """`tune`, and while a best lies on an edge that can move (not a bound such as mu_y's 0), for at most ``slides``
-    rounds: slide every such axis one point past its edge (`slide`: same size, so every method keeps its
-    number of configurations) in ``grid`` (updated in place) and search again. The result also lists the slides made
-    and counts every configuration evaluated on the way (``evaluated``), the cost the equal grid sizes do not show.
+    """The search of ``method`` that evaluates exactly ``budget`` distinct configurations (fewer only where no new one
+    is left to try), whatever its landscape, so that every method of the comparison is tuned with as many.
+
+    Passes of `tune`, each from the best configuration so far (the first from the middle of ``grid[method]``):
+
+    1. **slide**: while the pass's best lies on an edge of an axis that can move (not a bound such as mu_y's 0), that
+       axis slides one point past it (`slide`, same size; ``grid`` is updated in place) and a pass runs again;
+    2. **refine**: once every best is inside, each axis is replaced by its best and the midpoints to its nearest
+       values tried so far (`refine`), and a pass runs again, until the budget is spent.
+
+    The selection is the configuration of lowest score among all those evaluated (a tie: the first evaluated). Its
+    edges are the axes on which it holds the lowest or highest value tried and could move: only a budget spent while
+    sliding leaves one. The result lists the passes (``moves``) and every configuration with its score.
     """
-    made: list[str] = []
-    seen: set[tuple[tuple[str, float], ...]] = set()
+    scores: dict[tuple[tuple[str, float], ...], float] = {}
+    evaluated: list[dict[str, float]] = []
 
     def counted(config: dict[str, float]) -> float:
-        seen.add(tuple(sorted(config.items())))
-        return score(config)
+        key = _config_key(config)
+        if key not in scores:
+            if len(scores) >= budget:
+                raise _BudgetSpent
+            scores[key] = score(config)
+            evaluated.append(dict(config))
+        return scores[key]
 
-    for round_ in range(slides + 1):
-        result = tune(method, grid[method], counted)
-        movable = [edge for edge in result["edges"] if edge["extend"].startswith("--grid")]
-        if not movable or round_ == slides:
-            break
-        for edge in movable:
-            grid[method][edge["axis"]] = slide(grid[method][edge["axis"]], edge["axis"], edge["side"])
-            made.append(edge["extend"].removeprefix("--grid "))
-    return {**result, "slides": made, "evaluated": len(seen)}
+    axes = grid[method]
+    explored = {axis: set(values) for axis, values in axes.items()}
+    moves: list[str] = []
+    start: dict[str, float] | None = None
+    refining = False
+    first: dict[str, Any] | None = None
+    try:
+        for _ in range(4 * budget):  # a pass that adds nothing ends the search; this only bounds a bug
+            before, previous = len(scores), dict(axes)
+            result = tune(method, axes, counted, start)
+            first = first or result
+            start = result["selected"]
+            stalled = len(scores) == before and len(moves) > 0  # a slid pass that tried nothing new: refine instead
+            movable = [] if refining or stalled else [e for e in result["edges"] if e["extend"].startswith("--grid")]
+            for edge in movable:
+                axes[edge["axis"]] = slide(axes[edge["axis"]], edge["axis"], edge["side"])
+                moves.append("slide " + edge["extend"].removeprefix("--grid "))
+            if not movable:
+                refining = True
+                for axis in axes:
+                    axes[axis] = refine(sorted(explored[axis]), start[axis], axis)
+                if axes == previous and len(scores) == before:
+                    break
+                if axes != previous:
+                    moves.append("refine " + "; ".join(f"{a}={_values_text(vs)}" for a, vs in axes.items()))
+            for axis, values in axes.items():
+                explored[axis].update(values)
+    except _BudgetSpent:
+        pass
+    if not evaluated:
+        raise ValueError(f"{method}: a budget of {budget} configurations evaluates none")
+    selected = min(evaluated, key=lambda c: scores[_config_key(c)])
+    tried = {axis: sorted({c[axis] for c in evaluated}) for axis in selected}
+    edges = []
+    for axis, value in selected.items():
+        values = tried[axis]
+        if len(values) > 1 and value in (values[0], values[-1]):
+            side = "low" if value == values[0] else "high"
+            slid = slide(values[:2] if side == "low" else values[-2:], axis, side)
+            if len(set(slid)) == len(slid):
+                said = f"{axis} {value:g} is the {'lowest' if side == 'low' else 'highest'} value tried"
+                edges.append({"axis": axis, "value": value, "side": side, "extend": f"a larger --budget: {said}"})
+    return {
+        "first_pass": first["stages"] if first else [],
+        "selected": selected,
+        "score": scores[_config_key(selected)],
+        "edges": edges,
+        "configurations": budget,
+        "evaluated": len(evaluated),
+        "moves": moves,
+        "scores": [{**c, "score": scores[_config_key(c)]} for c in evaluated],
+    }
 
 
 # ---- the pipeline ----
 
 
 class Runner:
-    """Runs the specs not yet in the record (one thread, one after another), each recorded as it ends."""
+    """Runs the specs not yet in the record (one thread, one after another), each recorded as it ends: a tuning run
+    evaluated on the validation windows, a final run on the held-out ones (``run["eval_windows"]`` says which)."""
 
-    def __init__(self, results: ResultsFile, workload: Workload, max_runs: int | None = None) -> None:
+    def __init__(self, results: ResultsFile, workload: PoweredWorkload, max_runs: int | None = None) -> None:
         self.results, self.workload, self.max_runs, self.ran = results, workload, max_runs, 0
-        self._data: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._data: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._by_key = {run["key"]: run for run in results.runs}
+
+    def windows(self, phase: str) -> str:
+        """Which windows a run of ``phase`` is evaluated on: "held_out" for the final runs, else "validation"."""
+        return "held_out" if phase == "final" else "validation"
+
+    def data(self, windows: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(train windows, the evaluation windows named ``windows``), loaded once."""
+        if windows not in self._data:
+            held_out = self.workload.held_out_windows if windows == "held_out" else 0
+            self._data[windows] = load_token_windows(self.workload, held_out=held_out)
+        return self._data[windows]
 
     def run(self, spec: RunSpec) -> dict[str, Any]:
         if spec.key in self._by_key:
             return self._by_key[spec.key]
         if self.max_runs is not None and self.ran >= self.max_runs:
             raise _Stop
-        if self._data is None:
-            self._data = load_token_windows(self.workload)
+        windows = self.windows(spec.phase)
+        data = self.data(windows)
         cpu = time.process_time()
-        run = train_run(spec, self.workload, self._data)
+        run = train_run(spec, self.workload, data)
         run["cpu_s"] = time.process_time() - cpu  # the core time, which a shared machine's wall time overstates
+        run["eval_windows"] = windows
         self.results.add(run)
         self._by_key[run["key"]] = run
         self.ran += 1
         logger.info(
-            "%-60s final val %.4f (%.0f s, %.0f s CPU)", run["key"], run["final_val"], run["wall_s"], run["cpu_s"]
-        )
+            "%-60s final %s %.4f (%.0f s, %.0f s CPU)",
+            run["key"], windows, run["final_val"], run["wall_s"], run["cpu_s"],
+        )  # fmt: skip
         return run
 
 
@@ -315,18 +454,17 @@ def tuning_score(runner: Runner, method: str, plan: PoweredPlan) -> Callable[[di
 
 def run_pipeline(
     out: Path,
-    workload: Workload,
+    workload: PoweredWorkload,
     plan: PoweredPlan,
     stage: str = "all",
     allow_edges: bool = False,
     max_runs: int | None = None,
-    slides: int = 0,
 ) -> str:
-    """Tune every method, then (every best inside its grid, or ``allow_edges``) run the final seeds; write the report.
+    """Tune every method with ``plan.budget`` configurations (`tune_budget`), then (every pick inside what its search
+    tried, or ``allow_edges``) run the final seeds; write the report.
 
     ``stage``: "tune" stops after tuning, "all" goes on to the final runs; both resume from the JSON (a recorded run
-    is never rerun). ``slides``: how many times a method's axis whose best is on an edge is slid past it and the
-    search run again (`tune_sliding`); the record's plan holds the grids as slid. Returns the report's text.
+    is never rerun; the searches are replayed from it instantly). Returns the report's text.
     """
     from benchmarks.powered_report import write_report
 
@@ -337,22 +475,24 @@ def run_pipeline(
     results.write()
     runner = Runner(results, workload, max_runs)
     tuning: dict[str, Any] = {}
-    results.data["tuning"] = tuning  # rebuilt from the recorded runs (instantly) for this call's grid
+    results.data["tuning"] = tuning  # rebuilt from the recorded runs (instantly) for this call's plan
     grid = {method: dict(axes) for method, axes in plan.grid.items()}
     try:
         for method in METHODS:
-            tuning[method] = tune_sliding(method, grid, tuning_score(runner, method, plan), slides)
-            results.data["plan"]["grid"] = {m: {a: list(v) for a, v in axes.items()} for m, axes in grid.items()}
+            tuning[method] = tune_budget(method, grid, tuning_score(runner, method, plan), plan.budget)
+            tuning[method]["grid"] = {axis: list(values) for axis, values in grid[method].items()}  # as searched last
             results.write()  # a method's search is in the record as soon as it ends
         edges = {m: t["edges"] for m, t in tuning.items() if t["edges"]}
         if edges:
-            logger.warning("Best on a grid edge: %s", {m: [e["extend"] for e in e_] for m, e_ in edges.items()})
+            logger.warning(
+                "Picks on the edge of what was tried: %s", {m: [e["axis"] for e in t] for m, t in edges.items()}
+            )
         if stage != "tune" and (allow_edges or not edges):
             for seed in plan.seeds:  # seed-major: a stopped run leaves whole seeds, ready to pair
                 for method in METHODS:
                     runner.run(run_spec(method, tuning[method]["selected"], seed, workload.steps, "final"))
         elif stage != "tune":
-            logger.warning("Final runs wait for a grid that brackets every best (or --allow-edges)")
+            logger.warning("Final runs wait for picks inside what was tried (a larger --budget, or --allow-edges)")
     except _Stop:
         logger.info("--max-runs %d new runs done; rerun the same command to go on", max_runs)
     return write_report(out / "results.json", out)
@@ -384,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/powered_table"))
     parser.add_argument("--quick", action="store_true", help="tiny model and grids: the whole pipeline in seconds")
     parser.add_argument("--stage", choices=("all", "tune", "report"), default="all")
-    parser.add_argument("--steps", type=int, default=None, help=f"the budget (default {WORKLOAD.steps})")
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps a run (default {WORKLOAD.steps})")
     parser.add_argument(
         "--eval-every", type=int, default=None, help=f"evaluation interval (default {WORKLOAD.eval_every})"
     )
@@ -393,12 +533,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--grid", action="append", default=[], help="replace or add an axis: METHOD.AXIS=v1,v2,... (repeatable)"
     )
-    parser.add_argument("--allow-edges", action="store_true", help="run the final seeds even if a best is on an edge")
     parser.add_argument(
-        "--slide",
+        "--allow-edges", action="store_true", help="run the final seeds even if a pick is on an edge of what was tried"
+    )
+    parser.add_argument(
+        "--budget",
         type=int,
-        default=0,
-        help="slide an axis whose best is on an edge past it and search again, up to this many times per method",
+        default=None,
+        help=f"configurations every method's search evaluates, slides included (default {DEFAULT_BUDGET}; "
+        f"--quick: {QUICK_BUDGET})",
     )
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (resume later)")
     args = parser.parse_args(argv)
@@ -408,7 +551,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         print(write_report(args.out / "results.json", args.out))
         return
-    workload, plan = (QUICK, PoweredPlan(grid=QUICK_GRID)) if args.quick else (WORKLOAD, PoweredPlan())
+    workload, plan = (WORKLOAD, PoweredPlan())
+    if args.quick:
+        workload, plan = QUICK, PoweredPlan(grid=QUICK_GRID, budget=QUICK_BUDGET)
     try:
         if args.steps is not None:
             if args.steps < 1:
@@ -418,8 +563,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             if not 1 <= args.eval_every <= workload.steps:
                 raise ValueError(f"--eval-every must lie in [1, --steps], got {args.eval_every}")
             workload = dataclasses.replace(workload, eval_every=args.eval_every)
-        if args.slide < 0:
-            raise ValueError(f"--slide must be >= 0, got {args.slide}")
         if args.max_runs is not None and args.max_runs < 1:
             raise ValueError(f"--max-runs must be >= 1, got {args.max_runs}")
         plan = dataclasses.replace(
@@ -427,13 +570,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             grid=parse_grid(args.grid, plan.grid),
             seeds=tuple(args.seeds) if args.seeds is not None else plan.seeds,
             tuning_seeds=tuple(args.tuning_seeds) if args.tuning_seeds is not None else plan.tuning_seeds,
+            budget=args.budget if args.budget is not None else plan.budget,
         )
         check_plan(plan, workload)
     except ValueError as error:
         raise SystemExit(f"powered_table: {error}") from None
     import_schedulefree()  # before any run, not when the pipeline reaches sf_ref
     torch.set_num_threads(1)
-    print(run_pipeline(args.out, workload, plan, args.stage, args.allow_edges, args.max_runs, args.slide))
+    print(run_pipeline(args.out, workload, plan, args.stage, args.allow_edges, args.max_runs))
 
 
 if __name__ == "__main__":

@@ -193,15 +193,15 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str | None:
-    """The commit of the checkout the benchmark runs from, with ``+dirty`` where files differ from it (None outside
-    a git checkout)."""
+    """The commit of the checkout the benchmark runs from, with ``+dirty`` where tracked files other than the results
+    (``benchmarks/results/``, which a running benchmark rewrites) differ from it (None outside a git checkout)."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True, timeout=30
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results"],
             cwd=root, capture_output=True, text=True, check=True, timeout=30,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
@@ -232,6 +232,10 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"Not JSON serializable: {value!r}")
 
 
+#: The fields of an `environment` that decide a run's bits: a run repeats bitwise only where all of them agree.
+BITWISE_FIELDS = ("cpu", "cpu_capability", "python", "torch", "num_threads", "commit")
+
+
 class ResultsFile:
     """A resumable record of finished runs: the workload and plan they belong to, the environment, every run as it
     ends (rewritten atomically).
@@ -239,6 +243,10 @@ class ResultsFile:
     Reopening a record of the same workload keeps everything recorded (runs, selections, notes); a record of another
     workload that holds runs is refused, naming what differs, so that one record never mixes two workloads. A field
     added to the workload since a record was written counts as its default there (``workload_defaults``).
+
+    ``environment`` is where this call runs (`environment`); the record keeps every environment its runs were made in
+    (``environments``) and stamps each run with the index of its own there (``run["environment"]``), so that a record
+    resumed on another machine or at another commit says which runs come from where.
     """
 
     def __init__(
@@ -262,22 +270,85 @@ class ResultsFile:
                 raise ValueError(f"{path} records another workload ({said}); pass another --out for this one")
             else:
                 logger.warning("%s holds another workload and no runs; starting a new record", path)
+        self.data.setdefault("environments", [])
+        # A run recorded with its own environment (a dict: measured where it ran) or none (a record from before the
+        # stamps: the record's one environment) is stamped with the index of it.
+        recorded = self.data.get("environment", {})
+        self.data["runs"] = [self._stamped(run, recorded) for run in self.runs]
         self.data["environment"] = environment
+        self._environment = self._index(environment)
 
     @property
     def runs(self) -> list[dict[str, Any]]:
         return self.data["runs"]
+
+    def environments_of(self, runs: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """The distinct environments ``runs`` (default: all) were made in, as far as the record says (a run recorded
+        before the stamps were: the record's one ``environment``)."""
+        return environments_of(self.data, runs)
 
     def done(self) -> set[str]:
         """The keys of the recorded runs."""
         return {run["key"] for run in self.runs}
 
     def add(self, run: dict[str, Any]) -> None:
-        self.runs.append(run)
+        """Record ``run``, stamped with its environment: the one it carries (a dict: where it ran), else this
+        call's."""
+        self.runs.append(self._stamped(run, self._environment))
         self.write()
+
+    def _index(self, environment: dict[str, Any]) -> int:
+        environments = self.data["environments"]
+        if environment not in environments:
+            environments.append(environment)
+        return environments.index(environment)
+
+    def _stamped(self, run: dict[str, Any], default: dict[str, Any] | int) -> dict[str, Any]:
+        env = run.get("environment", default)
+        return {**run, "environment": self._index(env) if isinstance(env, dict) else env}
 
     def write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.data, indent=1, default=_json_default))
         tmp.replace(self.path)
+
+
+def environments_of(data: Mapping[str, Any], runs: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The distinct environments of a record's ``runs`` (default: all of them): each run's stamped one of
+    ``data["environments"]``, else the record's ``environment`` (a record written before the stamps)."""
+    runs = data.get("runs", []) if runs is None else runs
+    found: list[dict[str, Any]] = []
+    for run in runs:
+        env = environment_of(data, run)
+        if env not in found:
+            found.append(env)
+    return found
+
+
+def environment_of(data: Mapping[str, Any], run: Mapping[str, Any]) -> dict[str, Any]:
+    """Where ``run`` of the record ``data`` was made: its stamped one of ``data["environments"]`` (or one it carries
+    itself), else the record's ``environment`` (a record written before the stamps)."""
+    index, known = run.get("environment"), data.get("environments", [])
+    if isinstance(index, dict):
+        return index
+    return known[index] if isinstance(index, int) and 0 <= index < len(known) else data.get("environment", {})
+
+
+def bitwise_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[str]:
+    """The `BITWISE_FIELDS` on which two environments differ (a field one of them lacks counts as differing): empty
+    where a run of one should repeat bit for bit in the other."""
+    return [key for key in BITWISE_FIELDS if a.get(key) != b.get(key) or key not in a]
+
+
+def environment_text(env: Mapping[str, Any]) -> str:
+    """One line: the CPU, the instruction set torch's kernels use, Python, torch, threads, commit."""
+    if "cpu" not in env:
+        known = ", ".join(f"{key} {env[key]}" for key in ("device", "torch", "num_threads") if key in env)
+        return "a CPU not recorded" + (f" ({known})" if known else "")
+    forced = env.get("aten_cpu_capability_env")
+    capability = f"{env['cpu_capability']}" + (f" (ATEN_CPU_CAPABILITY={forced})" if forced else "")
+    return (
+        f"{env['cpu']}; torch's CPU kernels {capability}; Python {env.get('python')}, torch {env.get('torch')}, "
+        f"{env.get('num_threads')} thread(s); commit {env.get('commit')}"
+    )

@@ -198,17 +198,23 @@ def optimizer_from_entry(
 def token_windows(
     vocab_size: int,
     seq_len: int,
-    val_windows: int,
+    val_windows: int | None,
     corpus: str = "stdlib",
     max_train_chars: int | None = None,
     cache_dir: Path | None = None,
+    held_out: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(train windows, validation windows) of ``corpus`` ("stdlib", "site-packages" or a directory of .py files,
     split by file; `hf_gpa.data`), tokenized by the locally trained byte-level BPE of ``vocab_size``.
 
     Each split's token stream (documents joined by EOS) is cut into ``seq_len`` windows; the validation windows are a
-    fixed, evenly spaced subset of ``val_windows``. ``max_train_chars`` reads only the first documents of the train
-    split up to that many characters. The streams are cached (tokenizing the whole train split takes ~15 s).
+    fixed, evenly spaced subset of ``val_windows`` (`evenly_spaced`; None: every one). ``max_train_chars`` reads only
+    the first documents of the train split up to that many characters. The streams are cached (tokenizing the whole
+    train split takes ~15 s).
+
+    ``held_out`` > 0: the second tensor is instead ``held_out`` windows of the validation split that share no token
+    with the validation windows (`held_out_picks`, the powered table's), on which a benchmark reports what it tuned on
+    the others. (The DiLoCo regime picks its own, `held_out_windows`: each record keeps the windows it was made on.)
     """
     from hf_gpa.data import corpus_root, get_default_tokenizer, load_stdlib_texts
     from hf_gpa.data.stdlib_corpus import corpus_fingerprint, default_cache_dir
@@ -242,8 +248,51 @@ def token_windows(
         tmp.replace(path)
     train = streams["train"][: streams["train"].numel() // seq_len * seq_len].view(-1, seq_len)
     val_all = streams["validation"][: streams["validation"].numel() // seq_len * seq_len].view(-1, seq_len)
-    pick = torch.linspace(0, val_all.shape[0] - 1, val_windows).round().long()
-    return train, val_all[pick]
+    if held_out:
+        return train, val_all[held_out_picks(val_all.shape[0], val_windows, held_out)]
+    return train, (val_all if val_windows is None else val_all[evenly_spaced(val_all.shape[0], val_windows)])
+
+
+def evenly_spaced(total: int, count: int) -> torch.Tensor:
+    """``count`` indices evenly spaced over ``range(total)``, the first and the last included: which validation
+    windows `token_windows` keeps."""
+    return torch.linspace(0, total - 1, count).round().long()
+
+
+def held_out_windows(
+    vocab_size: int,
+    seq_len: int,
+    val_windows: int,
+    count: int,
+    corpus: str = "stdlib",
+    max_train_chars: int | None = None,
+    cache_dir: Path | None = None,
+) -> torch.Tensor:
+    """The DiLoCo regime's held-out windows: ``count`` windows of the validation split that are none of
+    `token_windows`' ``val_windows``, evenly spaced over the others, where a setting picked on the validation windows
+    is reported."""
+    _, every = token_windows(vocab_size, seq_len, None, corpus, max_train_chars, cache_dir)
+    kept = torch.ones(every.shape[0], dtype=torch.bool)
+    kept[evenly_spaced(every.shape[0], val_windows)] = False
+    others = every[kept]
+    if not 0 < count <= others.shape[0]:
+        raise ValueError(f"Invalid held-out windows: {count} (the validation split holds {others.shape[0]} others)")
+    return others[evenly_spaced(others.shape[0], count)]
+
+
+def held_out_picks(total: int, val_windows: int, count: int) -> torch.Tensor:
+    """The powered table's held-out windows: the indices of ``count`` windows among ``total``, evenly spaced over the
+    ``val_windows - 1`` windows midway between two consecutive validation windows (`evenly_spaced`), so none is a
+    validation window and each lies as far from them as the spacing allows (windows of one split, so of the same
+    files, but no shared token)."""
+    picks = evenly_spaced(total, val_windows)
+    if not 1 <= count <= val_windows - 1 or bool((picks[1:] - picks[:-1] < 2).any()):
+        raise ValueError(
+            f"Invalid held-out windows: {count} (1 to {val_windows - 1}, between {val_windows} validation windows "
+            f"at least 2 apart among {total})"
+        )
+    midway = (picks[:-1] + picks[1:]) // 2
+    return midway[torch.linspace(0, val_windows - 2, count).round().long()]
 
 
 def batch_order(num_windows: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:

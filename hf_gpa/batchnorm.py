@@ -222,13 +222,19 @@ def recalibrate_norm_statistics(
     if all_reduce and torch.distributed.is_available() and torch.distributed.is_initialized():
         if torch.distributed.get_world_size() > 1:
             _average_over_processes(layers, calls)
+    _keep_unreached(layers, calls, old)
+    return used
+
+
+def _keep_unreached(layers: list[_NormBase], calls: list[int], old: list[dict[str, torch.Tensor]]) -> None:
+    """A layer no batch reached keeps the statistics it had (``old``) rather than the reset ones; the others count
+    the batches they saw."""
     for module, count, saved in zip(layers, calls, old):
-        if count == 0:  # no batch reached this layer: keep what it had rather than the reset values
+        if count == 0:
             for buffer, tensor in saved.items():
                 getattr(module, buffer).copy_(tensor)
         elif module.num_batches_tracked is not None:
             module.num_batches_tracked.fill_(count)
-    return used
 
 
 def _average_over_processes(layers: list[_NormBase], calls: list[int]) -> None:

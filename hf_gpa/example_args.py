@@ -29,9 +29,9 @@ from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import string_to_bool
 from transformers.trainer_utils import get_last_checkpoint
 
-from hf_gpa.distributed_diloco import refuse_other_layout, refuse_other_outer, requested_layout
 from hf_gpa.optim_table import unused_flags
 from hf_gpa.training_args import GPATrainingArguments
+from hf_gpa.workers import refuse_other_checkpoint
 
 __all__ = [
     "given_flags",
@@ -399,12 +399,8 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
         )
     # DiLoCo or GPA across processes resumes only on the layout that saved it (world size, --diloco_workers, ...), and
     # DiLoCo and GPA only with the constants that saved them (--diloco_inner_steps, ..., --gpa_mu_x, --gpa_sync_steps).
-    world_size, rank = training_args.world_size, training_args.process_index
     with _as_refused_argument():
-        layout = requested_layout(training_args, world_size, rank)
-        shards = getattr(training_args, "diloco_island_shards", False)
-        refuse_other_layout(checkpoint, layout, rank, island_shards=shards)
-        refuse_other_outer(checkpoint, training_args, rank)
+        refuse_other_checkpoint(checkpoint, training_args, training_args.process_index)
     if not given:
         logger.info(
             f"Checkpoint detected, resuming training at {checkpoint}. To avoid this behavior, change "

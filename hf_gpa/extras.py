@@ -17,6 +17,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "peft": "peft",
     **dict.fromkeys(("matplotlib", "schedulefree"), "bench"),
     "torchao": "lowbit",
+    "torchft": "torchft",
 }
 #: The extras each extra includes (``examples = ["hf_gpa[hf]", ...]``).
 _INCLUDED: dict[str, tuple[str, ...]] = {

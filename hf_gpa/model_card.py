@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 from torch import nn
 from transformers import TrainingArguments
 
-from hf_gpa.distributed_diloco import workers_in_words
 from hf_gpa.optim_table import GPAOptimizerNames, muon_split
+from hf_gpa.workers import workers_in_words
 
 __all__ = ["complete_model_card", "gpa_model_card_section", "gpa_run_summary", "with_gpa_tags"]
 

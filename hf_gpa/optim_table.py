@@ -25,7 +25,7 @@ from transformers.training_args import OptimizerNames
 from transformers.utils import ExplicitEnum
 
 from hf_gpa.optim import GPA, DiLoCo, GPAAdamW, GPADiLoCo, MuonWithAuxAdam, check_num_fragments, muon_param_groups
-from hf_gpa.optim._diloco_workers import check_outer_dtype, fragment_of_each
+from hf_gpa.optim.diloco import fragments, rules
 
 __all__ = [
     "GPA_OPTIM_NAMES",
@@ -213,25 +213,26 @@ def _build_diloco_adamw(ctx: BuildContext, model: nn.Module | None) -> tuple[typ
 
 def _diloco_workers_kwargs(ctx: BuildContext, model: nn.Module | None) -> dict[str, Any]:
     """DiLoCo (or GPA) across the processes of the run (``--diloco_distributed``, ``--gpa_distributed``): M workers, P
-    fragments. P is checked here against the model's trainable tensors, which the flags alone cannot know."""
+    fragments, the outer sync's dtype and overlap. P and an int8 sync are checked here against the model's trainable
+    tensors, which the flags alone cannot know, by the optimizer's own rules."""
     if not (ctx.diloco_distributed or ctx.gpa_distributed):
         return {}
     if model is not None:
-        num_tensors = sum(1 for p in model.parameters() if p.requires_grad)
-        check_num_fragments(ctx.diloco_fragments, num_tensors=num_tensors, name="--diloco_fragments")
         numels = [p.numel() for p in model.parameters() if p.requires_grad]
-        fragments = [0] * ctx.diloco_fragments
-        for numel, fragment in zip(numels, fragment_of_each(numels, ctx.diloco_fragments)):
-            fragments[fragment] += numel
-        if ctx.diloco_distributed:
-            check_outer_dtype(ctx.diloco_outer_dtype, None, fragments, "--diloco_outer_dtype", "--diloco_fragments")
-    kwargs = {"distributed": True, "num_workers": ctx.diloco_workers, "num_fragments": ctx.diloco_fragments}
-    if ctx.diloco_distributed:  # GPA across the processes sends float32 (--diloco_outer_dtype is DiLoCo's flag)
-        kwargs["outer_dtype"] = ctx.diloco_outer_dtype
-        if ctx.diloco_overlap_steps:  # tau = 0 leaves the arguments out: the blocking sync, as before
-            kwargs["overlap_steps"] = ctx.diloco_overlap_steps
-            kwargs["overlap_alpha"] = ctx.diloco_overlap_alpha
-    return kwargs
+        check_num_fragments(ctx.diloco_fragments, num_tensors=len(numels), name="--diloco_fragments")
+        sizes = [0] * ctx.diloco_fragments
+        for numel, fragment in zip(numels, fragments.fragment_of_each(numels, ctx.diloco_fragments)):
+            sizes[fragment] += numel
+        names = {"outer_dtype": "--diloco_outer_dtype", "num_fragments": "--diloco_fragments"}
+        rules.check_fragment_sizes(ctx.diloco_outer_dtype, sizes, names)
+    return {
+        "distributed": True,
+        "num_workers": ctx.diloco_workers,
+        "num_fragments": ctx.diloco_fragments,
+        "outer_dtype": ctx.diloco_outer_dtype,
+        "overlap_steps": ctx.diloco_overlap_steps,
+        "overlap_alpha": ctx.diloco_overlap_alpha,
+    }
 
 
 def _build_muon(ctx: BuildContext, model: nn.Module | None) -> tuple[type, dict[str, Any]]:
@@ -280,8 +281,14 @@ def _build_diloco_muon(ctx: BuildContext, model: nn.Module | None) -> tuple[type
 _GPA_AVERAGING_FLAGS = ("gpa_mu_x", "gpa_inner_steps", "gpa_mu_y", "gpa_averaging")
 #: Read by the Trainer for any hf_gpa optimizer with evaluation weights x.
 _EVALUATION_FLAGS = ("gpa_bn_recalibration_batches",)
-#: Where an optimizer runs across the processes of the run: in M islands, P fragments.
-_WORKERS_FLAGS = ("diloco_workers", "diloco_fragments")
+#: The outer sync of an optimizer across the processes of the run: M islands, P fragments, its dtype and overlap.
+_WORKERS_FLAGS = (
+    "diloco_workers",
+    "diloco_fragments",
+    "diloco_outer_dtype",
+    "diloco_overlap_steps",
+    "diloco_overlap_alpha",
+)
 #: DiLoCo's flags: its constants, and where it runs.
 _DILOCO_FLAGS = (
     "diloco_inner_steps",
@@ -289,9 +296,6 @@ _DILOCO_FLAGS = (
     "diloco_outer_momentum",
     "diloco_distributed",
     *_WORKERS_FLAGS,
-    "diloco_outer_dtype",
-    "diloco_overlap_steps",
-    "diloco_overlap_alpha",
 )
 #: GPA across the processes (``--gpa_distributed``): H, the outer lr, and where it runs.
 _GPA_WORKERS_FLAGS = ("gpa_distributed", "gpa_sync_steps", "gpa_outer_lr", *_WORKERS_FLAGS)

@@ -27,10 +27,11 @@ happened to run just before the save. This subclass fixes the places that read o
   bitwise, and a checkpoint keeps them beside the optimizer state (`norm_statistics_y.safetensors`) for an exact
   resume.
 * The model card names the optimizer and its constants (`hf_gpa.model_card`).
-* DiLoCo across the processes (``--diloco_distributed``): `_wrap_model()` gives the model a DDP over its worker's
-  island of processes only (under the FSDP2 config, the model is sharded by FSDP2 over the island instead, before
-  the optimizer is built), every process saves and resumes its own worker's optimizer state, and a checkpoint
-  saved on another layout is refused before training: the hooks of `hf_gpa.distributed_diloco.DiLoCoWorkersMixin`,
+* DiLoCo and GPA across the processes (``--diloco_distributed``, ``--gpa_distributed``): `_wrap_model()` gives the
+  model a DDP over its worker's island of processes only (under the FSDP2 config, the model is sharded by FSDP2 over
+  the island instead, before the optimizer is built), every process saves and resumes its own worker's optimizer
+  state, a checkpoint saved on another layout is refused before training, and the last step synchronises every step
+  since the last outer step before the last evaluation and save: the hooks of `hf_gpa.workers.DiLoCoWorkersMixin`,
   which this class composes.
 
 Only overrides; transformers and accelerate are not patched. With a stock `--optim` it behaves as `Trainer`, with
@@ -40,6 +41,7 @@ the same callbacks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import weakref
@@ -65,7 +67,6 @@ from transformers.utils import (
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, NormStatisticsAtX, count_over_processes, norm_layers
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
-from hf_gpa.distributed_diloco import DiLoCoWorkersMixin
 from hf_gpa.model_card import complete_model_card, gpa_model_card_section, gpa_run_summary, with_gpa_tags
 from hf_gpa.optim import (
     StepInBackward,
@@ -75,6 +76,7 @@ from hf_gpa.optim import (
 )
 from hf_gpa.optim_table import GPAOptimizerNames, optim_that_saved, optimizer_cls_and_kwargs
 from hf_gpa.training_args import deepspeed_refusal
+from hf_gpa.workers import DiLoCoWorkersMixin
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -121,16 +123,28 @@ def _refuse_gpa_state_for_stock_optimizer(checkpoint: str, args: TrainingArgumen
 
 
 class EvaluationWeightsAtTrainEnd(TrainerCallback):
-    """Puts the trainer's model at x (with x's norm statistics) in ``on_train_end``; `GPATrainer` adds it, with a GPA
-    optimizer only, right after `DefaultFlowCallback`, ahead of every other callback."""
+    """Puts the trainer's model at x (with x's norm statistics) in ``on_train_end``; a DiLoCo or GPA-across-workers
+    optimizer synchronises every step since its last outer step after the last step, before that step's evaluation
+    and save (or at the end of a run stopped early: `DiLoCoWorkersMixin.synchronize_outer`). `GPATrainer` adds it,
+    with a GPA optimizer only, right after `DefaultFlowCallback`, ahead of every other callback."""
 
     def __init__(self, trainer: GPATrainer) -> None:
         self._trainer = weakref.ref(trainer)  # no reference cycle: the trainer holds this callback
 
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None:
+            trainer.synchronize_outer(end=False)
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is not None and state.global_step >= state.max_steps:
+            trainer.synchronize_outer(end=True)
+
     def on_train_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._trainer()
         if trainer is not None:
-            trainer.apply_outer_syncs_in_flight()
+            trainer.synchronize_outer(end=True)
             trainer._hold_x()
 
 
@@ -219,42 +233,13 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
                 NORM_STATISTICS_Y_NAME,
             )
         used = self._norm_statistics.to_x(
-            self._recalibration_dataloader(),
+            _recalibration_dataloader(self),
             num_batches,
-            forward=self._recalibration_forward,
+            forward=functools.partial(_recalibration_forward, self),
             all_reduce=all_reduce,
             seed=self.args.seed + self.args.process_index,
         )
         logger.info("Norm-layer running statistics recomputed at x from %d training batches", used)
-
-    def _recalibration_dataloader(self) -> DataLoader:
-        """A fresh loader over the train dataset with its own seeded shuffling: training's loader and sampler, and
-        the global random state, are left alone (so a resumed run stays bitwise). No worker processes."""
-        dataset, collator = self.train_dataset, self.data_collator
-        description = "BatchNorm recalibration"
-        if is_datasets_available():
-            import datasets
-        if is_datasets_available() and isinstance(dataset, datasets.Dataset):
-            dataset = self._remove_unused_columns(dataset, description=description)
-        else:
-            collator = self._get_collator_with_removed_columns(collator, description=description)
-        batch_size = self._train_batch_size
-        if isinstance(dataset, IterableDataset):
-            return DataLoader(dataset, batch_size=batch_size, collate_fn=collator)
-        generator = torch.Generator().manual_seed(self.args.seed + self.args.process_index)
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            shuffle=True,
-            generator=generator,
-            collate_fn=collator,
-            drop_last=len(dataset) >= batch_size,  # no short last batch: BatchNorm needs > 1 value per channel
-        )
-
-    def _recalibration_forward(self, model: nn.Module, batch: dict[str, Any]) -> None:
-        inputs = self._prepare_inputs(batch)
-        with self.compute_loss_context_manager():
-            model(**inputs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The next class's `training_step`; y's norm statistics come back first if x's were left in place. With
@@ -408,14 +393,6 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
 
             save_file(statistics_y, os.path.join(output_dir, NORM_STATISTICS_Y_NAME))
 
-    def _load_norm_statistics_y(self, checkpoint: str) -> dict[str, torch.Tensor] | None:
-        path = os.path.join(checkpoint, NORM_STATISTICS_Y_NAME)
-        if not os.path.isfile(path):
-            return None
-        from safetensors.torch import load_file
-
-        return load_file(path)
-
     # ---- resuming and best-model loading: weights on disk are x ----
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None, *args: Any, **kwargs: Any) -> None:
@@ -427,7 +404,7 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
             return
         # The model holds the checkpoint's weights and norm statistics (x's, when recomputed): any statistics held
         # from before are stale, and y's, when the checkpoint has them, are the ones training continues with.
-        self._norm_statistics.hold(self._load_norm_statistics_y(checkpoint))
+        self._norm_statistics.hold(_load_norm_statistics_y(checkpoint))
         self._norm_statistics.to_y()
         if inner.train_mode:
             # No optimizer state there (save_only_model), or one saved in train mode by another trainer: the
@@ -481,7 +458,7 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
             )
             return
         # The model holds the best checkpoint's x and its norm statistics; y's (if kept) come back with y.
-        self._norm_statistics.hold(self._load_norm_statistics_y(self.state.best_model_checkpoint))
+        self._norm_statistics.hold(_load_norm_statistics_y(self.state.best_model_checkpoint))
         # The best checkpoint's eval-mode state (and its scheduler) matches the x just loaded: optimizer.train()
         # would give its y. Loaded as a resume loads it, so FSDP's sharded states and devices are handled alike.
         if not self._load_eval_mode_state(self.state.best_model_checkpoint):
@@ -546,10 +523,50 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
             and self.is_world_process_zero()
             and self.args.hub_strategy != HubStrategy.END
         ):
-            self.create_model_card(model_name=self._hub_model_name())
+            self.create_model_card(model_name=_hub_model_name(self.args))
         super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)
 
-    def _hub_model_name(self) -> str:
-        if self.args.hub_model_id is None:
-            return os.path.basename(os.path.normpath(self.args.output_dir))
-        return self.args.hub_model_id.split("/")[-1]
+
+def _recalibration_dataloader(trainer: GPATrainer) -> DataLoader:
+    """A fresh loader over the train dataset with its own seeded shuffling: training's loader and sampler, and
+    the global random state, are left alone (so a resumed run stays bitwise). No worker processes."""
+    dataset, collator = trainer.train_dataset, trainer.data_collator
+    description = "BatchNorm recalibration"
+    if is_datasets_available():
+        import datasets
+    if is_datasets_available() and isinstance(dataset, datasets.Dataset):
+        dataset = trainer._remove_unused_columns(dataset, description=description)
+    else:
+        collator = trainer._get_collator_with_removed_columns(collator, description=description)
+    batch_size = trainer._train_batch_size
+    if isinstance(dataset, IterableDataset):
+        return DataLoader(dataset, batch_size=batch_size, collate_fn=collator)
+    generator = torch.Generator().manual_seed(trainer.args.seed + trainer.args.process_index)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        generator=generator,
+        collate_fn=collator,
+        drop_last=len(dataset) >= batch_size,  # no short last batch: BatchNorm needs > 1 value per channel
+    )
+
+def _recalibration_forward(trainer: GPATrainer, model: nn.Module, batch: dict[str, Any]) -> None:
+    inputs = trainer._prepare_inputs(batch)
+    with trainer.compute_loss_context_manager():
+        model(**inputs)
+
+
+def _load_norm_statistics_y(checkpoint: str) -> dict[str, torch.Tensor] | None:
+    path = os.path.join(checkpoint, NORM_STATISTICS_Y_NAME)
+    if not os.path.isfile(path):
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def _hub_model_name(args: TrainingArguments) -> str:
+    if args.hub_model_id is None:
+        return os.path.basename(os.path.normpath(args.output_dir))
+    return args.hub_model_id.split("/")[-1]

@@ -37,32 +37,33 @@ from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, check_recalibration_
 from hf_gpa.optim import (
     AVERAGING_MODES,
     DEFAULT_AVERAGING,
-    DEFAULT_INNER_STEPS,
     DEFAULT_MU_X,
     DEFAULT_MU_Y,
-    DEFAULT_NUM_FRAGMENTS,
-    DEFAULT_OUTER_LR,
-    DEFAULT_OUTER_LR_ACROSS_WORKERS,
-    DEFAULT_OUTER_MOMENTUM,
     check_averaging,
     check_betas,
     check_eps,
-    check_inner_steps,
     check_lr,
     check_mu_x,
     check_mu_y,
-    check_num_fragments,
-    check_num_workers,
-    check_outer_lr,
-    check_outer_momentum,
     check_weight_decay,
     default_outer_lr,
     inner_steps_from_mu_x,
     mu_x_from_inner_steps,
 )
-from hf_gpa.optim._checks import check_overlap
-from hf_gpa.optim._diloco_workers import OUTER_DTYPES, check_outer_dtype
-from hf_gpa.optim.gpa_diloco import DEFAULT_GPA_DILOCO_MU, check_outer_mu_y, outer_lr_like_diloco
+from hf_gpa.optim.diloco import (
+    DEFAULT_GPA_DILOCO_MU,
+    DEFAULT_INNER_STEPS,
+    DEFAULT_NUM_FRAGMENTS,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_LR_ACROSS_WORKERS,
+    DEFAULT_OUTER_MOMENTUM,
+    OUTER_DTYPES,
+    check_inner_steps,
+    check_outer_lr,
+    check_outer_momentum,
+    check_outer_mu_y,
+    outer_lr_like_diloco,
+)
 from hf_gpa.optim_table import (
     FLAG_READERS,
     GPA_OPTIM_NAMES,
@@ -75,6 +76,7 @@ from hf_gpa.optim_table import (
     reads_adam_flags,
     unused_flags,
 )
+from hf_gpa.workers import check_workers_flags
 
 __all__ = [
     "DEFAULT_MU_X",
@@ -260,7 +262,8 @@ class GPATrainingArguments(TrainingArguments):
         default="float32",
         metadata={
             "help": (
-                "With --diloco_distributed and more than one worker: the dtype the pseudo-gradients cross the workers "
+                "With --diloco_distributed or --gpa_distributed and more than one worker: the dtype the "
+                "pseudo-gradients cross the workers "
                 "in at each outer step: float32 (as they are), bfloat16 (half the bytes) or int8 (a float32 scale per "
                 "block of 256 elements: about a quarter), the compressed ones with error feedback (each worker keeps "
                 "what compression lost and adds it to its next pseudo-gradient). Each fragment needs at least 256 "
@@ -273,11 +276,11 @@ class GPATrainingArguments(TrainingArguments):
         default=0,
         metadata={
             "help": (
-                "With --diloco_distributed, more than one worker and --diloco_fragments P > 1: tau, the inner steps a "
-                "fragment's outer all-reduce runs in the background (streaming DiLoCo's overlap): its outer update "
-                "is applied tau inner steps after it is due. 0 (default): each outer sync blocks the step that takes "
-                "it. Must be below H // P (--diloco_inner_steps // --diloco_fragments); float32 "
-                "--diloco_outer_dtype only."
+                "With --diloco_distributed or --gpa_distributed, more than one worker and --diloco_fragments P > 1: "
+                "tau, the inner steps a fragment's outer all-reduce runs in the background (streaming DiLoCo's "
+                "overlap): its outer update is applied tau inner steps after it is due. 0 (default): each outer sync "
+                "blocks the step that takes it. Must be below H // P (--diloco_inner_steps or --gpa_sync_steps, "
+                "// --diloco_fragments); float32 --diloco_outer_dtype only."
             )
         },
     )
@@ -286,8 +289,8 @@ class GPATrainingArguments(TrainingArguments):
         metadata={
             "help": (
                 "With --diloco_overlap_steps > 0: alpha in [0, 1], the weight of the inner weights that moved on "
-                "during an overlapped sync when the new outer weights are mixed in (inner <- alpha inner + "
-                "(1 - alpha) outer). 0 (default): replaced by the outer weights."
+                "during an overlapped sync when the new restart point (DiLoCo's outer weights, GPA's y) is mixed in "
+                "(inner <- alpha inner + (1 - alpha) outer). 0 (default): replaced by it."
             )
         },
     )
@@ -585,7 +588,7 @@ class GPATrainingArguments(TrainingArguments):
         self.diloco_outer_lr = check_outer_lr(self.diloco_outer_lr, "--diloco_outer_lr")
         self.diloco_outer_momentum = check_outer_momentum(self.diloco_outer_momentum, "--diloco_outer_momentum")
         self._refuse_unused_flags(optim, given)
-        self._check_diloco_distributed()
+        check_workers_flags(self)
 
     def _check_gpa_across_workers(self) -> None:
         """--optim gpa_adamw --gpa_distributed: GPA's flags as the outer step of `GPADiLoCo` reads them (mu_x and mu_y
@@ -615,180 +618,11 @@ class GPATrainingArguments(TrainingArguments):
             )
         self.gpa_outer_lr = check_outer_lr(self.gpa_outer_lr, "--gpa_outer_lr")
 
-    def _check_diloco_distributed(self) -> None:
-        """--diloco_distributed or --gpa_distributed, --diloco_workers, --diloco_fragments: checked against the number
-        of processes the launcher started (``WORLD_SIZE``), and every setting that would let the processes step apart
-        refused."""
-        if not isinstance(self.diloco_distributed, bool):
-            raise ValueError(f"Invalid --diloco_distributed: {self.diloco_distributed!r} (true or false)")
-        if not self.gpa_distributed:
-            given = [
-                f"--{flag} {getattr(self, flag)}"
-                for flag in ("gpa_sync_steps", "gpa_outer_lr")
-                if getattr(self, flag) != self.__dataclass_fields__[flag].default
-            ]
-            if given:
-                raise ValueError(
-                    f"{' and '.join(given)} only applies with --gpa_distributed true (GPA across the processes). "
-                    "Add --gpa_distributed true under accelerate launch or torchrun, or leave them out."
-                )
-        check_outer_dtype(self.diloco_outer_dtype, name="--diloco_outer_dtype")
-        overlap_given = [
-            f"--{flag} {getattr(self, flag)}"
-            for flag in ("diloco_overlap_steps", "diloco_overlap_alpha")
-            if getattr(self, flag) != self.__dataclass_fields__[flag].default
-        ]
-        if overlap_given and self.diloco_distributed is not True:
-            raise ValueError(
-                f"{' and '.join(overlap_given)} only applies with --diloco_distributed true (streaming DiLoCo across "
-                "the processes, whose fragments' outer syncs it overlaps). Add --diloco_distributed true and "
-                "--diloco_fragments P > 1 under accelerate launch or torchrun, or leave them out."
-            )
-        flag = self.across_workers
-        if flag is None:
-            given = [
-                f"--{flag} {getattr(self, flag)}"
-                for flag in ("diloco_workers", "diloco_fragments", "diloco_outer_dtype")
-                if getattr(self, flag) != self.__dataclass_fields__[flag].default
-            ]
-            if given:
-                raise ValueError(
-                    f"{' and '.join(given)} only applies with --diloco_distributed true or --gpa_distributed true "
-                    "(DiLoCo or GPA across the processes); a single worker has no workers to count and no outer "
-                    "all-reduce to spread. Add one of them under accelerate launch or torchrun, or leave them out."
-                )
-            return
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size < 2:
-            single = "single-worker DiLoCo" if flag == "--diloco_distributed" else "GPA on one process"
-            raise ValueError(
-                f"{flag} true on a single process (WORLD_SIZE {world_size}): there is no other worker "
-                "to average with. Launch several processes (accelerate launch --num_processes N, torchrun "
-                f"--nproc_per_node N), or leave {flag} out for {single}."
-            )
-        if self.diloco_workers is not None:
-            self.diloco_workers = check_num_workers(self.diloco_workers, world_size, "--diloco_workers")
-        inner_steps = self.diloco_inner_steps if flag == "--diloco_distributed" else self.gpa_sync_steps
-        self.diloco_fragments = check_num_fragments(
-            self.diloco_fragments, inner_steps=inner_steps, name="--diloco_fragments"
-        )
-        check_outer_dtype(self.diloco_outer_dtype, self.diloco_workers, name="--diloco_outer_dtype")
-        if flag == "--diloco_distributed":
-            self.diloco_overlap_steps, self.diloco_overlap_alpha = check_overlap(
-                self.diloco_overlap_steps,
-                self.diloco_overlap_alpha,
-                self.diloco_fragments,
-                inner_steps,
-                self.diloco_outer_dtype,
-                names={
-                    "overlap_steps": "--diloco_overlap_steps",
-                    "overlap_alpha": "--diloco_overlap_alpha",
-                    "num_fragments": "--diloco_fragments",
-                    "inner_steps": "--diloco_inner_steps",
-                    "outer_dtype": "--diloco_outer_dtype",
-                },
-            )
-            if self.diloco_overlap_steps and self.diloco_workers == 1:
-                raise ValueError(
-                    f"Invalid --diloco_overlap_steps: {self.diloco_overlap_steps} with --diloco_workers 1, a single "
-                    "worker, which sends no pseudo-gradient to overlap; leave it 0, or use more workers"
-                )
-        refusals = []
-        if self._uses_fsdp and flag == "--gpa_distributed":
-            refusals.append(
-                "FSDP: GPA's outer step across workers is not supported on FSDP2's shards yet; use DDP "
-                "(configs/accelerate_ddp.yaml), or --optim diloco_adamw --diloco_distributed true, which shards "
-                "each island under FSDP2"
-            )
-        elif self._uses_fsdp:
-            self._check_island_shards(world_size)
-        if self._deepspeed_route is not None:
-            refusals.append("DeepSpeed: it owns the optimizer step; use DDP (configs/accelerate_ddp.yaml)")
-        if self.fp16:
-            refusals.append(
-                "--fp16: its loss scaling skips the steps whose gradients overflow, which differ between workers, "
-                "so the workers would reach the outer all-reduce at different steps; use --bf16"
-            )
-        if refusals:
-            raise ValueError(f"{flag} cannot run with " + "; ".join(refusals) + ".")
-
     @property
     def diloco_island_shards(self) -> bool:
         """True when each DiLoCo worker's island is sharded by FSDP2 (``--diloco_distributed true`` under FSDP: a
         (M, W / M) ("worker", "shard") mesh, the model sharded over "shard"); the arguments were checked for it."""
         return self.diloco_distributed is True and self._uses_fsdp
-
-    def _check_island_shards(self, world_size: int) -> None:
-        """``--diloco_distributed true`` under FSDP: FSDP2 shards each island (W / M processes) and nothing else.
-        Everything that would shard otherwise, or that the sharded outer step does not do, is refused by name."""
-        workers = self.diloco_workers or world_size
-        island = world_size // workers
-        config = self.fsdp_config if isinstance(self.fsdp_config, dict) else {}
-        env = os.environ.get
-        refusals = []
-        version = env("FSDP_VERSION") if strtobool(env("ACCELERATE_USE_FSDP", "false")) else config.get("version", 2)
-        if str(version) != "2":
-            refusals.append(
-                f"FSDP version {version} (fsdp_version in the accelerate config, or fsdp_config's version): only "
-                "FSDP2 (fully_shard) shards inside each island; use configs/accelerate_fsdp2.yaml"
-            )
-        if workers == world_size:
-            refusals.append(
-                f"--diloco_workers {workers} on {world_size} processes (unset: one worker per process): each island "
-                "is one process, with nothing to shard; give --diloco_workers M with 1 < M < "
-                f"{world_size} dividing it (islands of W / M processes), or use DDP (configs/accelerate_ddp.yaml)"
-            )
-        elif workers == 1:
-            refusals.append(
-                "--diloco_workers 1: one island of every process is FSDP around single-worker DiLoCo; leave "
-                "--diloco_distributed out for that, or give --diloco_workers M > 1"
-            )
-        replicate = int(env("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
-        shard = int(env("PARALLELISM_CONFIG_DP_SHARD_SIZE", str(island)))
-        options = self.fsdp.split() if isinstance(self.fsdp, str) else self.fsdp if isinstance(self.fsdp, list) else []
-        hybrid = any("hybrid" in str(option).lower() for option in options)
-        hybrid = hybrid or "HYBRID" in env("FSDP_SHARDING_STRATEGY", "").upper()
-        if replicate != 1 or shard not in (1, island) or hybrid:
-            refusals.append(
-                f"an FSDP shard group that is not one island (parallelism_config dp_replicate_size {replicate}, "
-                f"dp_shard_size {shard}{', HYBRID_SHARD' if hybrid else ''}): the workers are the replicas, each "
-                f"island of {island} processes (W / M = {world_size} / {workers}) one shard group; leave "
-                f"dp_replicate_size 1 and dp_shard_size {island} (or unset) and no hybrid sharding"
-            )
-        other = [int(env(f"PARALLELISM_CONFIG_{dim}_SIZE", "1")) for dim in ("TP", "CP", "SP")]
-        if any(size != 1 for size in other):
-            refusals.append("tensor, context or sequence parallelism (parallelism_config tp/cp/sp_size > 1)")
-        if strtobool(env("FSDP_OFFLOAD_PARAMS", "false")) or config.get("cpu_offload", False):
-            refusals.append("FSDP parameter offload (fsdp_offload_params / fsdp_config cpu_offload); leave it off")
-        checkpointing = env("FSDP_ACTIVATION_CHECKPOINTING", str(config.get("activation_checkpointing", False)))
-        if strtobool(str(checkpointing)):
-            refusals.append(
-                "FSDP activation checkpointing (fsdp_activation_checkpointing), which accelerate applies only to a "
-                "model it shards itself; leave it off"
-            )
-        state_dict_type = env("FSDP_STATE_DICT_TYPE", str(config.get("state_dict_type", "FULL_STATE_DICT")))
-        if "SHARDED" in state_dict_type.upper():
-            refusals.append(
-                f"fsdp_state_dict_type {state_dict_type}: the model files hold the full outer weights "
-                "(FULL_STATE_DICT), the inner state one optimizer file per process"
-            )
-        if self.load_best_model_at_end:
-            refusals.append(
-                "--load_best_model_at_end: loading a checkpoint's full weights into the sharded model is not "
-                "supported yet; leave it out (resuming from a checkpoint is)"
-            )
-        if self.diloco_outer_dtype != "float32":
-            refusals.append(
-                f"--diloco_outer_dtype {self.diloco_outer_dtype}: the compressed outer sync is not supported on "
-                "FSDP2's shards yet; leave it float32"
-            )
-        if self.diloco_overlap_steps:
-            refusals.append(
-                f"--diloco_overlap_steps {self.diloco_overlap_steps}: the overlapped outer sync is not supported on "
-                "FSDP2's shards yet; leave it 0"
-            )
-        if refusals:
-            raise ValueError("--diloco_distributed true under FSDP cannot run with " + "; ".join(refusals) + ".")
 
     def _check_adam_flags(self) -> None:
         """AdamW's flags, checked as the optimizer checks them, where the chosen --optim reads them (an optimizer

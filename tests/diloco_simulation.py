@@ -9,7 +9,11 @@ every worker's inner weights are reset to them. With an overlap of tau > 0 inner
 average of the pseudo-gradients taken at step t is applied after step t + tau (before the fragments due then take
 theirs), and each worker's inner weights, which moved on meanwhile, become alpha inner + (1 - alpha) outer. Written
 from the papers' algorithms (DiLoCo, Streaming DiLoCo), with nothing of hf_gpa; the split into fragments is written
-out for the MLP (``FRAGMENTS``) rather than computed.
+out for the MLP (``FRAGMENTS``) rather than computed. The outer step is an object (`NesterovStep` by default;
+``gpa_diloco_simulation.PrimalAveragingStep`` for GPA across workers): the point the pseudo-gradients are taken from,
+and the step that gives the point the workers restart from. ``synchronize=True`` ends the run as the Trainer does:
+after the last step the syncs in flight are applied and every fragment with steps since its last outer step takes
+one with them.
 
 The model and the global batches are those of ``distributed_workers``; rank r of W owns rows
 [r G / W, (r + 1) G / W) of each global batch of G rows.
@@ -17,6 +21,7 @@ The model and the global batches are those of ``distributed_workers``; rank r of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +89,27 @@ def chunk_bounds(numel: int, num_workers: int, outer_dtype: str) -> list[tuple[i
     return [(min(w * size, numel), min((w + 1) * size, numel)) for w in range(num_workers)]
 
 
+class NesterovStep:
+    """DiLoCo's outer step: b <- mu b + p, outer <- outer - outer_lr (p + mu b); the workers restart from outer."""
+
+    def __init__(self, initial: list[torch.Tensor], outer_lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM):
+        self.outer = [p.clone() for p in initial]
+        self.momentum = [torch.zeros_like(p) for p in initial]
+        self.outer_lr, self.mu = outer_lr, momentum
+
+    def reference(self, i: int) -> torch.Tensor:
+        return self.outer[i]
+
+    def update(self, i: int, p: torch.Tensor) -> torch.Tensor:
+        self.momentum[i].mul_(self.mu).add_(p)
+        self.outer[i].sub_(p.add(self.momentum[i], alpha=self.mu), alpha=self.outer_lr)
+        return self.outer[i]
+
+    def state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the evaluation weights, the second outer tensor): the outer weights and momentum."""
+        return self.outer, self.momentum
+
+
 def simulate(
     num_workers: int,
     island_size: int,
@@ -94,6 +120,8 @@ def simulate(
     outer_dtype: str = "float32",
     overlap_steps: int = 0,
     overlap_alpha: float = 0.0,
+    outer_step: Callable[[list[torch.Tensor]], Any] | None = None,
+    synchronize: bool = False,
 ) -> list[Snapshot]:
     """The plain loop of M = ``num_workers`` workers of ``island_size`` ranks each: a snapshot after every step.
 
@@ -104,28 +132,27 @@ def simulate(
     (`chunk_bounds`), sends that compressed (int8: its blocks counted from the share's start), keeps what this second
     compression lost as its server residual, and everyone takes what was sent (``Snapshot.server_residuals``).
     ``overlap_steps`` tau > 0: the average of the pseudo-gradients taken at step t moves the outer weights after step
-    t + tau, and the inner weights are mixed with the new outer weights by ``overlap_alpha`` (0: replaced)."""
+    t + tau, and the inner weights are mixed with the new restart point by ``overlap_alpha`` (0: replaced).
+    ``outer_step``: the outer step's class, built on the initial weights (default `NesterovStep`). ``synchronize``:
+    the last snapshot is taken after the end-of-training sync (the syncs in flight applied, then every fragment with
+    steps since its last outer step synchronised)."""
     world_size = num_workers * island_size
     models = [build_mlp(dtype) for _ in range(num_workers)]  # seeded: the same initial weights
     inner_optimizers = [torch.optim.AdamW(model.parameters(), **ADAMW_KW) for model in models]
     weights = [list(model.parameters()) for model in models]
-    outer = [p.detach().clone() for p in weights[0]]
-    momentum = [torch.zeros_like(p) for p in outer]
-    residuals = [[torch.zeros_like(p) for p in outer] for _ in range(num_workers)]
-    servers = [[torch.zeros_like(p) for p in outer] for _ in range(num_workers)]
-    two_stage = outer_dtype != "float32" and num_workers > 2
+    step = (outer_step or NesterovStep)([p.detach() for p in weights[0]])
+    sync = _Sync(num_workers, outer_dtype, [p.detach() for p in weights[0]], step)
     history = []
     pending: list[tuple[int, dict[int, torch.Tensor]]] = []  # (the step after which it applies, {tensor: average})
 
     def outer_update(averages: dict[int, torch.Tensor]) -> None:
         for i, p in averages.items():
-            momentum[i].mul_(OUTER_MOMENTUM).add_(p)
-            outer[i].sub_(p.add(momentum[i], alpha=OUTER_MOMENTUM), alpha=OUTER_LR)
+            restart = step.update(i, p)
             for w in weights:
                 if overlap_alpha == 0.0:
-                    w[i].copy_(outer[i])
+                    w[i].copy_(restart)
                 else:
-                    w[i].mul_(overlap_alpha).add_(outer[i], alpha=1.0 - overlap_alpha)
+                    w[i].mul_(overlap_alpha).add_(restart, alpha=1.0 - overlap_alpha)
 
     for t in range(1, steps + 1):
         for worker, (model, optimizer) in enumerate(zip(models, inner_optimizers)):
@@ -138,8 +165,6 @@ def simulate(
                 island = [g[i] for g in grads]
                 p.grad = island[0] if island_size == 1 else sum(island[1:], island[0]) / island_size
             optimizer.step()
-        averaged: list[list[torch.Tensor | None]] = [[None] * len(outer) for _ in range(num_workers)]
-        due = False
         with torch.no_grad():
             while pending and pending[0][0] == t:
                 outer_update(pending.pop(0)[1])
@@ -148,52 +173,73 @@ def simulate(
                 for i, fragment in enumerate(FRAGMENTS[num_fragments])
                 if (t - fragment * inner_steps // num_fragments) % inner_steps == 0
             ]
-            received = [[None] * len(outer) for _ in range(num_workers)]
-            for worker, w in enumerate(weights):
-                pseudo = [outer[i] - w[i] for i in due_now]
-                if outer_dtype != "float32":
-                    pseudo = [q + residuals[worker][i] for q, i in zip(pseudo, due_now)]
-                if not pseudo:
-                    continue
-                sent = compressed(torch.cat([q.reshape(-1) for q in pseudo]), outer_dtype)
-                for i, q, got in zip(due_now, pseudo, sent.split([q.numel() for q in pseudo])):
-                    averaged[worker][i] = q
-                    received[worker][i] = got.view(q.shape)
-                    if outer_dtype != "float32":
-                        residuals[worker][i] = q - received[worker][i]
-            averages = {}
-            if due_now:
-                due = True
-                shapes = [outer[i].shape for i in due_now]
-                flat = [torch.cat([received[w][i].reshape(-1) for i in due_now]) for w in range(num_workers)]
-                p = flat[0]
-                for q in flat[1:]:
-                    p = p + q  # the fixed order: worker 0, 1, 2, ...
-                p = p / num_workers
-                if two_stage:
-                    again = torch.empty_like(p)
-                    for w, (start, stop) in enumerate(chunk_bounds(p.numel(), num_workers, outer_dtype)):
-                        kept = torch.cat([servers[w][i].reshape(-1) for i in due_now])
-                        share = p[start:stop] + kept[start:stop]
-                        again[start:stop] = compressed(share, outer_dtype)
-                        kept[start:stop] = share - again[start:stop]
-                        for i, e in zip(due_now, kept.split([outer[i].numel() for i in due_now])):
-                            servers[w][i] = e.view(outer[i].shape).clone()
-                    p = again
-                for i, shape, average in zip(due_now, shapes, p.split([outer[i].numel() for i in due_now])):
-                    averages[i] = average.view(shape)
+            averages, averaged = sync.exchange(due_now, weights)
             if overlap_steps == 0:
                 outer_update(averages)
             elif averages:
                 pending.append((t + overlap_steps, averages))
-        history.append(
-            Snapshot(
-                inner=[[p.detach().clone() for p in w] for w in weights],
-                outer=[p.clone() for p in outer],
-                momentum=[b.clone() for b in momentum],
-                pseudo_gradients=averaged if due else None,
-                residuals=[[e.clone() for e in r] for r in residuals],
-                server_residuals=[[e.clone() for e in r] for r in servers],
-            )
-        )
+            if synchronize and t == steps:
+                while pending:
+                    outer_update(pending.pop(0)[1])
+                offsets = [fragment * inner_steps // num_fragments for fragment in FRAGMENTS[num_fragments]]
+                since = [t if t < offset else (t - offset) % inner_steps for offset in offsets]
+                outer_update(sync.exchange([i for i, n in enumerate(since) if n > 0], weights)[0])
+        history.append(sync.snapshot(weights, averaged if due_now else None))
     return history
+
+
+class _Sync:
+    """The workers' exchange of the pseudo-gradients of the due tensors, plain or compressed (see `simulate`)."""
+
+    def __init__(self, num_workers: int, outer_dtype: str, initial: list[torch.Tensor], step: Any) -> None:
+        self.num_workers, self.outer_dtype, self.step = num_workers, outer_dtype, step
+        self.residuals = [[torch.zeros_like(p) for p in initial] for _ in range(num_workers)]
+        self.servers = [[torch.zeros_like(p) for p in initial] for _ in range(num_workers)]
+        self.shapes = [p.shape for p in initial]
+
+    def exchange(
+        self, due_now: list[int], weights: list[list[torch.Tensor]]
+    ) -> tuple[dict[int, torch.Tensor], list[list[torch.Tensor | None]]]:
+        """({tensor: the average every worker receives}, each worker's pseudo-gradients as it sent them)."""
+        num_workers, outer_dtype = self.num_workers, self.outer_dtype
+        averaged: list[list[torch.Tensor | None]] = [[None] * len(self.shapes) for _ in range(num_workers)]
+        if not due_now:
+            return {}, averaged
+        numels = [self.shapes[i].numel() for i in due_now]
+        received = []
+        for worker, w in enumerate(weights):
+            pseudo = [self.step.reference(i) - w[i] for i in due_now]
+            if outer_dtype != "float32":
+                pseudo = [q + self.residuals[worker][i] for q, i in zip(pseudo, due_now)]
+            sent = compressed(torch.cat([q.reshape(-1) for q in pseudo]), outer_dtype)
+            received.append(sent)
+            for i, q, got in zip(due_now, pseudo, sent.split(numels)):
+                averaged[worker][i] = q
+                if outer_dtype != "float32":
+                    self.residuals[worker][i] = q - got.view(q.shape)
+        p = received[0]
+        for q in received[1:]:
+            p = p + q  # the fixed order: worker 0, 1, 2, ...
+        p = p / num_workers
+        if outer_dtype != "float32" and num_workers > 2:
+            again = torch.empty_like(p)
+            for w, (start, stop) in enumerate(chunk_bounds(p.numel(), num_workers, outer_dtype)):
+                kept = torch.cat([self.servers[w][i].reshape(-1) for i in due_now])
+                share = p[start:stop] + kept[start:stop]
+                again[start:stop] = compressed(share, outer_dtype)
+                kept[start:stop] = share - again[start:stop]
+                for i, e in zip(due_now, kept.split(numels)):
+                    self.servers[w][i] = e.view(self.shapes[i]).clone()
+            p = again
+        return {i: average.view(self.shapes[i]) for i, average in zip(due_now, p.split(numels))}, averaged
+
+    def snapshot(self, weights: list[list[torch.Tensor]], averaged: list | None) -> Snapshot:
+        first, second = self.step.state()
+        return Snapshot(
+            inner=[[p.detach().clone() for p in w] for w in weights],
+            outer=[p.clone() for p in first],
+            momentum=[b.clone() for b in second],
+            pseudo_gradients=averaged,
+            residuals=[[e.clone() for e in r] for r in self.residuals],
+            server_residuals=[[e.clone() for e in r] for r in self.servers],
+        )

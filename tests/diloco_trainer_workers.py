@@ -128,7 +128,7 @@ class Recorder(TrainerCallback):
 
 
 class StartLines(logging.Handler):
-    """The INFO lines hf_gpa.distributed_diloco logs (the start line of a run across processes)."""
+    """The INFO lines hf_gpa.workers logs (the start line of a run across processes)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -145,8 +145,21 @@ def groups_of(trainer: GPATrainer) -> dict[str, list[int]]:
     return {g.group_name: dist.get_process_group_ranks(g) for g in groups if g is not None}
 
 
+class EarliestIsBest(TrainerCallback):
+    """Every evaluation's metrics get ``eval_earliness`` = -step, so that with it as the metric for the best model
+    (greater is better) the best checkpoint is the first one, whatever the losses do."""
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float], **kwargs: Any) -> None:
+        metrics["eval_earliness"] = -state.global_step
+
+
 def run(
-    out: Path, name: str, resume: str | None = None, model: torch.nn.Module | None = None, **overrides: Any
+    out: Path,
+    name: str,
+    resume: str | None = None,
+    model: torch.nn.Module | None = None,
+    callbacks: tuple[TrainerCallback, ...] = (),
+    **overrides: Any,
 ) -> dict[str, Any]:
     """One training run with the Recorder (of ``model``, by default the tiny Llama); what it held, saved and
     communicated."""
@@ -158,9 +171,11 @@ def run(
     )
     recorder = Recorder()
     trainer.add_callback(recorder)
+    for callback in callbacks:
+        trainer.add_callback(callback)
     first = last_record_id()
     start_lines = StartLines()
-    logger = logging.getLogger("hf_gpa.distributed_diloco")
+    logger = logging.getLogger("hf_gpa.workers")
     logger.addHandler(start_lines)
     logger.setLevel(logging.INFO)
     try:
@@ -179,7 +194,7 @@ def run(
         "buffers_after_train": {n: b.clone() for n, b in trainer.model.named_buffers()},
         "records": None if records is None else [r for r in records if r["id"] > first],
         "groups": groups_of(trainer),
-        "layout": layout.saved(),
+        "layout": {**layout.saved(), "worker": layout.worker},
         "island_size": layout.island_size,
         "wrapped": type(trainer.model_wrapped).__name__,
         "ddp_group_is_island": getattr(trainer.model_wrapped, "process_group", None) is layout.island_group,
@@ -260,7 +275,27 @@ def two_ranks(out: Path) -> dict[str, Any]:
     short = dict(max_steps=INNER_STEPS, save_strategy="no", eval_strategy="no")
     facts["one_worker"] = run(out, "one_worker", diloco_workers=1, **short)
     facts["stock_ddp"] = run_stock_ddp(out, **short)
+    # 5 steps with H = 3: the last 2 steps form a partial period, synchronised at the end of training.
+    facts["partial"] = run(out, "partial", max_steps=5, save_strategy="no", eval_strategy="no", logging_steps=1)
+    # The overlapped sync with the best checkpoint loaded at the end (every checkpoint holds a sync in flight).
+    # The best checkpoint is the first one (checkpoint-2), whose state holds a sync in flight.
+    overlapped = {**STREAMING, "max_steps": 8, "diloco_overlap_steps": 1, "diloco_overlap_alpha": 0.5}
+    facts["best"] = run(
+        out, "best", callbacks=(EarliestIsBest(),), eval_steps=2, save_steps=2, load_best_model_at_end=True,
+        metric_for_best_model="earliness", greater_is_better=True, **overlapped,
+    )  # fmt: skip
+    facts["best_checkpoint"] = trainer_state_best(out / "best")
     return facts
+
+
+def trainer_state_best(output_dir: Path) -> str | None:
+    """The best checkpoint the run recorded (its last checkpoint's trainer_state.json)."""
+    import json
+
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(str(output_dir))
+    return json.loads((Path(last) / "trainer_state.json").read_text())["best_model_checkpoint"]
 
 
 def run_stock_ddp(out: Path, **overrides: Any) -> dict[str, Any]:
@@ -291,6 +326,14 @@ def fsdp_islands(out: Path) -> dict[str, Any]:
     facts["script_resumes"] = checkpoint_to_resume(diloco_args(out / "script", **script), logging.getLogger())
     os.environ["ACCELERATE_USE_FSDP"] = "false"  # the reference: the same 2 workers with whole weights (DDP)
     facts["ddp"] = run(out, "ddp", save_strategy="no", **islands)
+    os.environ["ACCELERATE_USE_FSDP"] = "true"
+    # Every rank builds its model from a seed of its own; with lr 0 the model after training is the first process's.
+    model = tiny_llama(seed=dist.get_rank())
+    facts["own_seed_initial"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    facts["own_seed"] = run(
+        out, "own_seed", model=model, learning_rate=0.0, max_steps=1, save_strategy="no", eval_strategy="no", **islands
+    )
+    os.environ["ACCELERATE_USE_FSDP"] = "false"
     script_args = diloco_args(out / "script", **script)
     facts["ddp_refused_by_script"] = error_of(lambda: checkpoint_to_resume(script_args, logging.getLogger()))
     for name, overrides in (("ddp_refused", islands), ("other_m_refused", dict(diloco_workers=4))):

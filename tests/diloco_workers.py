@@ -26,7 +26,7 @@ from distributed_workers import build_mlp, mse
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_gpa.optim import DiLoCo, island_allreduce_hook
-from hf_gpa.optim._diloco_workers import _timeout
+from hf_gpa.optim.diloco.layout import collective_timeout
 
 #: The collective timeout of every launch: a process left alone in a collective fails after this, not after gloo's
 #: default 30 minutes.
@@ -56,7 +56,7 @@ def snapshot(model: torch.nn.Module, optimizer: DiLoCo) -> dict[str, list[torch.
         "outer": [optimizer.state[p]["outer"].clone() for p in params],
         "momentum": [optimizer.state[p]["outer_momentum_buffer"].clone() for p in params],
     }
-    if optimizer.layout.outer_dtype != "float32":
+    if optimizer.sync.outer_dtype != "float32":
         zero = [torch.zeros_like(p) for p in params]
         held["residual"] = [optimizer.state[p].get("outer_residual", z).clone() for p, z in zip(params, zero)]
         held["server_residual"] = [
@@ -101,7 +101,7 @@ def two_ranks(out: Path, rank: int) -> None:
     facts: dict[str, Any] = {}
     model = build_mlp(torch.float32)
     optimizer = diloco(model)
-    facts["layout"] = optimizer.layout.saved()
+    facts["layout"] = {**optimizer.layout.saved(), "worker": optimizer.layout.worker}
     facts["plain"] = []
     train(model, model, optimizer, range(STEPS), facts["plain"])
 
@@ -156,15 +156,7 @@ def two_ranks(out: Path, rank: int) -> None:
 
     facts["bad_num_workers"] = error_of(lambda: diloco(build_mlp(torch.float32), num_workers=3))
 
-    # An unset outer lr: the measured across-workers default for two workers, the single-worker one for one.
-    from hf_gpa.optim import GPADiLoCo
-
-    facts["default_outer_lr"] = {
-        (cls.__name__, workers): cls(build_mlp(torch.float32).parameters(), distributed=True, num_workers=workers)
-        .param_groups[0]["outer_lr"]
-        for cls in (DiLoCo, GPADiLoCo)
-        for workers in (1, 2)
-    }
+    facts["default_outer_lr"] = default_outer_lrs()
 
     # Rank 1 starts from other weights, and each rank trains one head of its own (the other's takes no gradient
     # there): the construction gives every rank rank 0's weights, and every parameter takes part in every outer step.
@@ -185,6 +177,19 @@ def two_ranks(out: Path, rank: int) -> None:
     torch.save(facts, out / f"two_ranks_rank{rank}.pt")
 
 
+def default_outer_lrs() -> dict[tuple[str, int], float]:
+    """An unset outer lr of DiLoCo and GPADiLoCo across processes, for one worker and for two: the single-worker
+    default, the measured across-workers one."""
+    from hf_gpa.optim import GPADiLoCo
+
+    return {
+        (cls.__name__, workers): cls(build_mlp(torch.float32).parameters(), distributed=True, num_workers=workers)
+        .param_groups[0]["outer_lr"]
+        for cls in (DiLoCo, GPADiLoCo)
+        for workers in (1, 2)
+    }
+
+
 def four_ranks(out: Path, rank: int) -> None:
     """Four workers; two islands of two, with DDP in each island and with the hook on a DDP over all four."""
     facts: dict[str, Any] = {}
@@ -195,10 +200,10 @@ def four_ranks(out: Path, rank: int) -> None:
 
     model = build_mlp(torch.float32)
     optimizer = diloco(model, num_workers=2)
-    facts["layout"] = optimizer.layout.saved()
+    facts["layout"] = {**optimizer.layout.saved(), "worker": optimizer.layout.worker}
     facts["island_size"] = optimizer.layout.island_size
     groups = (optimizer.layout.island_group, optimizer.layout.outer_group)
-    facts["group_timeouts_s"] = [_timeout(group).total_seconds() for group in groups]
+    facts["group_timeouts_s"] = [collective_timeout(group).total_seconds() for group in groups]
     ddp = DistributedDataParallel(model, process_group=optimizer.layout.island_group)
     facts["islands_ddp"] = []
     train(ddp, model, optimizer, range(STEPS), facts["islands_ddp"])
@@ -212,15 +217,7 @@ def four_ranks(out: Path, rank: int) -> None:
 
     facts["bad_num_workers"] = error_of(lambda: diloco(build_mlp(torch.float32), num_workers=3))
 
-    # An unset outer lr: the measured across-workers default for two workers, the single-worker one for one.
-    from hf_gpa.optim import GPADiLoCo
-
-    facts["default_outer_lr"] = {
-        (cls.__name__, workers): cls(build_mlp(torch.float32).parameters(), distributed=True, num_workers=workers)
-        .param_groups[0]["outer_lr"]
-        for cls in (DiLoCo, GPADiLoCo)
-        for workers in (1, 2)
-    }
+    facts["default_outer_lr"] = default_outer_lrs()
     torch.save(facts, out / f"four_ranks_rank{rank}.pt")
 
 
@@ -230,8 +227,8 @@ def compressed(out: Path, rank: int) -> None:
     the first outer step (residuals not zero); float32's traffic; and pseudo-gradients that both dtypes hold exactly,
     averaged by each dtype's collective (in each rank's own order with 2 workers, whose halved sums stay exact; in
     the same order with 4, whose average is then each worker's values, exact in both stages)."""
-    from hf_gpa.distributed_diloco import workers_start_line
-    from hf_gpa.optim._diloco_workers import averaged_pseudo_gradients
+    from hf_gpa.optim.diloco import OuterSync
+    from hf_gpa.workers import workers_start_line
 
     facts: dict[str, Any] = {}
     for outer_dtype in ("float32", "bfloat16", "int8"):
@@ -272,12 +269,11 @@ def compressed(out: Path, rank: int) -> None:
     inner = values.neg()  # outer 0: the pseudo-gradient is ``values``
     exact = {}
     for outer_dtype in ("float32", "bfloat16", "int8"):
-        outers, inners = [torch.zeros(300)], [inner.clone()]
-        residuals, servers = [torch.zeros(300)], [torch.zeros(300)]
-        averaged = averaged_pseudo_gradients(
-            outers, inners, dataclasses.replace(layout, outer_dtype=outer_dtype), residuals, None, servers
-        )
-        exact[outer_dtype] = (averaged[0].clone(), torch.cat([residuals[0], servers[0]]))
+        sync, state, param = OuterSync(layout, outer_dtype), {}, torch.zeros(300)
+        sync.start([({}, param)], [torch.zeros(300)], [inner.clone()], [state])
+        averaged = list(next(sync.ready()).pseudo_grads)
+        kept = [state.get(key, torch.zeros(300)) for key in ("outer_residual", "outer_server_residual")]
+        exact[outer_dtype] = (averaged[0].clone(), torch.cat(kept))
     facts["exact"] = exact
     torch.save(facts, out / f"compressed_rank{rank}.pt")
 
@@ -360,7 +356,7 @@ def overlap(out: Path, rank: int) -> None:
     model = build_mlp(torch.float32)
     optimizer = diloco(model, inner_steps=h, num_fragments=p, overlap_steps=2, overlap_alpha=0.5)
     train(model, model, optimizer, range(OVERLAP_RESUME_AT))
-    facts["in_flight_at_save"] = len(optimizer._pending)
+    facts["in_flight_at_save"] = len(optimizer.sync.pending)
     optimizer.eval()
     checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     torch.save(checkpoint, out / f"overlap_checkpoint_{rank}.pt")
@@ -368,7 +364,11 @@ def overlap(out: Path, rank: int) -> None:
     facts["uninterrupted"] = []
     train(model, model, optimizer, range(OVERLAP_RESUME_AT, steps), facts["uninterrupted"])
     checkpoint = torch.load(out / f"overlap_checkpoint_{rank}.pt", weights_only=True)
-    facts["saved_pending"] = checkpoint["optimizer"].get("diloco_pending_syncs")
+    facts["saved_pending"] = [
+        (index, entry["pending_steps"])
+        for index, entry in checkpoint["optimizer"]["state"].items()
+        if "pending_pseudo_gradient" in entry
+    ]
     model = build_mlp(torch.float32)
     optimizer = diloco(model, inner_steps=h, num_fragments=p, overlap_steps=2, overlap_alpha=0.5)
     model.load_state_dict(checkpoint["model"])
@@ -428,7 +428,10 @@ def fsdp_snapshot(model: torch.nn.Module, optimizer: DiLoCo) -> dict[str, list[t
 
 def fsdp_islands(out: Path, rank: int) -> None:
     """FSDP2 inside each of 2 islands of 2 processes (a ("worker", "shard") mesh, ``fully_shard`` over "shard"): the
-    run, a resume from a state taken in train mode mid-period, and the meshes that are not the island, refused."""
+    run, a resume from a state taken in train mode mid-period (kept in memory, and saved to files with torch's
+    distributed checkpoint as the docs' loop does), and the meshes that are not the island, refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     facts: dict[str, Any] = {}
@@ -436,7 +439,7 @@ def fsdp_islands(out: Path, rank: int) -> None:
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("worker", "shard"))
     model = _sharded_mlp(mesh["shard"])
     optimizer = diloco(model, num_workers=2)
-    facts["layout"] = optimizer.layout.saved()
+    facts["layout"] = {**optimizer.layout.saved(), "worker": optimizer.layout.worker}
     facts["shard_ranks"] = mesh["shard"].mesh.tolist()
     facts["run"] = []
     for step in range(STEPS):
@@ -446,16 +449,37 @@ def fsdp_islands(out: Path, rank: int) -> None:
         facts["run"].append(fsdp_snapshot(model, optimizer))
         if step + 1 == RESUME_AT:  # mid-period (H = 3: after the outer step at 3), in train mode
             saved = copy.deepcopy(optimizer.state_dict())
+            for mode in ("eval", "train"):  # saved to files as the docs' loop saves: in eval mode; and in train mode
+                if mode == "eval":
+                    optimizer.eval()
+                model_state, optimizer_state = get_state_dict(model, optimizer)
+                dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(out / f"dcp_{mode}"))
+                optimizer.train()
 
-    model = _sharded_mlp(mesh["shard"])
-    optimizer = diloco(model, num_workers=2)
-    optimizer.load_state_dict(saved)
-    facts["resumed"] = []
-    for step in range(RESUME_AT, STEPS):
-        optimizer.zero_grad()
-        mse(model, *rank_rows(step, rank, world_size, torch.float32)).backward()
-        optimizer.step()
-        facts["resumed"].append(fsdp_snapshot(model, optimizer))
+    for name in ("resumed", "dcp_resumed", "dcp_train_mode", "written_after_load"):
+        model = _sharded_mlp(mesh["shard"])
+        optimizer = diloco(model, num_workers=2)
+        if name in ("resumed", "written_after_load"):
+            optimizer.load_state_dict(saved)
+        else:  # the template of the loading optimizer, filled from the files, loaded into model and optimizer
+            optimizer.init_state(eval_mode=name == "dcp_resumed")
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            template = {"model": model_state, "optim": optimizer_state}
+            dcp.load(template, checkpoint_id=str(out / ("dcp_eval" if name == "dcp_resumed" else "dcp_train")))
+            set_state_dict(model, optimizer, model_state_dict=template["model"], optim_state_dict=template["optim"])
+            optimizer.train()
+        facts[name] = []
+        for step in range(RESUME_AT, STEPS):
+            optimizer.zero_grad()
+            mse(model, *rank_rows(step, rank, world_size, torch.float32)).backward()
+            if name == "written_after_load":  # rank 0 writes a parameter after the load, as a model loaded last would
+                if rank == 0:
+                    with torch.no_grad():
+                        next(model.parameters()).to_local().add_(1.0)
+                facts[f"{name}_refused"] = error_of(optimizer.step)
+                break
+            optimizer.step()
+            facts[name].append(fsdp_snapshot(model, optimizer))
 
     # Meshes that are not this process's island: all 4 processes; the strided ranks {0, 2}, {1, 3}; HSDP's 2-D mesh.
     wrong = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("shard", "worker"))

@@ -9,17 +9,18 @@ inner step each rank of an island takes the gradient of its own rows of the glob
     p = (sum_m (y - w_m)) / M        (in the fixed order m = 0, 1, ...)
     z <- z - outer_lr p,   x <- mu_x x + (1 - mu_x) z,   y <- mu_y x + (1 - mu_y) z,   w_m <- y
 
-Written from the equations of docs/distributed.md with nothing of hf_gpa; the model, batches, fragments and AdamW
-settings are those of ``diloco_simulation``.
+Written from the equations of docs/distributed.md with nothing of hf_gpa; the loop (the model, batches, fragments, the
+AdamW settings, a compressed or overlapped sync) is ``diloco_simulation``'s, with this outer step.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
+import diloco_simulation
 import torch
-from diloco_simulation import ADAMW_KW, FRAGMENTS, rank_rows
-from distributed_workers import build_mlp, mse
 
 #: The outer hyper-parameters of the tests: mu_x != mu_y, so that the run is not DiLoCo's.
 OUTER_LR, MU_X, MU_Y = 1.5, 0.8, 0.6
@@ -34,6 +35,27 @@ class Snapshot:
     z: list[torch.Tensor]
 
 
+class PrimalAveragingStep:
+    """GPA's outer step: the pseudo-gradients are taken from y = torch.lerp(z, x, mu_y); z <- z - outer_lr p,
+    x <- torch.lerp(z, x, mu_x), and the workers restart from the new y."""
+
+    def __init__(self, initial: list[torch.Tensor], outer_lr: float, mu_x: float, mu_y: float) -> None:
+        self.x = [p.clone() for p in initial]
+        self.z = [p.clone() for p in initial]
+        self.outer_lr, self.mu_x, self.mu_y = outer_lr, mu_x, mu_y
+
+    def reference(self, i: int) -> torch.Tensor:
+        return torch.lerp(self.z[i], self.x[i], self.mu_y)
+
+    def update(self, i: int, p: torch.Tensor) -> torch.Tensor:
+        self.z[i].sub_(p, alpha=self.outer_lr)
+        self.x[i] = torch.lerp(self.z[i], self.x[i], self.mu_x)
+        return torch.lerp(self.z[i], self.x[i], self.mu_y)
+
+    def state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.x, self.z
+
+
 def simulate(
     num_workers: int,
     island_size: int,
@@ -43,44 +65,12 @@ def simulate(
     outer_lr: float = OUTER_LR,
     mu_x: float = MU_X,
     mu_y: float = MU_Y,
+    **sync: Any,
 ) -> list[Snapshot]:
-    world_size = num_workers * island_size
-    models = [build_mlp(torch.float32) for _ in range(num_workers)]
-    optimizers = [torch.optim.AdamW(model.parameters(), **ADAMW_KW) for model in models]
-    weights = [list(model.parameters()) for model in models]
-    x = [p.detach().clone() for p in weights[0]]
-    z = [p.detach().clone() for p in weights[0]]
-    history = []
-    for t in range(1, steps + 1):
-        for worker, (model, optimizer) in enumerate(zip(models, optimizers)):
-            grads = []
-            for rank in range(worker * island_size, (worker + 1) * island_size):
-                model.zero_grad()
-                mse(model, *rank_rows(t - 1, rank, world_size, torch.float32)).backward()
-                grads.append([p.grad.clone() for p in model.parameters()])
-            for i, p in enumerate(model.parameters()):
-                island = [g[i] for g in grads]
-                p.grad = island[0] if island_size == 1 else sum(island[1:], island[0]) / island_size
-            optimizer.step()
-        with torch.no_grad():
-            for i, fragment in enumerate(FRAGMENTS[num_fragments]):
-                if (t - fragment * inner_steps // num_fragments) % inner_steps:
-                    continue
-                y = torch.lerp(z[i], x[i], mu_y)
-                p = y - weights[0][i]
-                for w in weights[1:]:
-                    p = p + (y - w[i])
-                p = p / num_workers
-                z[i].sub_(p, alpha=outer_lr)
-                x[i] = torch.lerp(z[i], x[i], mu_x)
-                y = torch.lerp(z[i], x[i], mu_y)
-                for w in weights:
-                    w[i].copy_(y)
-        history.append(
-            Snapshot(
-                inner=[[p.detach().clone() for p in w] for w in weights],
-                x=[t_.clone() for t_ in x],
-                z=[t_.clone() for t_ in z],
-            )
-        )
-    return history
+    """``diloco_simulation.simulate`` with GPA's outer step; ``sync``: its outer_dtype, overlap_steps, overlap_alpha,
+    synchronize."""
+    history = diloco_simulation.simulate(
+        num_workers, island_size, inner_steps, num_fragments, steps,
+        outer_step=functools.partial(PrimalAveragingStep, outer_lr=outer_lr, mu_x=mu_x, mu_y=mu_y), **sync,
+    )  # fmt: skip
+    return [Snapshot(inner=s.inner, x=s.outer, z=s.momentum) for s in history]

@@ -108,7 +108,7 @@ def run(out: Path, name: str, resume: str | None = None, **overrides: Any) -> di
         "train_mode_during_eval": recorder.train_mode_during_eval,
         "eval_loss": metrics["eval_loss"],
         "held_after_train": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-        "layout": layout.saved(),
+        "layout": {**layout.saved(), "worker": layout.worker},
         "wrapped": type(trainer.model_wrapped).__name__,
         "ddp_group_is_island": getattr(trainer.model_wrapped, "process_group", None) is layout.island_group,
     }

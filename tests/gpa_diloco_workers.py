@@ -125,7 +125,27 @@ def two_ranks(out: Path, rank: int) -> None:
     facts["train_mode_resumed"] = train(model, model, optimizer, range(RESUME_AT, STEPS))
 
     facts["bad_num_workers"] = diloco_workers.error_of(lambda: gpa_diloco(build_mlp(torch.float32), num_workers=3))
+    facts.update(syncs(rank))
     torch.save(facts, out / f"two_ranks_rank{rank}.pt")
+
+
+def syncs(rank: int) -> dict[str, Any]:
+    """The same outer sync objects as DiLoCo's: compressed (bfloat16, int8), overlapped (streaming, tau 1, alpha
+    0.5), and the end-of-training sync of a partial period (5 steps, H = 3)."""
+    facts: dict[str, Any] = {}
+    for outer_dtype in ("bfloat16", "int8"):
+        model = build_mlp(torch.float32)
+        facts[outer_dtype] = train(model, model, gpa_diloco(model, outer_dtype=outer_dtype), range(STEPS))
+    h, p, steps = STREAMING["inner_steps"], STREAMING["num_fragments"], STREAMING["steps"]
+    model = build_mlp(torch.float32)
+    optimizer = gpa_diloco(model, inner_steps=h, num_fragments=p, overlap_steps=1, overlap_alpha=0.5)
+    facts["overlapped"] = train(model, model, optimizer, range(steps))
+    model = build_mlp(torch.float32)
+    optimizer = gpa_diloco(model)
+    facts["partial"] = train(model, model, optimizer, range(5))
+    optimizer.synchronize()
+    facts["partial"][-1] = snapshot(model, optimizer)
+    return facts
 
 
 def four_ranks(out: Path, rank: int) -> None:
@@ -141,6 +161,9 @@ def four_ranks(out: Path, rank: int) -> None:
     ddp = DistributedDataParallel(model, process_group=optimizer.layout.island_group)
     facts["islands"] = train(ddp, model, optimizer, range(STEPS))
     facts["islands_eval"] = evaluation_weights(model, optimizer)
+
+    model = build_mlp(torch.float32)  # 4 workers: the compressed sync in two stages
+    facts["int8"] = train(model, model, gpa_diloco(model, outer_dtype="int8"), range(STEPS))
     torch.save(facts, out / f"four_ranks_rank{rank}.pt")
 
 

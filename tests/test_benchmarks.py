@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import benchmarks
-from benchmarks import workloads
+from benchmarks import report, workloads
 
 
 def test_every_benchmark_module_imports_without_changing_sys_path() -> None:
@@ -172,13 +172,15 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     nothing else, DiLoCo and GPA across workers the model's bytes once per H steps (DiLoCo's compressed outer
     all-gather of 2 workers 1/2 of them in bf16, 0.254 in int8, sent once: what the optimizer counts), streaming one
     fragment at a time (the peak below the model); a speed row per link against DDP, the slow link charging DDP its
-    latency every step; a final loss per quality method (every (mu_x, mu_y) of GPA across workers at every H); the
-    table and the plot written."""
+    latency every step; every run stamped with where it ran, every quality run with its phase: the tuning at the
+    tuning seed (the same number of configurations for every tuned method), every final row at each final seed,
+    reported on the held-out windows, the overlapped rows after their syncs in flight; the table and the plot."""
     from benchmarks import diloco_workers
 
     plan = diloco_workers.TINY_PLAN
     diloco_workers.main(["--tiny", "--out", str(tmp_path)])
-    runs = json.loads((tmp_path / "diloco_workers.json").read_text())["runs"]
+    data = json.loads((tmp_path / "diloco_workers.json").read_text())
+    runs = data["runs"]
     sent = {run["method"]: run for run in runs if run["part"] == "bytes"}
     assert list(sent) == [method.name for method in plan.bytes_methods()]
     model = sent["DDP-AdamW"]["model_bytes"]
@@ -187,7 +189,7 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     for h in plan.inner_steps:
         assert sent[f"DiLoCo H={h}"]["ops"] == {"allreduce": plan.bytes_steps // h}
         assert sent[f"DiLoCo H={h}"]["between_workers_per_step"] == model / h
-        mu_x, mu_y = plan.gpa_diloco_mus[0]
+        mu_x, mu_y = plan.gpa_diloco_bytes_mus
         gpa_diloco = sent[f"GPA-DiLoCo H={h} mu_x={mu_x:g} mu_y={mu_y:g}"]  # GPA across workers: DiLoCo's bytes
         assert (gpa_diloco["ops"], gpa_diloco["between_workers_per_step"]) == (
             {"allreduce": plan.bytes_steps // h},
@@ -216,33 +218,98 @@ def test_diloco_workers_tiny_counts_every_collective_of_every_method(tmp_path: P
     assert speed[1]["modelled_link_s_per_step"]["DDP-AdamW"] >= plan.links[1].latency_s
     names = [method.name for method in plan.speed_methods()]  # streaming DiLoCo blocking and overlapped among them
     assert all(list(run["ratio_to_ddp"]) == names for run in speed) and "overlap tau=1" in names[-1]
+    envs = [report.environment_of(data, run) for run in runs]
+    assert all(env["cpu_capability"] and env["commit"] for env in envs)
 
-    quality = {row["method"]: row for row in diloco_workers.quality_summary(runs)}
-    outer = ", outer 0.75/0.75"  # GPA across workers is matched to its DiLoCo's outer pair (here the recipe's)
-    mu_x, mu_y = plan.gpa_diloco_mus[0]
-    assert list(quality) == [
-        "DDP-AdamW", "DiLoCo H=2", "DiLoCo H=2, outer 0.6/0.9", f"GPA-DiLoCo H=2 mu_x={mu_x:g} mu_y={mu_y:g}{outer}",
-        "DiLoCo H=2, outer int8", "DiLoCo H=4", "DiLoCo H=4, outer 0.6/0.9",
-        f"GPA-DiLoCo H=4 mu_x={mu_x:g} mu_y={mu_y:g}{outer}", "streaming DiLoCo H=4 P=2",
-        "streaming DiLoCo H=4 P=2, overlap tau=1 alpha=0.5", "GPA-AdamW (DDP, H=2)",
-        "DiLoCo H=2, outer 0.75/0.5", "DiLoCo H=4, outer 0.75/0.5",  # the momentum probe at each pick's outer lr
-    ]  # fmt: skip
-    probe = quality["DiLoCo H=2, outer 0.75/0.5"]
-    assert [run["seed"] for run in probe["runs"]] == [plan.seeds[0]] and probe["lr"] == quality["DiLoCo H=2"]["lr"]
-    assert all(0 < row["mean"] < 10 for row in quality.values())
-    for h in plan.inner_steps:  # the recipe's outer pair and the grid's, at the first seed; the better one every seed
-        recipe, swept = quality[f"DiLoCo H={h}"], quality[f"DiLoCo H={h}, outer 0.6/0.9"]
-        assert recipe["finals"][0] <= swept["finals"][0]  # this tiny run's pick (else the outer names above change)
-        assert [run["seed"] for run in recipe["runs"]] == list(plan.seeds)
-        assert [run["seed"] for run in swept["runs"]] == [plan.seeds[0]]
-    assert [run["seed"] for run in quality[f"DiLoCo H={plan.inner_steps[0]}, outer int8"]["runs"]] == list(plan.seeds)
-    paired = diloco_workers.paired_table(runs, plan.seeds)
-    assert f"| GPA-DiLoCo H={plan.inner_steps[0]} mu_x={mu_x:g} mu_y={mu_y:g}{outer} | DiLoCo H=2 | 2 |" in paired
-    assert f"| DiLoCo H={plan.inner_steps[0]}, outer int8 | DiLoCo H=2 | 2 |" in paired
-    assert "| streaming DiLoCo H=4 P=2, overlap tau=1 alpha=0.5 | streaming DiLoCo H=4 P=2 | 2 |" in paired
+    quality = [run for run in runs if run["part"] == "quality"]
+    phases = {(run["phase"], run["seed"]) for run in quality}
+    assert phases == {("tune", seed) for seed in plan.tune_seeds} | {("final", seed) for seed in plan.final_seeds}
+    rows = diloco_workers.final_rows(runs)
+    assert [(row["method"].split(",")[0], row["role"]) for row in rows] == [
+        ("DDP-AdamW", "pick"), ("DiLoCo H=2", "pick"), ("GPA-DiLoCo H=2 mu_x=0.75 mu_y=0.5", "pick"),
+        ("DiLoCo H=4", "pick"), ("DiLoCo H=4", "variant"), ("streaming DiLoCo H=4 P=2", "variant"),
+        ("streaming DiLoCo H=4 P=2", "variant"), ("DiLoCo H=2", "check"), ("DiLoCo H=4", "check"),
+    ]  # fmt: skip  # this tiny run's picks (else the names change), the variants at H = 4, the checks
+    for row in rows:  # each final row at every final seed, its figure the held-out windows' last evaluation
+        assert row["seeds"] == list(plan.final_seeds)
+        assert row["finals"] == [run["held_out"][-1] for run in row["runs"]] != [run["val"][-1] for run in row["runs"]]
+        assert row["mean"] == pytest.approx(sum(row["finals"]) / len(row["finals"]))
+    assert rows[1]["config"]["outer"] == rows[2]["config"]["outer"] and rows[1]["lr"] == rows[2]["lr"]
     text = (tmp_path / "diloco_workers.md").read_text()
-    assert all(f"## {title}" in text for title in ("Bytes per training step", "Steps per second", "Validation loss"))
+    titles = ("Where it ran", "Bytes per training step", "Steps per second", "Loss at the same token budget")
+    assert all(f"## {title}" in text for title in titles)
+    paired = diloco_workers.paired_table(runs, plan.final_seeds)
+    assert f"| {rows[2]['method']} | {rows[1]['method']} | 5 |" in paired  # GPA across workers against its DiLoCo
+    assert f"| {rows[4]['method']} | {rows[3]['method']} | 5 |" in paired  # int8 against float32
+    assert f"| {rows[6]['method']} | {rows[5]['method']} | 5 |" in paired  # overlapped against blocking
+    assert f"| {rows[7]['method']} | {rows[1]['method']} | 5 |" in paired  # outer lr 0.6 against the pick's
+    assert "### What the data decides, and what it does not" in text
     assert (tmp_path / "diloco_workers.png").stat().st_size
+
+    # every tuned method evaluated the same number of configurations, each at every tuning seed
+    summary = diloco_workers.tuning_summary(data)
+    assert [lattice["key"] for lattice in summary] == ["adamw", "diloco H=2", "gpa_diloco H=2", "diloco H=4"]
+    assert {lattice["count"] for lattice in summary} == {plan.tune_budget}
+    assert f"| adamw | lr | {plan.tune_budget} | {plan.tune_budget} |" in text
+
+    # the overlapped rows' final loss is after the syncs still in flight were applied: not the evaluation before
+    overlapped = [run for run in quality if run["overlap_steps"]]
+    assert overlapped and all("before_syncs_applied" not in run for run in quality if not run["overlap_steps"])
+    for run in overlapped:
+        assert run["final_held_out"] == run["held_out"][-1] != run["before_syncs_applied"]["held_out"]
+        assert run["final_val"] == run["val"][-1] != run["before_syncs_applied"]["val"]
+
+
+def test_diloco_workers_held_out_windows_are_none_of_the_validation_windows() -> None:
+    """`workloads.held_out_windows`: windows of the validation split that the picking's validation windows are not
+    (compared by content), as many as asked, the same on every call."""
+    from benchmarks import diloco_workers as dw
+    from benchmarks import paper_recipe as pr
+
+    workload = dw.TINY_WORKLOAD
+    _, val = pr.load_token_windows(workload)
+    held_out = dw.load_windows(workload, dw.TINY_PLAN)[1]["held_out"]
+    assert held_out.shape == (dw.TINY_PLAN.held_out_windows, workload.seq_len)
+    assert not any(torch.equal(window, other) for window in held_out for other in val)
+    assert torch.equal(held_out, dw.load_windows(workload, dw.TINY_PLAN)[1]["held_out"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--tune-seeds", "0", "1", "--final-seeds", "1", "2", "3", "4", "5"], "--tune-seeds / --final-seeds: both"),
+        (["--final-seeds", "1", "2", "3", "4"], "--final-seeds: 1 2 3 4 (4 seeds; at least 5"),
+        (["--final-seeds", "1", "2", "3", "4", "4"], "--final-seeds: 1 2 3 4 4 (a seed given twice)"),
+    ],
+)
+def test_diloco_workers_refuses_seeds_that_pick_and_report_or_too_few_finals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    """Tuning seeds among the final seeds, fewer than 5 final seeds, a seed twice: refused before anything runs or
+    is written, naming the flag (and a plan so made refused as well)."""
+    from benchmarks import diloco_workers as dw
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit):
+        dw.main(["--tiny", "--parts", "quality", "--out", str(out), *argv])
+    assert said in capsys.readouterr().err and not out.exists()
+    with pytest.raises(ValueError, match="Invalid --final-seeds"):
+        dataclasses.replace(dw.REGIME_PLAN, final_seeds=(1, 2, 3))
+
+
+def test_diloco_workers_refuses_to_resume_a_record_whose_runs_would_change_phase(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A record holding a tuning run at seed 0 is not resumed with 0 among the final seeds: the flags are named,
+    nothing runs."""
+    from benchmarks import diloco_workers as dw
+
+    results = dw.results_file(tmp_path, dw.TINY_PLAN, dw.TINY_WORKLOAD)
+    results.add({"key": "quality/tune/DDP-AdamW/lr0.02/s0", "part": "quality", "phase": "tune", "seed": 0})
+    with pytest.raises(SystemExit):
+        dw.main(["--tiny", "--out", str(tmp_path), "--tune-seeds", "9", "--final-seeds", "0", "1", "2", "3", "4"])
+    assert "Invalid --tune-seeds / --final-seeds for this record" in capsys.readouterr().err
+    assert len(json.loads((tmp_path / "diloco_workers.json").read_text())["runs"]) == 1
 
 
 def _sleeps(rank: int, meter: object, seconds: float) -> None:
@@ -261,22 +328,33 @@ def test_a_launch_of_ranks_past_its_timeout_is_killed() -> None:
 
 
 def test_diloco_workers_compares_gpa_across_workers_with_the_diloco_it_is_matched_to_only() -> None:
-    """At H = 32 the plan also runs streaming DiLoCo (blocking and overlapped) on every seed: GPA across workers is
-    paired with DDP-AdamW and with the plain DiLoCo of its H and outer pair, not with those streaming rows."""
+    """At H = 32 the plan also runs streaming DiLoCo (blocking and overlapped) on every final seed: GPA across workers
+    is paired with DDP-AdamW and with the DiLoCo pick of its H, lr and outer pair, not with those streaming rows (nor
+    with DiLoCo at another lr or outer pair); the overlapped row with the blocking one, the blocking one with one
+    fragment, a check of another outer lr with the pick."""
     from benchmarks import diloco_workers as dw
 
-    def runs(method, finals):
-        return [{"part": "quality", "method": method.name, **dataclasses.asdict(method), "lr": 0.01, "seed": seed,
-                 "final_val": final, "wall_s": 1.0} for seed, final in enumerate(finals)]  # fmt: skip
+    def runs(method, lr, finals, role="pick"):
+        return [{"part": "quality", "phase": "final", "method": method.name, **dataclasses.asdict(method), "lr": lr,
+                 "seed": seed, "role": role, "final_val": final, "final_held_out": final, "wall_s": 1.0}
+                for seed, final in enumerate(finals, 1)]  # fmt: skip
 
-    streaming = dw.Plan().overlap_pair(dw.Method("diloco"))
-    gpa = dw.Method("gpa_diloco", 32, mu_x=0.97, mu_y=0.9, outer=dw.RECIPE_OUTER)
-    recorded = runs(dw.DDP_ADAMW, [3.0, 3.1]) + runs(dw.Method("diloco", 32), [3.2, 3.3]) + runs(gpa, [3.1, 3.2])
+    diloco = dw.Method("diloco", 32, outer=(0.6, 0.9))
+    streaming = dw.Plan().overlap_pair(diloco)
+    gpa = dw.Method("gpa_diloco", 32, mu_x=0.97, mu_y=0.9, outer=(0.6, 0.9))
+    check = dataclasses.replace(diloco, outer=(0.75, 0.9))
+    recorded = runs(dw.DDP_ADAMW, 0.08, [3.0, 3.1]) + runs(diloco, 0.01, [3.2, 3.3]) + runs(gpa, 0.01, [3.1, 3.2])
+    recorded += runs(dataclasses.replace(diloco, outer=(0.6, 0.75)), 0.01, [3.3, 3.4], "variant")
+    recorded += runs(diloco, 0.02, [3.3, 3.4], "variant") + runs(check, 0.01, [3.3, 3.4], "check")
     for i, method in enumerate(streaming):
-        recorded += runs(method, [3.4 + i, 3.5 + i])
-    summary = dw.quality_summary(recorded)
-    row = next(row for row in summary if row["method"] == gpa.name)
-    assert [ref["method"] for ref in dw.references(row, summary, [0, 1])] == ["DDP-AdamW", "DiLoCo H=32"]
+        recorded += runs(method, 0.01, [3.4 + i, 3.5 + i], "variant")
+    rows = dw.final_rows(recorded)
+    against = {f"{row['method']} {row['lr']:g}": [ref["method"] for ref in dw.references(row, rows)] for row in rows}
+    assert against[f"{gpa.name} 0.01"] == ["DDP-AdamW", diloco.name]
+    assert against[f"{streaming[1].name} 0.01"] == ["DDP-AdamW", streaming[0].name]
+    assert against[f"{streaming[0].name} 0.01"] == ["DDP-AdamW", diloco.name]
+    assert against[f"{check.name} 0.01"] == ["DDP-AdamW", diloco.name]
+    assert "| 2 | +0.1000 [" in dw.paired_table(recorded, [1, 2])  # GPA across workers minus DDP-AdamW, 2 seeds
 
 
 def _times_the_link(rank: int, meter: Any, out: str) -> None:
@@ -319,12 +397,13 @@ def test_the_simulated_link_delays_completion_so_a_background_collective_overlap
     assert 0.4 <= times["overlapped"] < 0.6  # not 0.4 + 0.3
 
 
-def _stated(**changes: float) -> dict[str, Any]:
-    """The committed headline figures, with ``changes``."""
-    from benchmarks import headlines
+def _stated(environment: dict[str, Any] | None = None, **changes: float) -> dict[str, Any]:
+    """The committed headline figures, with ``changes``, recorded on ``environment`` (default: this machine's)."""
+    from benchmarks import headlines, report
 
     record = headlines.load()
     record["figures"] = {**record["figures"], **changes}
+    record["meta"]["environment"] = environment or report.environment("cpu", 1)
     return record
 
 
@@ -368,10 +447,43 @@ def test_headlines_check_fails_where_a_figure_is_worse_than_stated(
     assert headlines.main(["--results", str(results)]) == 0  # a worse figure, reported only
 
 
+def test_headlines_check_compares_timed_figures_only_with_a_record_of_a_like_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A record made on another CPU, instruction set or torch (or one that does not say where): its timed figures
+    are printed as not comparable, so a far worse bf16 step is neither a failure nor a pass, while an exact figure
+    that differs still fails; the same record on this machine's environment fails the worse step."""
+    from benchmarks import headlines, report
+
+    stated = headlines.load()["figures"]
+    here = report.environment("cpu", 1)
+    results = tmp_path / "headlines.json"
+    worse_step = {"step_bf16": stated["step_bf16"] * 2}
+    monkeypatch.setattr(headlines, "measure", lambda plan: {**stated, **worse_step})
+    for other in ({**here, "cpu_capability": "AVX2"}, {**here, "cpu": "another CPU"}, {**here, "torch": "2.0"}):
+        results.write_text(json.dumps(_stated(other)))
+        assert headlines.main(["--check", "--results", str(results)]) == 0
+        out = capsys.readouterr().out
+        assert "WORSE" not in out and out.count("not comparable") == 8  # the 8 timed figures, each named
+    legacy = _stated()
+    del legacy["meta"]["environment"]
+    results.write_text(json.dumps(legacy))
+    assert headlines.main(["--check", "--results", str(results)]) == 0
+    assert "recorded on: a CPU not recorded" in capsys.readouterr().out
+    monkeypatch.setattr(headlines, "measure", lambda plan: {**stated, **worse_step, "ops_gpa": stated["ops_gpa"] + 1})
+    results.write_text(json.dumps(_stated({**here, "cpu_capability": "AVX2"})))
+    assert headlines.main(["--check", "--results", str(results)]) == 1  # exact figures compare everywhere
+    results.write_text(json.dumps(_stated()))
+    monkeypatch.setattr(headlines, "measure", lambda plan: {**stated, **worse_step})
+    assert headlines.main(["--check", "--results", str(results)]) == 1
+    assert "WORSE" in capsys.readouterr().out
+
+
 def test_headlines_write_rewrites_the_results_and_the_readme_rows(tmp_path: Path, monkeypatch) -> None:
-    """``--write``: the measured figures go to the results file and the README's rows between the markers, and
-    nothing else of the README changes."""
-    from benchmarks import headlines
+    """``--write``: the measured figures go to the results file with the environment they were measured in and the
+    load average, and to the README's rows between the markers, which name the CPU; nothing else of the README
+    changes."""
+    from benchmarks import headlines, report
 
     readme, results = tmp_path / "README.md", tmp_path / "headlines.json"
     readme.write_text(headlines.README.read_text())
@@ -379,19 +491,25 @@ def test_headlines_write_rewrites_the_results_and_the_readme_rows(tmp_path: Path
     measured = {**headlines.load()["figures"], "step_bf16": 1.234}
     monkeypatch.setattr(headlines, "measure", lambda plan: measured)
     headlines.main(["--write", "--results", str(results), "--readme", str(readme)])
-    assert headlines.load(results)["figures"] == measured
+    record = headlines.load(results)
+    assert record["figures"] == measured
+    env = record["meta"]["environment"]  # where the figures were measured, and how loaded the machine was
+    assert env == report.environment("cpu", 1) and len(record["meta"]["load_average"]["before"]) == 3
     text = readme.read_text()
     assert "1.23x torch's fused AdamW" in headlines.readme_block(text)
+    assert f"measured on {headlines.cpu_text(env)}" in headlines.readme_block(text)
     before = headlines.README.read_text()
     old = headlines.readme_block(before)
-    assert text == before.replace(old, headlines.readme_rows(measured))
+    assert text == before.replace(old, headlines.readme_rows(measured, env))
 
 
 def test_the_readme_headline_rows_are_the_results_file() -> None:
     """The README's CPU headline rows are what benchmarks/results/headlines.json says, as --write renders them."""
     from benchmarks import headlines
 
-    assert headlines.readme_block(headlines.README.read_text()) == headlines.readme_rows(headlines.load()["figures"])
+    record = headlines.load()
+    rows = headlines.readme_rows(record["figures"], record["meta"].get("environment"))
+    assert headlines.readme_block(headlines.README.read_text()) == rows
 
 
 def test_step_time_thread_clock_needs_one_thread(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -412,34 +530,80 @@ def test_step_time_thread_clock_needs_one_thread(tmp_path: Path, capsys: pytest.
 
 def test_diloco_workers_regime_preset_is_the_regime_diloco_is_built_for() -> None:
     """``--regime``: 4 workers with at least 16 windows each a step, at least 4,096 steps, H = 8 and 32 (both dividing
-    the evaluation interval), the scaling-law study's outer pair (0.6, Nesterov 0.9) inside a swept grid, 3 seeds."""
+    the evaluation interval); tuned at seeds that are never final seeds, at least 5 final seeds; every tuned method's
+    lattice (DDP-AdamW, DiLoCo and GPA across workers at each H) starting at the earlier seed-0 pick with both its
+    neighbours on every axis there; the outer lr 0.6 (the default across workers) against 0.75 on the final seeds."""
     from benchmarks import diloco_workers as dw
 
     plan, workload = dw.REGIME_PLAN, dw.REGIME_WORKLOAD
     assert plan.world_size == 4 and workload.batch_size // plan.world_size >= 16 and workload.steps >= 4096
     assert set(plan.inner_steps) == {8, 32} and all(workload.eval_every % h == 0 for h in plan.inner_steps)
-    assert (0.6, 0.9) in plan.outer_grid and min(lr for lr, _ in plan.outer_grid) < 0.6 < max(
-        lr for lr, _ in plan.outer_grid
-    )
-    assert len(plan.seeds) >= 3
-    assert min(plan.momentum_probe) < 0.9 < max(plan.momentum_probe)  # the momentum bracketed around 0.9
-    assert plan.slide >= 1 and plan.quality_outer_dtypes == ("bfloat16", "int8")
-    assert all(mu_x != mu_y for mu_x, mu_y in plan.gpa_diloco_mus)  # the diagonal is the matched DiLoCo itself
+    assert not set(plan.tune_seeds) & set(plan.final_seeds) and len(plan.final_seeds) >= dw.MIN_FINAL_SEEDS == 5
+    assert set(plan.lattices) == {"adamw", *(f"{family} H={h}" for family in dw.ACROSS_WORKERS for h in (8, 32))}
+    for lattice in plan.lattices.values():
+        assert all(0 < ladder.index(v) < len(ladder) - 1 for ladder, v in zip(lattice.ladders, lattice.start))
+    assert plan.lattices["gpa_diloco H=8"].start == (0.97, 0.9)  # the corner of the earlier grid: now inside
+    assert plan.quality_outer_dtypes == ("bfloat16", "int8") and plan.streaming_inner_steps == 32
+    assert {0.6, 0.75} <= set(plan.outer_lr_checks) and plan.held_out_windows >= workload.val_windows
 
 
-def test_diloco_workers_tuning_slides_each_grid_until_its_pick_is_bracketed(monkeypatch) -> None:
-    """`tuned` grows an lr grid past the edge its best point lies on (doubling, at most ``slide`` times), then
-    DiLoCo's outer lr the same way at the best pair's momentum; the runs it asks for are the ones it needs."""
+def _fake_tuning(monkeypatch: pytest.MonkeyPatch, loss: Any) -> dict[str, list]:
+    """`diloco_workers.quality_run` replaced by ``loss(method, lr)``; the configurations each lattice asked for."""
     from benchmarks import diloco_workers as dw
 
-    asked = []
+    asked: dict[str, list] = {}
 
-    def fake_run(context, method, lr, seed):  # a loss whose lr optimum is 0.08, outer optimum 1.0 at momentum 0.9
-        asked.append((method.outer, lr))
-        outer_lr, momentum = method.outer or (0.75, 0.75)
-        return abs(math.log2(lr / 0.08)) + abs(outer_lr - 1.0) + (momentum != 0.9)
+    def fake_run(context, method, lr, seed, phase, **notes):
+        if phase == dw.TUNE:
+            asked.setdefault(notes["lattice"], []).append((method, lr, seed))
+        return loss(method, lr)
 
     monkeypatch.setattr(dw, "quality_run", fake_run)
+    return asked
+
+
+def test_diloco_workers_every_tuned_method_evaluates_the_same_number_of_configurations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The regime plan's search gives DDP-AdamW, DiLoCo and GPA across workers at each H the same number of
+    configurations (``tune_budget``), each at every tuning seed and never at a final seed, whatever the loss (here one
+    whose optimum lies past the starts on every axis, so that the searches slide)."""
+    from benchmarks import diloco_workers as dw
+
+    def loss(method, lr):  # lowest at the largest lr, outer lr and mu_y, the smallest momentum and mu_x
+        outer_lr, momentum = method.outer_pair
+        return -math.log(lr) - outer_lr + momentum + (method.mu_x or 0) - (method.mu_y or 0)
+
+    plan = dataclasses.replace(dw.REGIME_PLAN, tune_seeds=(0, 6))
+    asked = _fake_tuning(monkeypatch, loss)
+    dw.measure_quality(types.SimpleNamespace(plan=plan))
+    assert set(asked) == set(plan.lattices)
+    for key, configurations in asked.items():
+        assert len({(m, lr) for m, lr, _ in configurations}) == plan.tune_budget, key
+        assert sorted(seed for _, _, seed in configurations) == sorted(plan.tune_seeds * plan.tune_budget), key
+
+
+def test_diloco_workers_search_slides_past_an_edge_then_brackets_the_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`next_point` from the start: the neighbours on each axis, then past the edge the best lies on, one ladder step
+    at a time, then around the best; the pick is the lowest score, bracketed on an axis where both its neighbours
+    were evaluated."""
+    from benchmarks import diloco_workers as dw
+
+    def loss(method, lr):  # GPA across workers' optimum at mu_x 0.995 (its ladder's end), mu_y 0.9 (the start's)
+        return abs(method.mu_x - 0.995) + abs(method.mu_y - 0.9)
+
+    asked = _fake_tuning(monkeypatch, loss)
+    plan = dw.REGIME_PLAN
+    base = dw.Method("gpa_diloco", 8, outer=(0.75, 0.75))
+    method, lr = dw.tuned(types.SimpleNamespace(plan=plan), base, 0.01)
+    points = [(m.mu_x, m.mu_y) for m, _, _ in asked["gpa_diloco H=8"]]
+    assert points == [(0.97, 0.9), (0.95, 0.9), (0.985, 0.9), (0.995, 0.9), (0.995, 0.75), (0.995, 0.95),
+                      (0.985, 0.75)]  # fmt: skip
+    assert (method.mu_x, method.mu_y, method.outer, lr) == (0.995, 0.9, (0.75, 0.75), 0.01)
+    lattice = plan.lattices["gpa_diloco H=8"]
+    scores = {lattice.point({"mu_x": x, "mu_y": y}): abs(x - 0.995) + abs(y - 0.9) for x, y in points}
+    verdicts = dw.bracketing(lattice, scores, dw.best_point(scores))
+    assert verdicts == {"mu_x": "no: highest value of its ladder", "mu_y": "yes"}
     plan = dataclasses.replace(dw.REGIME_PLAN, slide=2)
     context = types.SimpleNamespace(plan=plan)
     method, lr = dw.tuned(context, dw.Method("diloco", 8))
@@ -450,3 +614,50 @@ def test_diloco_workers_tuning_slides_each_grid_until_its_pick_is_bracketed(monk
     asked.clear()
     method, lr = dw.tuned(context, dw.Method("adamw"))
     assert asked == [(None, 0.01), (None, 0.02), (None, 0.04), (None, 0.08), (None, 0.16)] and lr == 0.08
+
+
+def _torchft_group(syncs: list[tuple[int, int, float, bool]], eval_loss: float, joined: float = 0.0) -> dict:
+    """A replica group's record as benchmarks.torchft_recovery reads it: syncs (inner step, groups, seconds, healed),
+    the first a join, each ending at 1000 s + its step, its quorum half its seconds; an evaluation after every sync
+    but the join."""
+    return {
+        "syncs": [
+            {"inner_step": s, "workers": w, "total_s": t, "quorum_s": t / 2, "healed": h, "ended": 1000.0 + s}
+            for s, w, t, h in syncs
+        ],
+        "metrics": [{"event": "joined", "step": syncs[0][0], "time": joined}]
+        + [{"step": s, "eval_loss": 2.0 / s} for s, *_ in syncs[1:]],
+        "results": {"eval_loss": eval_loss},
+    }
+
+
+def test_torchft_recovery_counts_what_the_kill_and_the_return_cost(tmp_path: Path) -> None:
+    """The kill costs the killed group's steps since the last sync of all 3 groups and the survivors' wait in the
+    quorum of their first sync without it, which ends when the lighthouse drops the group; the return costs the time
+    from the restart to the heal and the steps its shard went unread meanwhile; the table and the plot are written."""
+    from benchmarks import torchft_recovery as tr
+
+    plan = dataclasses.replace(tr.TINY, steps=24, inner_steps=4, eval_steps=4, kill_at=9, restart_at=16)
+    plain = [(0, 0, 0.5, False), *((s, 3, 0.2, False) for s in range(4, 25, 4))]
+    nofail = {"events": {"wall_s": 100.0}, "groups": {"g0_0": _torchft_group(plain, 1.0)}}
+    survivor = [(0, 0, 0.5, False), (4, 3, 0.2, False), (8, 3, 0.2, False), (12, 2, 5.2, False),
+                (16, 2, 0.2, False), (20, 2, 0.6, False), (24, 3, 0.2, False)]  # fmt: skip
+    back = _torchft_group([(20, 2, 3.0, True), (24, 3, 0.2, False)], 1.25, joined=1030.0)
+    events = {"killed_after_step": 9, "killed": 1004.4, "restarted_at_step": 16, "restarted": 1000.0}
+    failure = {
+        "events": {**events, "rejoined": True, "wall_s": 110.0},
+        "groups": {"g0_0": _torchft_group(survivor, 1.25), "g2_1": back},
+    }
+    costs = tr.analyse(plan, nofail, failure)
+    assert costs["plain_sync"] == {"total_s": 0.2, "quorum_s": 0.1}
+    assert costs["kill"] == {
+        "after_step": 9, "last_sync_step": 8, "steps_lost": 1, "first_sync_without": 12,
+        "first_sync_without_quorum_s": 2.6, "dropped_after_s": pytest.approx(5.0), "syncs_away": 3, "steps_away": 11,
+    }  # fmt: skip
+    assert costs["return"]["healed_at_step"] == 20 and costs["return"]["steps_unread_while_starting"] == 4
+    assert costs["return"]["restart_to_heal_s"] == 30.0 and costs["return"]["serving_sync_s"] == 0.6
+    assert costs["groups_equal_at_the_end"]
+    text = tr.report(plan, costs, nofail, failure)
+    assert "| kill: the lighthouse drops it (its heartbeat timeout) |  | 5.0 after the kill |" in text
+    tr.plot(tmp_path / "curve.png", plan, nofail, failure, costs)
+    assert (tmp_path / "curve.png").stat().st_size > 0

@@ -17,16 +17,10 @@ from diloco_simulation import ADAMW_KW, FRAGMENTS, OUTER_LR, OUTER_MOMENTUM, ran
 from distributed_workers import build_mlp, mse
 
 from hf_gpa import DiLoCo
-from hf_gpa.optim._diloco_workers import (
-    check_outer_dtype,
-    chunk_numel,
-    compress,
-    decompress,
-    fragment_due,
-    fragment_of_each,
-    outer_payload_bytes,
-    outer_sent_bytes,
-)
+from hf_gpa.optim import saved_diloco_layout
+from hf_gpa.optim.diloco.compression import chunk_numel, compress, decompress, outer_payload_bytes, outer_sent_bytes
+from hf_gpa.optim.diloco.fragments import fragment_due, fragment_of_each
+from hf_gpa.optim.diloco.rules import check_fragment_sizes, check_outer_dtype
 
 
 def _grad(y: torch.Tensor, t: int) -> torch.Tensor:
@@ -353,7 +347,7 @@ def test_a_process_group_of_one_is_the_single_worker_bitwise(group_of_one: Any) 
     plain = _run(_diloco(plain_model, inner_steps=4, num_fragments=2), plain_model, steps)
     for a, b in zip(grouped, plain):
         assert all(torch.equal(x, y) for key in a for x, y in zip(a[key], b[key]))
-    assert opt.state_dict()["param_groups"][0]["diloco_layout"] == {
+    assert saved_diloco_layout(opt.state_dict()) == {
         "world_size": 1, "num_workers": 1, "num_fragments": 2, "worker": 0,
     }  # fmt: skip
     assert copy.deepcopy(opt).layout.island_group is opt.layout.island_group
@@ -387,7 +381,7 @@ def test_dtensor_parameters_across_processes_only_on_the_island_mesh(group_of_on
     fully_shard(hsdp, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("worker", "shard")))
     with pytest.raises(ValueError, match=r"Invalid params: a DTensor parameter \(FSDP2\) on a 2-D device mesh"):
         _diloco(hsdp, process_group=group_of_one)
-    with pytest.raises(ValueError, match=r"DTensor parameters \(FSDP2, tensor parallelism\) with a GPADiLoCo"):
+    with pytest.raises(ValueError, match=r"DTensor parameters \(FSDP2 inside the islands\) with GPADiLoCo"):
         GPADiLoCo(model.parameters(), process_group=group_of_one)
 
 
@@ -610,5 +604,7 @@ def test_outer_dtype_refusals_name_the_argument() -> None:
     with pytest.raises(ValueError, match=r"Invalid outer_dtype: 'bfloat16' with a single worker"):
         DiLoCo(build_mlp(torch.float32).parameters(), outer_dtype="bfloat16")
     with pytest.raises(ValueError, match=r"Invalid outer_dtype: 'int8' with num_fragments = 2: a fragment holds 255"):
-        check_outer_dtype("int8", 2, [300, 255])
-    assert check_outer_dtype("int8", 2, [256, 256]) == "int8" and check_outer_dtype("bfloat16", 2, [1, 1])
+        check_fragment_sizes("int8", [300, 255])
+    check_fragment_sizes("int8", [256, 256])
+    check_fragment_sizes("bfloat16", [1, 1])
+    assert check_outer_dtype("int8", 2) == "int8" and check_outer_dtype("bfloat16", 2) == "bfloat16"

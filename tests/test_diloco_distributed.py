@@ -446,8 +446,7 @@ def test_a_resume_with_an_overlapped_sync_in_flight_is_bitwise(overlap: list) ->
     update after step 5 included) equals the uninterrupted run's bitwise."""
     for facts in overlap:
         assert facts["in_flight_at_save"] == 1
-        [saved] = facts["saved_pending"]
-        assert saved["remaining"] == 1 and saved["params"] == [2, 3, 4, 5]
+        assert facts["saved_pending"] == [(2, 1), (3, 1), (4, 1), (5, 1)]  # fragment 1's parameters, 1 step left
         assert len(facts["resumed"]) == len(facts["uninterrupted"]) == dw.OVERLAP["steps"] - dw.OVERLAP_RESUME_AT
         for step, (held, want) in enumerate(zip(facts["resumed"], facts["uninterrupted"])):
             for key in want:
@@ -463,7 +462,7 @@ def test_a_resume_with_an_overlapped_sync_in_flight_is_bitwise(overlap: list) ->
         ("compressed", "Invalid overlap_steps: 1 with outer_dtype = 'bfloat16'"),
         ("alpha", "Invalid overlap_alpha: 1.5 (must lie in [0, 1]"),
         ("alpha_without_overlap", "Invalid overlap_alpha: 0.5 with overlap_steps = 0"),
-        ("one_worker", "Invalid overlap_steps: 1 with a single worker"),
+        ("one_worker", "Invalid overlap_steps: 1 with num_workers = 1, a single worker"),
     ],
 )
 def test_an_overlap_the_schedule_cannot_hold_is_refused_by_name(overlap: list, name: str, named: str) -> None:
@@ -512,15 +511,32 @@ def test_fsdp2_islands_hold_the_same_outer_shards_at_the_same_position(fsdp_isla
     assert shards[0].shape[0] + shards[1].shape[0] == fsdp_islands[0]["run"][-1]["outer"][0].shape[0]
 
 
-def test_fsdp2_islands_resume_bitwise_from_each_process_s_sharded_state(fsdp_islands: list) -> None:
+@pytest.mark.parametrize("resumed", ["resumed", "dcp_resumed", "dcp_train_mode"])
+def test_fsdp2_islands_resume_bitwise_from_each_process_s_sharded_state(fsdp_islands: list, resumed: str) -> None:
     """Each process's ``optimizer.state_dict()`` (its shards: inner weights, outer weights, momentum, AdamW state),
-    taken in train mode mid-period, loaded into a fresh sharded model and optimizer: every later step (the outer step
-    at 6 included) equals the uninterrupted run's bitwise."""
+    taken mid-period, loaded into a fresh sharded model and optimizer: kept in memory (train mode), or saved to files
+    by torch's distributed checkpoint, in eval mode as the docs' loop does or in train mode (``get_state_dict``,
+    ``dcp.save``; ``init_state``, ``dcp.load``, ``set_state_dict``, ``train()``; DCP keeps one copy of what has one
+    name on several processes: each worker's own entries are apart, the model's are the outer weights in eval mode,
+    and in train mode the optimizer state puts each worker's inner weights back): every later step (the outer step at
+    6 included) equals the uninterrupted run's bitwise. Before, the DCP load raised on worker 0's ranks (the state
+    held worker 1's inner weights)."""
     for facts in fsdp_islands:
-        assert len(facts["resumed"]) == dw.STEPS - dw.RESUME_AT
-        for step, (held, want) in enumerate(zip(facts["resumed"], facts["run"][dw.RESUME_AT :])):
+        assert len(facts[resumed]) == dw.STEPS - dw.RESUME_AT
+        for step, (held, want) in enumerate(zip(facts[resumed], facts["run"][dw.RESUME_AT :])):
             for key in want:
                 assert all(torch.equal(a, b) for a, b in zip(held[key], want[key])), (step, key)
+
+
+def test_parameters_written_after_a_train_mode_load_are_refused_at_the_next_step(fsdp_islands: list) -> None:
+    """A state taken in train mode puts each worker's inner weights into the parameters; a parameter written after
+    that (a model state loaded after the optimizer's: a checkpoint that keeps one copy of the workers' differing
+    parameters would hold one worker's for all) is refused at the next step by the process that holds it (rank 0),
+    before anything changes, saying to save in eval mode or load the optimizer state last; the others step on."""
+    messages = [facts["written_after_load_refused"] for facts in fsdp_islands]
+    assert "no longer hold the inner weights that load_state_dict() put there" in messages[0], messages[0]
+    assert "Save in eval mode" in messages[0] and "set_optimizer_state_dict" in messages[0]
+    assert messages[1:] == ["", "", ""]
 
 
 NOT_THE_ISLAND = r"Invalid params: a DTensor parameter \(FSDP2\) on a "
@@ -532,8 +548,8 @@ NOT_THE_ISLAND = r"Invalid params: a DTensor parameter \(FSDP2\) on a "
         ("all", NOT_THE_ISLAND + r"1-D device mesh of shape 4 over ranks \[0, 1, 2, 3\]"),
         ("strided", NOT_THE_ISLAND + r"1-D device mesh of shape 2 over ranks \[{even_or_odd}\]"),
         ("hsdp", NOT_THE_ISLAND + r"2-D device mesh of shape 2x2"),
-        ("int8", r"Invalid outer_dtype: 'int8' with DTensor parameters"),
-        ("overlap", r"Invalid overlap_steps: 1 with DTensor parameters"),
+        ("int8", r"Invalid outer_dtype: 'int8' with FSDP2 inside the islands"),
+        ("overlap", r"Invalid overlap_steps: 1 with FSDP2 inside the islands"),
     ],
 )
 def test_a_mesh_that_is_not_the_island_is_refused_by_name(fsdp_islands: list, what: str, named: str) -> None:

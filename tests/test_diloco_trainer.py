@@ -23,8 +23,8 @@ import torch
 from launching import free_port, launch_env, run_logged
 from safetensors.torch import load_file
 
-from hf_gpa.distributed_diloco import refuse_other_layout, refuse_other_outer, requested_layout
-from hf_gpa.optim import WorkerLayout
+from hf_gpa.optim import WorkerLayout, saved_diloco_layout
+from hf_gpa.workers import refuse_other_layout, refuse_other_outer, requested_layout
 
 WORKERS = Path(__file__).with_name("diloco_trainer_workers.py")
 REPO = Path(__file__).resolve().parents[1]
@@ -141,15 +141,19 @@ def test_between_steps_only_the_trainer_s_scalars_cross_the_workers(two_ranks: t
 
 def test_streaming_all_reduces_each_fragment_once_per_period(two_ranks: tuple) -> None:
     """P = 2, H = 4, 8 steps: fragment 1 leaves the worker at steps 2 and 6, fragment 0 at 4 and 8, each once, and
-    the two fragments together are the whole model."""
+    the two fragments together are the whole model; at the end of training (after step 8) fragment 1's steps 7 and 8
+    leave it once more, so that the final model holds them."""
     _, facts = two_ranks
     for f in facts:
         run = f["streaming"]
-        during = {step_of(run, r): (r["op"], r["numel"]) for r in crossing(run) if step_of(run, r) is not None}
+        during: dict[int, list[tuple[str, int]]] = {}
+        for r in crossing(run):
+            if step_of(run, r) is not None:
+                during.setdefault(step_of(run, r), []).append((r["op"], r["numel"]))
         assert sorted(during) == [2, 4, 6, 8]
-        assert {op for op, _ in during.values()} == {"gloo:all_reduce"}
-        assert during[2] == during[6] and during[4] == during[8]
-        assert during[2][1] + during[4][1] == run["numel"]
+        assert {op for ops in during.values() for op, _ in ops} == {"gloo:all_reduce"}
+        assert during[2] == during[6] and during[8] == during[4] + during[2]  # fragment 0, then fragment 1's end
+        assert during[2][0][1] + during[4][0][1] == run["numel"]
 
 
 # ---------------------------------------------------------------- what the run tells the user
@@ -177,9 +181,13 @@ def assert_logs_count_the_outer_traffic(run: dict[str, Any]) -> None:
     payloads = outer_payloads(run)
     logged = logged_steps(run)
     assert logged
+    syncs = {}  # by step, the collectives that crossed the workers during it: one per outer sync
+    for record in crossing(run):
+        if step_of(run, record) is not None:
+            syncs[step_of(run, record)] = syncs.get(step_of(run, record), 0) + 1
     for entry in logged:
         synced = [s for s in payloads if s <= entry["step"]]
-        assert entry["outer_steps"] == len(synced), entry
+        assert entry["outer_steps"] == sum(syncs[s] for s in synced), entry
         assert entry["outer_bytes"] == sum(payloads[s] for s in synced), entry
 
 
@@ -197,7 +205,7 @@ def test_the_logs_carry_the_outer_steps_and_the_bytes_sent_between_workers(two_r
         ]
         streaming = f["streaming"]
         assert_logs_count_the_outer_traffic(streaming)
-        assert [e["outer_steps"] for e in logged_steps(streaming)] == [s // 2 for s in range(1, 9)]
+        assert [e["outer_steps"] for e in logged_steps(streaming)] == [s // 2 for s in range(1, 8)] + [5]  # + the end
         resumed = {e["step"]: e for e in logged_steps(f["resumed"])}
         uninterrupted = {e["step"]: e for e in logged_steps(run)}
         assert sorted(resumed) == list(range(1, dw.STEPS + 1))  # 1-4: the checkpoint's log history
@@ -251,12 +259,14 @@ def test_an_overlapped_run_says_so_and_counts_its_outer_steps(two_ranks: tuple) 
     the logs count one outer step when a fragment's sync starts (steps 2, 4, 6, 8) and its bytes; the outer weights
     are the same bits on both ranks after every step, and they move one step after a sync starts (3, 5, 7), not when
     it starts. The sync started after the last step is applied when training ends: the weights held after training
-    are the outer weights after step 8 with that update (the same on both ranks), not without it."""
+    are the outer weights after step 8 with that update (the same on both ranks), not without it; it is applied after
+    the last step, before the Trainer's last log, evaluation and save, with fragment 1's steps since its last sync."""
     _, (first, second) = two_ranks
     (line,) = first["overlapped"]["start_lines"]
     assert "H = 4, 2 fragments, outer dtype float32, overlap 1 inner steps (each fragment's all-reduce runs" in line
     assert "mixing alpha 0.5" in line and "no overlap" not in line
-    assert [e["outer_steps"] for e in logged_steps(first["overlapped"])] == [0, 1, 1, 2, 2, 3, 3, 4]
+    # at step 8 fragment 1's steps 7 and 8 are synchronised too (the end of training): 5 outer steps
+    assert [e["outer_steps"] for e in logged_steps(first["overlapped"])] == [0, 1, 1, 2, 2, 3, 3, 5]
     steps_a, steps_b = first["overlapped"]["steps"], second["overlapped"]["steps"]
     for a, b in zip(steps_a, steps_b):
         assert all(torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"]), a["step"]
@@ -265,11 +275,42 @@ def test_an_overlapped_run_says_so_and_counts_its_outer_steps(two_ranks: tuple) 
         for a, b in zip(steps_a, steps_a[1:])
         if any(not torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"])
     ]
-    assert moved == [3, 5, 7]
+    assert moved == [3, 5, 7, 8]  # at 8: the sync started then and fragment 1's last steps, at the end of training
     last = steps_a[-1]["outer"]
     held = [f["overlapped"]["held_after_train"] for f in (first, second)]
-    assert all(torch.equal(held[0][n], held[1][n]) for n in last)
-    assert any(not torch.equal(held[0][n], last[n]) for n in last)  # the last sync's update, applied at the end
+    assert all(torch.equal(held[0][n], held[1][n]) and torch.equal(held[0][n], last[n]) for n in last)
+
+
+def test_the_last_partial_period_is_synchronised_at_the_end_of_training(two_ranks: tuple) -> None:
+    """--max_steps 5 with H = 3: steps 4 and 5 are a partial period; at the end of training (after step 5, before its
+    log) the workers synchronise them, so the model after train() holds every worker's 5 steps: the outer weights
+    move at step 5 (the same bits on both ranks), the inner weights restart from them, the logs count 2 outer steps.
+    Before, the model was the outer weights of step 3, every worker's steps 4-5 lost."""
+    _, facts = two_ranks
+    held = [f["partial"]["held_after_train"] for f in facts]
+    for f in facts:
+        steps = f["partial"]["steps"]
+        after_3, after_5 = steps[2]["outer"], steps[4]["outer"]
+        assert any(not torch.equal(after_3[n], after_5[n]) for n in after_5)
+        assert all(torch.equal(f["partial"]["held_after_train"][n], after_5[n]) for n in after_5)
+        assert all(torch.equal(steps[4]["inner"][n], after_5[n]) for n in after_5)
+        assert [e["outer_steps"] for e in logged_steps(f["partial"])] == [0, 0, 1, 1, 2]
+    assert all(torch.equal(held[0][n], held[1][n]) for n in held[0])
+
+
+def test_the_best_checkpoint_loaded_at_the_end_is_the_model_after_training(two_ranks: tuple) -> None:
+    """--load_best_model_at_end with the overlapped sync (H = 4, P = 2, tau 1, alpha 0.5, eval and save every 2
+    steps, 8 steps): the best checkpoint (an early one, whose state holds a sync in flight) is what every rank's
+    model holds after train(), bitwise its model.safetensors, as with the stock Trainer. Before, the syncs in flight
+    loaded with it were applied on top at the end of training."""
+    out, facts = two_ranks
+    best = facts[0]["best_checkpoint"]
+    assert best is not None and best.endswith("checkpoint-2"), best
+    saved = load_file(Path(best) / "model.safetensors")
+    for f in facts:
+        held = f["best"]["held_after_train"]
+        names = [n for n in saved if n in held]
+        assert len(names) > 5 and all(torch.equal(held[n], saved[n]) for n in names), best
 
 
 # ---------------------------------------------------------------- the outer weights: evaluated, saved, the same
@@ -320,10 +361,11 @@ def test_checkpoints_keep_every_worker_s_state(two_ranks: tuple) -> None:
         assert "optimizer.pt" not in names and "scheduler.pt" in names
     states = [torch.load(out / "run" / "checkpoint-4" / f"optimizer_rank{r}.pt", weights_only=True) for r in range(2)]
     for rank, state in enumerate(states):
-        assert state["param_groups"][0]["diloco_layout"] == {
-            "world_size": 2, "num_workers": 2, "num_fragments": 1, "worker": rank
-        }  # fmt: skip
-    inner = [s["state"][0]["outer"] for s in states]  # in eval mode, state["outer"] holds the inner weights
+        assert saved_diloco_layout(state) == {"world_size": 2, "num_workers": 2, "num_fragments": 1, "worker": rank}
+        assert set(state["state"][0]) == {"outer_momentum_buffer", f"worker{rank}"}  # the same on both: outside
+        assert set(state["state"][0][f"worker{rank}"]) == {"outer", "base"}  # its worker's own
+    # in eval mode, state["outer"] holds the inner weights: each worker's own
+    inner = [s["state"][0][f"worker{rank}"]["outer"] for rank, s in enumerate(states)]
     assert not torch.equal(*inner)
 
 
@@ -580,6 +622,19 @@ def test_fsdp2_islands_equal_the_unsharded_islands(fsdp_islands: tuple) -> None:
     for other in facts[1:]:  # the outer weights: the same bits on every process
         for a, b in zip(facts[0]["run"]["steps"], other["run"]["steps"]):
             assert all(torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"])
+
+
+def test_fsdp2_islands_start_from_the_first_process_s_weights(fsdp_islands: tuple) -> None:
+    """Each of the 4 processes builds its model from a seed of its own (2 islands of 2, FSDP2 inside each), lr 0: the
+    model saved after training is the first process's initial model, every tensor whole, as the FSDP config's
+    fsdp_sync_module_states promises and DDP islands do. Before, each process kept its shard of its own
+    initialisation, and the islands trained a mix of ranks 0's and 1's rows."""
+    out, facts = fsdp_islands
+    saved = load_file(out / "own_seed" / "final" / "model.safetensors")
+    first = facts[0]["own_seed_initial"]
+    assert any(not torch.equal(first[n], facts[1]["own_seed_initial"][n]) for n in first)  # really their own seeds
+    names = [n for n in saved if n in first]
+    assert len(names) > 5 and all(torch.equal(saved[n], first[n]) for n in names)
 
 
 @pytest.mark.parametrize("checkpoint", ["checkpoint-2", "checkpoint-4", "checkpoint-6", "final"])

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_simulation import ADAMW_KW
+from diloco_simulation import ADAMW_KW, rank_rows
 from distributed_workers import build_mlp, global_batch, mse
 from gpa_diloco_simulation import MU_X, MU_Y, OUTER_LR, Snapshot, simulate
 from launching import launch_ranks
@@ -259,3 +259,68 @@ def test_two_islands_of_two_equal_the_simulation_bitwise(four_ranks: list) -> No
     expected = simulate(2, 2, INNER_STEPS, STEPS)
     for rank, facts in enumerate(four_ranks):
         assert_matches(facts["islands"], expected, worker=rank // 2)
+
+
+# ---------------------------------------------------------------- the outer sync: one object, DiLoCo's
+
+
+@pytest.mark.parametrize("outer_dtype", ["bfloat16", "int8"])
+def test_a_compressed_sync_equals_the_simulation_bitwise(two_ranks: list, four_ranks: list, outer_dtype: str) -> None:
+    """GPADiLoCo(distributed=True, outer_dtype=...) runs the compressed sync DiLoCo runs (error feedback kept in its
+    state): with 2 workers (an all-gather) and 4 (int8, two stages), after every step, bitwise the simulation with the
+    same compression. Before, it was accepted and died at step H on an AssertionError."""
+    expected = simulate(2, 1, INNER_STEPS, STEPS, outer_dtype=outer_dtype)
+    for rank, facts in enumerate(two_ranks):
+        assert_matches(facts[outer_dtype], expected, worker=rank)
+    if outer_dtype == "int8":
+        expected = simulate(4, 1, INNER_STEPS, STEPS, outer_dtype="int8")
+        for rank, facts in enumerate(four_ranks):
+            assert_matches(facts["int8"], expected, worker=rank)
+    plain = simulate(2, 1, INNER_STEPS, STEPS)
+    assert not all(torch.equal(a, b) for a, b in zip(expected[-1].x, plain[-1].x))  # compression changed the run
+
+
+def test_an_overlapped_sync_equals_the_simulation_of_the_delayed_updates_bitwise(two_ranks: list) -> None:
+    """Streaming (H = 4, P = 2) with each fragment's sync overlapped by tau = 1 inner step and alpha 0.5: the update
+    of z and x lands one step after the sync starts and the new y is mixed into the inner weights that moved on,
+    bitwise the simulation of that. Before, overlap_steps was accepted and ignored (the run was the blocking one)."""
+    expected = simulate(2, 1, 4, 10, num_fragments=2, overlap_steps=1, overlap_alpha=0.5)
+    blocking = simulate(2, 1, 4, 10, num_fragments=2)
+    for rank, facts in enumerate(two_ranks):
+        assert_matches(facts["overlapped"], expected, worker=rank)
+    assert not all(torch.equal(a, b) for a, b in zip(expected[-1].x, blocking[-1].x))
+
+
+def test_synchronize_ends_a_partial_period(two_ranks: list) -> None:
+    """5 steps with H = 3, then ``synchronize()`` (what GPATrainer calls at the end of training): the workers' steps 4
+    and 5 go through one more outer step, bitwise the simulation's end-of-training sync."""
+    expected = simulate(2, 1, INNER_STEPS, 5, synchronize=True)
+    for rank, facts in enumerate(two_ranks):
+        assert_matches(facts["partial"], expected, worker=rank)
+    assert not all(torch.equal(a, b) for a, b in zip(expected[-1].x, simulate(2, 1, INNER_STEPS, 5)[-1].x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_a_cast_mid_run_is_followed(dtype: torch.dtype) -> None:
+    """model.to(float64 or bfloat16) mid-period: x and z follow in the state dtype of the new parameters (float64; for
+    bf16 float32, with the inner weights in float32 beside the parameter), exactly, and training goes on through the
+    next outer step, as DiLoCo does. Before, the next step raised KeyError('outer_momentum_buffer')."""
+    model = build_mlp(torch.float32)
+    opt = _opt(model, inner_steps=3)
+    for t in range(4):
+        opt.zero_grad()
+        mse(model, *rank_rows(t, 0, 1, torch.float32)).backward()
+        opt.step()
+    before = {p: {k: opt.state[p][k].clone() for k in ("outer", "z")} for p in model.parameters()}
+    model.to(dtype)
+    for t in range(4, 7):
+        opt.zero_grad()
+        mse(model, *rank_rows(t, 0, 1, dtype)).backward()
+        opt.step()
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    for p in model.parameters():
+        state = opt.state[p]
+        assert state["outer"].dtype == state["z"].dtype == wide
+        assert ("inner_fp32" in state) == (dtype == torch.bfloat16)
+    moved = [p for p in model.parameters() if not torch.equal(opt.state[p]["z"], before[p]["z"].to(wide))]
+    assert moved  # the outer step at 6 ran on the converted state

@@ -3,6 +3,7 @@ bitwise, on every path; gradients freed as they are used; what cannot step per p
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -397,3 +398,73 @@ def test_a_group_added_later_steps_after_backward() -> None:
         assert net.w1.grad is None and net.unused.grad is not None
         opt.step()
     assert not torch.equal(net.unused, before) and float(opt.state[net.unused]["step"]) == 1.0
+
+
+def _run_schedule_free_with_a_step_without_hooked_gradients(how: str, in_backward: bool) -> tuple[list, GPAAdamW]:
+    """Six steps of a hooked Schedule-Free ``w`` (the third without a gradient for it: ``how`` says what that step does
+    instead) and a ``later`` group added after the hooks; ordinarily or inside backward."""
+    gen = torch.Generator().manual_seed(0)
+    w = nn.Parameter(torch.randn(5, generator=gen))
+    unhooked = nn.Parameter(torch.randn(3, generator=gen))  # in no optimizer
+    later = nn.Parameter(torch.randn(4, generator=gen))
+    opt = GPAAdamW([w], lr=1e-2, mu_x=0.9, mu_y=0.7, averaging="schedule_free")
+    handle = step_in_backward(opt) if in_backward else None
+    opt.add_param_group({"params": [later], "averaging": "schedule_free"})  # not hooked: it steps in step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.8**t)
+    for t in range(6):
+        x = torch.randn(5, generator=gen)
+        if t != 2:
+            ((w * x).sum().square() + later.square().sum()).backward()
+        elif how == "unhooked_backward":
+            unhooked.square().sum().backward()
+        elif how == "later_group_only":
+            later.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        unhooked.grad = None
+        sched.step()
+    if handle is not None:
+        handle.remove()
+    return [w, later], opt
+
+
+@pytest.mark.parametrize("how", ["no_backward", "unhooked_backward", "later_group_only"])
+def test_a_step_without_hooked_gradients_counts_at_the_step_after_it(how: str) -> None:
+    """A training step in which no hooked parameter gets a gradient (no backward at all, a backward through a
+    parameter that is not hooked, or through a group added after the hooks only) counts in the hooked group's
+    Schedule-Free weight sum at the optimizer.step() after it, as step() counts it: weight sums, y and x bitwise."""
+    ref_params, ref_opt = _run_schedule_free_with_a_step_without_hooked_gradients(how, in_backward=False)
+    params, opt = _run_schedule_free_with_a_step_without_hooked_gradients(how, in_backward=True)
+    assert [g["weight_sum"] for g in opt.param_groups] == [g["weight_sum"] for g in ref_opt.param_groups]
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    ref_opt.eval()
+    opt.eval()
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+
+
+def test_a_step_after_the_hooks_are_removed_does_not_count_their_pass_again() -> None:
+    """Hooks held for one backward pass only (``with step_in_backward(opt): loss.backward()``, then ``opt.step()``):
+    the step() after the pass does not count the pass's step a second time; Schedule-Free weight sums, y and x bitwise
+    those of the ordinary loop."""
+
+    def run(in_backward: bool) -> tuple[_Net, GPAAdamW]:
+        net = _Net(torch.float32)
+        opt = GPAAdamW(net.parameters(), lr=1e-2, mu_x=0.9, mu_y=0.7, averaging="schedule_free")
+        gen = torch.Generator().manual_seed(1)
+        for t in range(4):
+            with step_in_backward(opt) if in_backward else contextlib.nullcontext():
+                net(torch.randn(8, 7, generator=gen), skip=t % 2 == 1).backward()
+            opt.step()
+            opt.zero_grad()
+        return net, opt
+
+    (ref_net, ref_opt), (net, opt) = run(False), run(True)
+    assert opt.param_groups[0]["weight_sum"] == ref_opt.param_groups[0]["weight_sum"]
+    for p, r in zip(net.parameters(), ref_net.parameters()):
+        assert torch.equal(p, r)
+    ref_opt.eval()
+    opt.eval()
+    for p, r in zip(net.parameters(), ref_net.parameters()):
+        assert torch.equal(p, r)

@@ -168,6 +168,38 @@ def test_results_file_keeps_what_was_recorded(tmp_path):
     assert [run["key"] for run in data["runs"]] == ["a"]
 
 
+def test_the_record_says_where_its_runs_were_made_and_which_run_was_made_where(tmp_path, monkeypatch):
+    """A record holds the CPU, the instruction set torch's kernels use, Python, torch, threads and commit; resumed
+    elsewhere (here: another instruction set), it keeps both environments and each run names its own; a record from
+    before the stamps keeps its one environment for its runs."""
+    from benchmarks import report
+
+    path = tmp_path / "results.json"
+    first = paper_recipe.results_file(path, paper_recipe.Workload(steps=10), paper_recipe.Plan())
+    env = first.data["environment"]
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and env["num_threads"] == 1
+    assert (
+        set(report.BITWISE_FIELDS) <= set(env) and env["cpu"] and env["python"] and env["torch"] == torch.__version__
+    )
+    first.add({"key": "a", "spec": {}})
+    monkeypatch.setattr(report.torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    again = paper_recipe.results_file(path, paper_recipe.Workload(steps=10), paper_recipe.Plan())
+    again.add({"key": "b", "spec": {}})
+    data = json.loads(path.read_text())
+    assert [e["cpu_capability"] for e in data["environments"]] == [env["cpu_capability"], "AVX2"]
+    assert [run["environment"] for run in data["runs"]] == [0, 1]
+    assert report.bitwise_differences(*data["environments"]) == ["cpu_capability"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"workload": json.loads(path.read_text())["workload"], "runs": [{"key": "x"}],
+                               "environment": {"torch": "2.0", "num_threads": 1, "device": "cpu"}}))  # fmt: skip
+    kept = paper_recipe.results_file(old, paper_recipe.Workload(steps=10), paper_recipe.Plan())
+    assert report.environments_of(kept.data, kept.runs) == [{"torch": "2.0", "num_threads": 1, "device": "cpu"}]
+    assert (
+        report.environment_text(kept.data["environments"][0])
+        == "a CPU not recorded (device cpu, torch 2.0, num_threads 1)"
+    )
+
+
 def test_a_record_of_another_workload_is_refused_not_overwritten(tmp_path):
     """--steps or --weight-decay into a folder that records another workload raises before any run, naming the
     difference; the record keeps its runs."""
@@ -202,7 +234,7 @@ def test_gpu_scale_pipeline_runs_tiny_on_cpu_with_bf16_and_a_local_corpus(py_cor
     paper_table.main(["--quick", "--bf16", "--corpus", str(py_corpus), "--device", "cpu", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["workload"]["bf16"] is True and data["workload"]["corpus"] == str(py_corpus)
-    assert data["workload"]["device"] == "cpu" and data["environment"]["device"] == "cpu"
+    assert data["workload"]["device"] == "cpu" and data["environment"]["device"].startswith("cpu")
     final = {run["spec"]["method"]: run for run in data["runs"] if run["spec"]["phase"] == "full"}
     for method in ("gpa", "sf", "sf_ref", "gpa_muon"):
         run = final[method]

@@ -5,13 +5,18 @@ The example-based tests pin one path or one operation at a time; the defects tha
 them (a bias zeroed under the compact state, a checkpoint of a bf16 run resumed in fp16, a state cleared then stepped,
 a base optimizer rebuilt after a load, a gradient whose dtype changed between steps). Here a hypothesis
 ``RuleBasedStateMachine`` drives one configuration (GPAAdamW on the for-loop, foreach, C++ kernel or Triton
-interpreter path, in each state layout; GPA around AdamW, SGD and Adagrad; DiLoCo around AdamW and Adagrad) and the
-same optimizer on its for-loop (``foreach=False``, the wrappers' passes on foreach ops) over identical copies of a
-small model with the Trainer's two groups (decay, no decay), through steps with random, missing, strided and
-other-dtype gradients, eval()/train(), writes into the weights, hyper-parameter changes, added groups, state dict,
-deepcopy and pickle round trips (of the optimizer under test only: its twin runs on uninterrupted), cleared state,
-steps in which a whole group gets no gradient, and casts of the model to another dtype (in train and in eval mode,
-fp64 included, converted at once, at the next step or lazily after a write; GPA's and DiLoCo's models too).
+interpreter path, in each state layout, and stepping inside backward; GPA around AdamW, SGD and Adagrad; DiLoCo around
+AdamW and Adagrad) and the same optimizer on its for-loop (``foreach=False``, the wrappers' passes on foreach ops) over
+identical copies of a small model with the Trainer's two groups (decay, no decay), through steps with random, missing,
+strided and other-dtype gradients, eval()/train(), writes into the weights, hyper-parameter changes, added groups,
+state dict, deepcopy and pickle round trips (of the optimizer under test only: its twin runs on uninterrupted), cleared
+state, steps in which a whole group gets no gradient, and casts of the model to another dtype (in train and in eval
+mode, fp64 included, converted at once, at the next step or lazily after a write; GPA's and DiLoCo's models too).
+Stepping inside backward (`step_in_backward`), the optimizer under test gets its gradients from a backward pass and
+steps in it, then its ``step()`` is called as a loop calls it, while its twin steps after backward; on top of the
+above, its hooks are removed and put on again (taking the groups added since), and some steps give no hooked parameter
+a gradient (no backward at all, one through a tensor the optimizer does not have, or through the groups added since
+the hooks only).
 
 What is compared, after every rule:
 
@@ -47,6 +52,7 @@ sequences.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import os
 import pickle
@@ -72,7 +78,7 @@ from hypothesis.stateful import (
 from torch import nn
 
 from hf_gpa import GPA, DiLoCo, GPAAdamW
-from hf_gpa.optim import kernels
+from hf_gpa.optim import StepInBackward, kernels, step_in_backward
 from hf_gpa.optim.kernels import cpu as _kernels
 from hf_gpa.optim.kernels import triton_launch as _triton
 
@@ -100,13 +106,17 @@ class Config:
     base_kwargs: dict[str, Any] = field(default_factory=dict)
     #: Gradient kinds left out (see the configurations that leave one out).
     without: tuple[str, ...] = ()
+    #: The optimizer under test steps inside backward (`step_in_backward`), its twin after it (``step()``).
+    in_backward: bool = False
 
 
 FORLOOP, FOREACH, FUSED = {"foreach": False}, {"foreach": True}, {"fused": True}
 NO_OTHER = ("other_dtype",)
 
 
-def _adamw(name: str, dtype: torch.dtype, impl: str, state_dtype: str = "compact") -> Config:
+def _adamw(
+    name: str, dtype: torch.dtype, impl: str, state_dtype: str = "compact", in_backward: bool = False
+) -> Config:
     sut = {"forloop": FORLOOP, "foreach": FOREACH, "fused": FUSED, "triton": FUSED}[impl]
     return Config(
         name=name,
@@ -117,6 +127,9 @@ def _adamw(name: str, dtype: torch.dtype, impl: str, state_dtype: str = "compact
         backend="triton" if impl == "triton" else None,
         bitwise=impl in ("forloop", "foreach"),
         needs={"fused": "cpu_kernel", "triton": "triton"}.get(impl),
+        # In backward a gradient is what autograd accumulates: dense, in the parameter's dtype.
+        without=("strided", "other_dtype") if in_backward else (),
+        in_backward=in_backward,
     )
 
 
@@ -152,6 +165,8 @@ CONFIGS = [
     _adamw("adamw_bf16_param_foreach", BF16, "foreach", "param"),
     _adamw("adamw_bf16_param_fused", BF16, "fused", "param"),
     _adamw("adamw_fp16_fused", FP16, "fused"),
+    _adamw("adamw_fp32_foreach_in_backward", FP32, "foreach", in_backward=True),
+    _adamw("adamw_bf16_compact_forloop_in_backward", BF16, "forloop", in_backward=True),
     _wrapper("gpa_adamw", "gpa", torch.optim.AdamW, FOREACH),
     # torch's fused AdamW on CPU (torch 2.13) reads a non-contiguous gradient as if it were contiguous: no strided
     # gradients for it (GPA hands the gradient to its base as it is).
@@ -311,6 +326,11 @@ def _exact(opt: GPAAdamW, p: torch.Tensor) -> tuple | None:
     return y.clone(), s["z"].clone(), s["exp_avg"].clone(), s["exp_avg_sq"].clone(), False
 
 
+def _keep_gradient(seen: dict[int, torch.Tensor], key: int, grad: torch.Tensor) -> None:
+    """A tensor hook that keeps a copy of the gradient about to be accumulated (and, in backward, stepped on)."""
+    seen[key] = grad.clone()
+
+
 def _converted(values: tuple, step: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, Any]]:
     """The parameter and the state a cast to ``dtype`` must give (docs/contract.md, "A parameter's state across casts
     and loads"): bf16/fp16 parameters the float32 state with y's copy, fp32 ones z, m, v in fp32; y rounded once."""
@@ -390,6 +410,9 @@ class OptimizerMachine(RuleBasedStateMachine):
             self.ctor = dict(base=cfg.base, lr=lr, inner_steps=3, outer_lr=0.7, **cfg.base_kwargs)
         self.sut = self._make(self._groups(self.sut_h, weight_decay), twin=False)
         self.twin = self._make(self._groups(self.twin_h, weight_decay), twin=True)
+        self.hooks: StepInBackward | None = None  # in backward: the optimizer under test's hooks
+        self.hooked: set[int] = set()  # ids of the parameters they step
+        self._hook(True)
         self.train_mode = True
         self.steps: dict[int, int] = defaultdict(int)  # flat index -> steps with a gradient since the state was made
         # Schedule-Free's weight sum of each group, as schedulefree defines it: lr^2 added at every step, whether
@@ -432,6 +455,20 @@ class OptimizerMachine(RuleBasedStateMachine):
         with mock.patch.dict(kernels.FORCE, backend=self.config.twin_backend if twin else self.config.backend):
             yield
 
+    def _hook(self, on: bool) -> None:
+        """In backward: the optimizer under test's hooks removed, then put on again if ``on`` (as a Trainer does at
+        each train(), and wherever the optimizer under test was replaced): every group it has now is hooked."""
+        if not self.config.in_backward:
+            return
+        if self.hooks is not None:
+            self.hooks.remove()
+        self.hooks = step_in_backward(self.sut) if on else None
+        self.hooked = {id(p) for g in self.sut.param_groups for p in g["params"]} if on else set()
+
+    def teardown(self) -> None:
+        if getattr(self, "hooks", None) is not None:
+            self.hooks.remove()
+
     def _both(self, action: str, *args: Any) -> None:
         for twin, opt in ((False, self.sut), (True, self.twin)):
             with self._on(twin):
@@ -471,9 +508,28 @@ class OptimizerMachine(RuleBasedStateMachine):
                     t.grad = values.to(t.dtype)
         return stepped
 
-    def _step(self, stepped: list[int]) -> None:
-        """Step both, count the steps, and hold the optimizer under test to the twin (bitwise, or within the bounds,
-        then synchronized)."""
+    def _backward(self, through_unhooked: bool = False) -> None:
+        """In backward: the gradients set on the optimizer under test's parameters come to them from one backward pass
+        (the hooked ones step in it and are freed, the others stay for step()); where none has a gradient, a backward
+        through a tensor the optimizer does not have (``through_unhooked``) or no backward at all."""
+        params = [p for p in _flat(self.sut) if p.grad is not None]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with torch.enable_grad(), self._on(False):
+            outputs = [p.view_as(p) for p in params]
+            if through_unhooked:
+                other = torch.ones(2, requires_grad=True)
+                outputs.append(other.view_as(other))
+                grads.append(torch.ones(2))
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+
+    def _step(self, stepped: list[int], *, through_unhooked: bool = False) -> None:
+        """Step both (in backward, the optimizer under test first in its backward pass, then its step()), count the
+        steps, and hold the optimizer under test to the twin (bitwise, or within the bounds, then synchronized)."""
+        if self.config.in_backward:
+            self._backward(through_unhooked)
         self._both("step")
         self.unconverted -= set(stepped)
         self.pending_compact = self.pending_compact and self.pending
@@ -540,17 +596,27 @@ class OptimizerMachine(RuleBasedStateMachine):
     @precondition(_in_train_mode)
     @rule(seed=SEEDS)
     def step_backward(self, seed: int) -> None:
-        """A step with the gradients of a forward and backward pass of the model (the added parameters get none)."""
+        """A step with the gradients of a forward and backward pass of the model (the added parameters get none); in
+        backward the optimizer under test steps in it."""
         x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed)).to(self.dtype)
-        for h in (self.sut_h, self.twin_h):
-            h.net(x).float().square().mean().backward()
+        seen: dict[int, torch.Tensor] = {}  # in backward: the gradients the hooks step on (and free)
+        taps = [
+            p.register_hook(functools.partial(_keep_gradient, seen, id(p)))
+            for p in (self.sut_h.net.parameters() if self.config.in_backward else ())
+        ]
+        for twin, h in ((False, self.sut_h), (True, self.twin_h)):
+            with self._on(twin):
+                h.net(x).float().square().mean().backward()
+        for tap in taps:
+            tap.remove()
         if self.pending:
             # A cast not converted yet: the model under test holds the cast weights (y's high word in the new dtype
             # under "compact"), the twin y rounded once, so their backward passes differ. The user's gradients are
             # the model's: the twin steps on them.
             for p, q in self._pairs():
-                q.grad = None if p.grad is None else p.grad.clone()
-        self._step([i for i, (p, _) in enumerate(self._pairs()) if p.grad is not None])
+                g = seen.get(id(p), p.grad)
+                q.grad = None if g is None else g.clone()
+        self._step([i for i, (_, q) in enumerate(self._pairs()) if q.grad is not None])
 
     @precondition(_in_eval_mode)
     @rule()
@@ -562,6 +628,11 @@ class OptimizerMachine(RuleBasedStateMachine):
             with self._on(twin), pytest.raises(RuntimeError, match="eval mode"):
                 opt.step()
             h.zero_grad(set_to_none=True)
+        if self.hooks is not None:  # in backward: the backward pass raises, before any parameter moves
+            x = torch.ones(5, 4, dtype=self.dtype)
+            with self._on(False), pytest.raises(RuntimeError, match=r"eval mode.*optimizer\.train\(\)"):
+                self.sut_h.net(x).float().square().mean().backward()
+            self.sut_h.zero_grad(set_to_none=True)
 
     @precondition(_in_eval_mode)
     @rule(seed=SEEDS)
@@ -669,6 +740,7 @@ class OptimizerMachine(RuleBasedStateMachine):
                 self.sut_h, self.sut = copy.deepcopy((self.sut_h, self.sut))
             else:
                 self.sut_h, self.sut = pickle.loads(pickle.dumps((self.sut_h, self.sut)))
+        self._hook(self.hooks is not None)  # in backward: the new optimizer hooked (copies have no hooks)
 
     @rule(how=st.sampled_from(("clear", "del", "new_dict")), index=st.integers(0, 7))
     def clear_state(self, how: str, index: int) -> None:
@@ -703,6 +775,11 @@ class OptimizerMachine(RuleBasedStateMachine):
             return False  # (the Triton kernel takes no fp64: fused=True refuses it)
         if not self.train_mode and (how == "live_step" or (dtype in HALF and self.dtype != BF16)):
             return False  # x in a narrower dtype is a write; a step needs train mode
+        if not self.train_mode and self.config.in_backward:
+            # A cast in eval mode runs no hook: the configurations that step after backward cover it. (They also miss,
+            # derandomized, what one draws here: x written in eval mode, then an fp32 model cast to fp64, where the
+            # float32 residual cannot tell every written element, and y is not the one computed in fp64.)
+            return False
         return True
 
     @precondition(_casts_its_state)
@@ -730,6 +807,7 @@ class OptimizerMachine(RuleBasedStateMachine):
                 fresh = self._fresh_sut(params_of)
                 fresh.load_state_dict(saved)
                 self.sut_h, self.sut = holder, fresh
+                self._hook(self.hooks is not None)
             else:
                 self.sut_h.to(dtype)
                 if how == "live_switch" and self.train_mode:
@@ -881,6 +959,30 @@ class OptimizerMachine(RuleBasedStateMachine):
             _same(x.detach(), x_twin.detach(), f"x of parameter {i}")
 
 
+class InBackwardMachine(OptimizerMachine):
+    """The optimizer under test steps inside backward (``config.in_backward``): `OptimizerMachine`'s rules, and those
+    only stepping inside backward has. (A subclass, so that the other configurations draw the sequences they drew.)"""
+
+    @precondition(_in_train_mode)
+    @rule(how=st.sampled_from(("no_backward", "unhooked_backward", "added_groups_only")), seed=SEEDS)
+    def step_without_hooked_gradients(self, how: str, seed: int) -> None:
+        """A step in which no hooked parameter gets a gradient (no backward at all, a backward through a tensor the
+        optimizer does not have, or through the groups added since the hooks only) runs no hook; the step() after it
+        takes the hooked groups' step, as step() does (it counts in their Schedule-Free weight sums)."""
+        self._set_grads(["dense"], 1.0, seed)
+        for p, q in self._pairs():
+            if how != "added_groups_only" or id(p) in self.hooked:
+                p.grad = q.grad = None
+        stepped = [i for i, (p, _) in enumerate(self._pairs()) if p.grad is not None]
+        self._step(stepped, through_unhooked=how == "unhooked_backward")
+
+    @rule(on=st.booleans())
+    def rehook(self, on: bool) -> None:
+        """The hooks put on again, on every group (a Trainer's next train(): the groups added since are hooked now),
+        or removed (the optimizer under test steps in step() until they are put on again)."""
+        self._hook(on)
+
+
 # ---- the tests ----
 
 
@@ -893,7 +995,8 @@ def _skip_unless_runnable(config: Config) -> None:
 
 def _run(config: Config, profile: settings) -> None:
     _skip_unless_runnable(config)
-    machine = type(f"Fuzz_{config.name}", (OptimizerMachine,), {"config": config})
+    base = InBackwardMachine if config.in_backward else OptimizerMachine
+    machine = type(f"Fuzz_{config.name}", (base,), {"config": config})
     run_state_machine_as_test(machine, settings=profile)
 
 
@@ -906,8 +1009,9 @@ SLOW = settings(max_examples=int(os.environ.get("HF_GPA_FUZZ_EXAMPLES", "200")),
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_stateful_fuzz(config: Config) -> None:
-    """Random sequences of steps, modes, writes, hyper-parameter changes, added groups, round trips, cleared state and
-    casts: the optimizer under test stays its for-loop twin (bitwise, or within the documented bound at a step)."""
+    """Random sequences of steps (inside backward too, some giving no hooked parameter a gradient), modes, writes,
+    hyper-parameter changes, added groups, round trips, cleared state and casts: the optimizer under test stays its
+    for-loop twin (bitwise, or within the documented bound at a step)."""
     _run(config, CI)
 
 

@@ -595,7 +595,7 @@ OV = [*DISTRIBUTED, "--diloco_fragments", "2", "--diloco_inner_steps", "6"]  # H
         ("4", [*DISTRIBUTED, "--diloco_workers", "1", "--diloco_outer_dtype", "int8"], r"dtype: 'int8' with a s"),
         ("4", ["--optim", "diloco_adamw", "--diloco_outer_dtype", "bfloat16"], r"--diloco_outer_dtype bfloat16 only"),
         ("4", ["--optim", "diloco_adamw", "--diloco_overlap_steps", "1"], r"--diloco_overlap_steps 1 only applies w"),
-        ("4", ["--optim", "gpa_adamw", "--gpa_distributed", "true", "--diloco_overlap_steps", "1"], r"applies to --o"),
+        ("4", [*GPA_DISTRIBUTED, "--diloco_overlap_steps", "1"], r"--diloco_overlap_steps: 1 with --diloco_f"),
         ("4", [*DISTRIBUTED, "--diloco_overlap_steps", "1"], r"--diloco_overlap_steps: 1 with --diloco_fragments = 1"),
         ("4", [*DISTRIBUTED, "--diloco_overlap_steps", "-1"], r"Invalid --diloco_overlap_steps: -1 \(must be an int"),
         ("4", [*OV, "--diloco_overlap_steps", "3"], r"--diloco_overlap_steps: 3 \(must lie in \[0, 2\]: below --dil"),
@@ -705,8 +705,8 @@ def test_fsdp2_inside_islands_is_taken_at_parse_time(tmp_path, monkeypatch) -> N
         ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, ISLANDS, r"activation checkpointing .*leave it off"),
         ({}, [*ISLANDS, "--load_best_model_at_end", "--eval_strategy", "steps"], r"--load_best_model_at_end: load"),
         ({"FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT"}, ISLANDS, r"fsdp_state_dict_type SHARDED_STATE_DICT"),
-        ({}, [*ISLANDS, "--diloco_outer_dtype", "int8"], r"--diloco_outer_dtype int8: the compressed outer sync is"),
-        ({}, [*ISLANDS, *OV[4:], "--diloco_overlap_steps", "1"], r"--diloco_overlap_steps 1: the overlapped outer s"),
+        ({}, [*ISLANDS, "--diloco_outer_dtype", "int8"], r"--diloco_outer_dtype: 'int8' with FSDP2 inside the isl"),
+        ({}, [*ISLANDS, *OV[4:], "--diloco_overlap_steps", "1"], r"--diloco_overlap_steps: 1 with FSDP2 inside the"),
         ({}, GPA_DISTRIBUTED, r"--gpa_distributed cannot run with FSDP: GPA's outer step across workers"),
     ],
 )
@@ -799,7 +799,7 @@ def test_int8_with_fragments_smaller_than_a_block_is_refused_when_the_optimizer_
 @needs_a_lazy_process_group
 def test_the_overlap_flags_reach_the_optimizer(tmp_path, monkeypatch):
     """--diloco_overlap_steps 2 --diloco_overlap_alpha 0.5 (H = 6, P = 2): DiLoCo is built with overlap_steps 2 and
-    overlap_alpha 0.5; without them no overlap argument is passed (the blocking sync, as before)."""
+    overlap_alpha 0.5; without them 0 and 0.0 (the blocking sync)."""
     from hf_gpa.optim_table import optimizer_cls_and_kwargs
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -808,7 +808,7 @@ def test_the_overlap_flags_reach_the_optimizer(tmp_path, monkeypatch):
     _, kwargs = optimizer_cls_and_kwargs(args, model)
     assert (kwargs["overlap_steps"], kwargs["overlap_alpha"]) == (2, 0.5)
     _, kwargs = optimizer_cls_and_kwargs(parse(OV, tmp_path), model)
-    assert "overlap_steps" not in kwargs and "overlap_alpha" not in kwargs
+    assert (kwargs["overlap_steps"], kwargs["overlap_alpha"]) == (0, 0.0)  # the blocking sync
 
 
 @needs_a_lazy_process_group
@@ -878,14 +878,14 @@ def test_the_model_card_names_gpa_across_workers(tmp_path, monkeypatch):
         ("4", ["--optim", "gpa_adamw", "--gpa_sync_steps", "8"], r"--gpa_sync_steps 8 only applies with --gpa_distr"),
         ("4", ["--optim", "gpa_adamw", "--gpa_outer_lr", "3"], r"--gpa_outer_lr 3.0 only applies with --gpa_distri"),
         ("4", ["--optim", "gpa_adamw", "--diloco_workers", "2"], r"--diloco_workers 2 only applies with --diloco_dis"),
-        ("4", [*GPA_DISTRIBUTED, "--diloco_outer_dtype", "int8"], r"--diloco_outer_dtype int8 only applies to"),
+        ("4", [*GPA_DISTRIBUTED, "--diloco_workers", "1", "--diloco_outer_dtype", "int8"], r"dtype: 'int8' with a s"),
     ],
 )  # fmt: skip
 def test_gpa_distributed_bad_input_is_refused_at_parse_time(world_size, argv, message, tmp_path, monkeypatch):
     """GPA across processes: H < 1, a mu or the outer lr outside its range, M that does not divide WORLD_SIZE, P > H,
     a single process, FSDP, DeepSpeed, fp16 loss scaling, dispatched batches, --diloco_distributed beside it, a
     per-step averaging flag, the step in backward, an --optim it cannot wrap, its flags without it, a compressed outer
-    dtype (DiLoCo's only): a ValueError naming the flag and the allowed range, while parsing, before anything is
+    dtype with one worker: a ValueError naming the flag and the allowed range, while parsing, before anything is
     built."""
     refused_on(world_size, argv, message, tmp_path, monkeypatch)
 

@@ -237,8 +237,6 @@ def get_default_tokenizer(
         logger.info("Loading the cached stdlib BPE tokenizer from %s", target)
         return PreTrainedTokenizerFast.from_pretrained(str(target))
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     paths = stdlib_source_files("train", base)
     texts = [path.read_text(encoding="utf-8") for path in paths]
     sample = _training_sample(texts, [path.relative_to(base).as_posix() for path in paths], max_train_bytes)
@@ -248,6 +246,17 @@ def get_default_tokenizer(
         len(sample),
         sum(map(len, sample)) / 1e6,
     )
+    tokenizer = _train_bpe(sample, vocab_size)
+    _save_atomically(tokenizer, cache, key)
+    logger.info("Saved the stdlib BPE tokenizer to %s", target)
+    return tokenizer
+
+
+def _train_bpe(sample: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """The GPT-2 style byte-level BPE tokenizer of `get_default_tokenizer`, trained on ``sample``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -258,7 +267,7 @@ def get_default_tokenizer(
         show_progress=False,
     )
     bpe.train_from_iterator(sample, trainer=trainer, length=len(sample))
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         bos_token=EOS_TOKEN,
         eos_token=EOS_TOKEN,
@@ -266,18 +275,20 @@ def get_default_tokenizer(
         model_max_length=1_000_000_000,
         clean_up_tokenization_spaces=False,
     )
+
+
+def _save_atomically(tokenizer: PreTrainedTokenizerFast, cache: Path, key: str) -> None:
+    """``save_pretrained`` under ``cache / key``, written under a temporary name and renamed, so that concurrent
+    callers never see a partial folder (one that finished first is kept: its copy is equivalent)."""
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
     try:
         tokenizer.save_pretrained(str(staging))
         try:
-            staging.rename(target)
+            staging.rename(cache / key)
         except OSError:
-            # Another process finished first; its copy is equivalent, keep it.
-            if not (target / "tokenizer.json").is_file():
+            if not (cache / key / "tokenizer.json").is_file():
                 raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    logger.info("Saved the stdlib BPE tokenizer to %s", target)
-    return tokenizer

@@ -4,7 +4,9 @@ Besides the optimizers, the public names here are what the transformers side (`h
 `hf_gpa.trainer`, `hf_gpa.checkpoint`) takes from this package: the defaults and range checks of the
 hyper-parameters (one source of truth, called there with the flag's name), the base class of every optimizer with
 train/eval modes, the name a state dict records of the optimizer that saved it, and what a distributed DiLoCo needs
-around it (its worker layout, the layout a state dict records, the DDP hook that keeps gradients in an island).
+around it (its worker layout, the layout a state dict records, the DDP hook that keeps gradients in an island; the
+rest of DiLoCo and GPA across workers is the public subpackage ``hf_gpa.optim.diloco``), the param-group keys that a
+state dict records, and the DTensor helpers of FSDP2 shards.
 """
 
 import warnings
@@ -30,8 +32,9 @@ from ._checks import (
     check_outer_momentum,
     check_weight_decay,
 )
-from ._diloco_workers import WorkerLayout, island_allreduce_hook, saved_diloco_layout
+from ._tensors import is_dtensor, local_tensor
 from ._types import (
+    AVERAGING,
     AVERAGING_MODES,
     DEFAULT_AVERAGING,
     DEFAULT_INNER_STEPS,
@@ -41,13 +44,18 @@ from ._types import (
     DEFAULT_OUTER_LR,
     DEFAULT_OUTER_LR_ACROSS_WORKERS,
     DEFAULT_OUTER_MOMENTUM,
+    INNER_STEPS,
+    MU_X,
+    MU_Y,
+    OUTER_LR,
+    OUTER_MOMENTUM,
     default_outer_lr,
 )
 from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
-from .diloco import DiLoCo
+from .diloco import DiLoCo, GPADiLoCo, WorkerLayout, island_allreduce_hook, outer_lr_like_diloco
+from .diloco import saved_layout as saved_diloco_layout
 from .gpa import GPA
 from .gpa_adamw import GPAAdamW
-from .gpa_diloco import GPADiLoCo, outer_lr_like_diloco
 from .in_backward import StepInBackward, step_in_backward
 from .muon import MuonWithAuxAdam, muon_param_groups
 from .reference import ReferenceGPA
@@ -92,4 +100,12 @@ __all__ = [
     "check_weight_decay",
     "step_in_backward",
     "StepInBackward",
+    "is_dtensor",
+    "local_tensor",
+    "AVERAGING",
+    "INNER_STEPS",
+    "MU_X",
+    "MU_Y",
+    "OUTER_LR",
+    "OUTER_MOMENTUM",
 ]

@@ -50,20 +50,24 @@ def check_lr(lr: Any, name: str = "lr") -> None:
         raise ValueError(f"Invalid learning rate {name}: {lr!r} (must be finite and >= 0)")
 
 
+def in_unit_interval(value: Any, name: str, *, with_0: bool = True, with_1: bool = False, why: str = "") -> float:
+    """``value`` as a float in the unit interval, with or without each end (``with_0``, ``with_1``), or a ValueError
+    naming the interval (and ``why``, after a semicolon)."""
+    allowed = f"{'[' if with_0 else '('}0, 1{']' if with_1 else ')'}"
+    number = as_number(value, name, f"in {allowed}")
+    if not ((number >= 0.0 if with_0 else number > 0.0) and (number <= 1.0 if with_1 else number < 1.0)):
+        raise ValueError(f"Invalid {name}: {value!r} (must lie in {allowed}{'; ' + why if why else ''})")
+    return number
+
+
 def check_mu_x(mu_x: Any, name: str = "mu_x") -> float:
     """mu_x in [0, 1): 0 gives the base optimizer, 1 would never move x."""
-    value = as_number(mu_x, name, "in [0, 1)")
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"Invalid {name}: {mu_x!r} (must lie in [0, 1))")
-    return value
+    return in_unit_interval(mu_x, name)
 
 
 def check_mu_y(mu_y: Any, name: str = "mu_y") -> float:
     """mu_y in (0, 1]: the memory-efficient form recovers x as (y - (1 - mu_y) z) / mu_y."""
-    value = as_number(mu_y, name, "in (0, 1]")
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"Invalid {name}: {mu_y!r} (must lie in (0, 1]; x is recovered by dividing by mu_y)")
-    return value
+    return in_unit_interval(mu_y, name, with_0=False, with_1=True, why="x is recovered by dividing by mu_y")
 
 
 def check_mu(mu_x: Any, mu_y: Any) -> None:
@@ -126,61 +130,6 @@ def check_num_fragments(
     return value
 
 
-def check_overlap(
-    overlap_steps: Any,
-    overlap_alpha: Any,
-    num_fragments: int | None = None,
-    inner_steps: int | None = None,
-    outer_dtype: str | None = None,
-    names: dict[str, str] | None = None,
-) -> tuple[int, float]:
-    """Streaming DiLoCo's overlap: tau = ``overlap_steps`` >= 0 inner steps between the start of a fragment's outer
-    all-reduce and its outer update, and the mixing weight alpha = ``overlap_alpha`` in [0, 1] of the inner weights
-    that moved on meanwhile (alpha = 0: they are replaced by the new outer weights; only with tau > 0). tau > 0 needs
-    fragments (``num_fragments`` P > 1), tau < H // P (``inner_steps`` H: the sync ends before the next fragment is
-    due, and long before its own fragment is due again) and the float32 ``outer_dtype``. ``names`` gives the
-    arguments the names the user knows them by (the flags)."""
-    names = {
-        "overlap_steps": "overlap_steps",
-        "overlap_alpha": "overlap_alpha",
-        "num_fragments": "num_fragments",
-        "inner_steps": "inner_steps",
-        "outer_dtype": "outer_dtype",
-        **(names or {}),
-    }
-    tau_name, alpha_name = names["overlap_steps"], names["overlap_alpha"]
-    if isinstance(overlap_steps, bool) or not isinstance(overlap_steps, numbers.Integral) or overlap_steps < 0:
-        raise ValueError(f"Invalid {tau_name}: {overlap_steps!r} (must be an integer >= 0; 0: no overlap)")
-    alpha = as_number(overlap_alpha, alpha_name, "in [0, 1]")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"Invalid {alpha_name}: {overlap_alpha!r} (must lie in [0, 1]; 0: replace the inner weights)")
-    tau = int(overlap_steps)
-    if tau == 0:
-        if alpha != 0.0:
-            raise ValueError(
-                f"Invalid {alpha_name}: {overlap_alpha!r} with {tau_name} = 0: the mixing applies to the inner steps "
-                f"taken while an outer sync runs in the background; give {tau_name} > 0, or leave {alpha_name} 0"
-            )
-        return tau, alpha
-    if num_fragments is not None and num_fragments < 2:
-        raise ValueError(
-            f"Invalid {tau_name}: {overlap_steps!r} with {names['num_fragments']} = {num_fragments}: an overlapped "
-            f"outer sync needs streaming fragments ({names['num_fragments']} > 1); leave {tau_name} 0"
-        )
-    if num_fragments is not None and inner_steps is not None and tau >= inner_steps // num_fragments:
-        raise ValueError(
-            f"Invalid {tau_name}: {overlap_steps!r} (must lie in [0, {inner_steps // num_fragments - 1}]: below "
-            f"{names['inner_steps']} // {names['num_fragments']} = {inner_steps} // {num_fragments}, so that a "
-            "fragment's outer sync ends before the next fragment's is due)"
-        )
-    if outer_dtype is not None and outer_dtype != "float32":
-        raise ValueError(
-            f"Invalid {tau_name}: {overlap_steps!r} with {names['outer_dtype']} = {outer_dtype!r}: an overlapped "
-            f"outer sync sends float32 only; leave {names['outer_dtype']} float32, or {tau_name} 0"
-        )
-    return tau, alpha
-
-
 def check_outer_lr(outer_lr: Any, name: str = "outer_lr") -> float:
     value = as_number(outer_lr, name, "> 0")
     if not (value > 0.0 and math.isfinite(value)):
@@ -189,16 +138,7 @@ def check_outer_lr(outer_lr: Any, name: str = "outer_lr") -> float:
 
 
 def check_outer_momentum(outer_momentum: Any, name: str = "outer_momentum") -> float:
-    value = as_number(outer_momentum, name, "in [0, 1)")
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"Invalid {name}: {outer_momentum!r} (must lie in [0, 1))")
-    return value
-
-
-def check_diloco(inner_steps: Any, outer_lr: Any, outer_momentum: Any) -> None:
-    check_inner_steps(inner_steps)
-    check_outer_lr(outer_lr)
-    check_outer_momentum(outer_momentum)
+    return in_unit_interval(outer_momentum, name)
 
 
 def check_weight_decay(weight_decay: Any, name: str = "weight_decay value") -> None:

@@ -240,14 +240,7 @@ def to_train_(
     layout = layout_of(state)
     marks = () if written_out is None else (real_view(written_out),)
     if layout is FLOAT32:
-        y32 = real_view(local_tensor(state[Y_FP32]))
-        for _, (xc, zc, y32c, *mark) in chunks(x, z, y32, *marks):
-            written = bits_differ(xc, _x_from_y(y32c, zc, mu_y).to(xc.dtype))  # eval()'s x, recomputed
-            if mark:
-                mark[0].copy_(written)
-            if bool(written.any()):
-                y32c.copy_(torch.where(written, _y_from_x(xc.to(y32c.dtype), zc, mu_y), y32c))
-            xc.copy_(y32c)
+        _float32_to_train_(x, z, real_view(local_tensor(state[Y_FP32])), mu_y, marks)
         return
     if Y_RESIDUAL not in state:  # a loader dropped the residual (see `encode_residual`): y by rounding, not bitwise
         extra = layout.switch_tensors(state)
@@ -292,6 +285,20 @@ def to_train_(
                 extra[0].copy_(torch.where(written, extra[0], y_lo))
             y = torch.where(written, y_new, y)
         xc.copy_(y)
+
+
+def _float32_to_train_(
+    x: torch.Tensor, z: torch.Tensor, y32: torch.Tensor, mu_y: float, marks: tuple[torch.Tensor, ...]
+) -> None:
+    """`to_train_` of the float32 layout: y from its float32 copy ``y32``, where x holds what eval() wrote; where x
+    was written since, y from x (``marks``: where, if asked)."""
+    for _, (xc, zc, y32c, *mark) in chunks(x, z, y32, *marks):
+        written = bits_differ(xc, _x_from_y(y32c, zc, mu_y).to(xc.dtype))  # eval()'s x, recomputed
+        if mark:
+            mark[0].copy_(written)
+        if bool(written.any()):
+            y32c.copy_(torch.where(written, _y_from_x(xc.to(y32c.dtype), zc, mu_y), y32c))
+        xc.copy_(y32c)
 
 
 # ---- the residual ----

@@ -10,26 +10,6 @@ from __future__ import annotations
 
 import enum
 
-__all__ = [
-    "Averaging",
-    "AVERAGING_MODES",
-    "DEFAULT_AVERAGING",
-    "DEFAULT_BETAS",
-    "DEFAULT_EPS",
-    "DEFAULT_INNER_STEPS",
-    "DEFAULT_LR",
-    "DEFAULT_MU_X",
-    "DEFAULT_MU_Y",
-    "DEFAULT_NUM_FRAGMENTS",
-    "DEFAULT_OUTER_LR",
-    "DEFAULT_OUTER_LR_ACROSS_WORKERS",
-    "DEFAULT_OUTER_MOMENTUM",
-    "DEFAULT_STATE_DTYPE",
-    "DEFAULT_WEIGHT_DECAY",
-    "STATE_DTYPES",
-    "default_outer_lr",
-]
-
 
 class Averaging(str, enum.Enum):
     """How x averages z: GPA's exponential moving average with constant mu_x, or Schedule-Free's average weighted
@@ -98,6 +78,13 @@ BASE = "base"  # a wrapper's base optimizer's state of its tensor
 OUTER = "outer"  # DiLoCo's outer weights (the inner weights while in eval mode)
 OUTER_MOMENTUM_BUFFER = "outer_momentum_buffer"  # DiLoCo's outer Nesterov buffer
 INNER = "inner"  # DiLoCo across M > 1 workers, a state dict taken in train mode: this worker's inner weights
+#: DiLoCo across M > 1 workers, in a state dict only: the entries of a parameter's state that are this worker's own
+#: (its inner weights and inner optimizer state, its residuals) are nested under "worker<w>" (``diloco.checkpoint``)
+WORKER_PREFIX = "worker"
+#: DiLoCo with an overlapped outer sync, in a state dict only: a parameter's averaged pseudo-gradient in flight and the
+#: inner steps left before its outer update (``diloco.checkpoint``)
+PENDING_PSEUDO_GRADIENT = "pending_pseudo_gradient"
+PENDING_STEPS = "pending_steps"
 INNER_FP32 = "inner_fp32"  # DiLoCo, bf16/fp16 parameters: the inner weights in float32 (the parameter: rounded)
 #: DiLoCo across workers, a compressed ``outer_dtype``: the error-feedback residual of a parameter's pseudo-gradient
 OUTER_RESIDUAL = "outer_residual"
@@ -130,9 +117,11 @@ INNER_STEPS = "inner_steps"
 OUTER_LR = "outer_lr"
 OUTER_MOMENTUM = "outer_momentum"
 INNER_STEP = "inner_step"  # DiLoCo's count of inner steps taken
-#: DiLoCo, in the param groups of a state dict only: the worker layout that saved it
-#: (``_diloco_workers.WorkerLayout``).
+#: DiLoCo, in the param groups of a state dict only: the worker layout that saved it (``diloco.layout.WorkerLayout``).
 DILOCO_LAYOUT = "diloco_layout"
+#: DiLoCo across processes, in the param groups of a state dict only: what this process sent to the other workers so
+#: far (``diloco.sync.OuterTraffic``: outer steps and bytes), which a resume counts on from
+OUTER_TRAFFIC = "diloco_outer_traffic"
 
 # ---- GPAAdamW's state_dtype ----
 

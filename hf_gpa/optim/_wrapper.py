@@ -317,10 +317,14 @@ class BaseOptimizerWrapper(TrainEvalOptimizer):
         super().load_state_dict(state_dict)
         self._base = None
 
+    #: A subclass's attributes that a copy or pickle carries too (torch's ``__setstate__`` sets every entry back).
+    _carried: tuple[str, ...] = ()
+
     def __getstate__(self) -> dict[str, Any]:
         # torch keeps only defaults, state and param_groups; the base class travels too, the base object does not
         # (it is rebuilt on the copy's own tensors).
-        return {**super().__getstate__(), "base_class": self.base_class, "_base_keys": self._base_keys}
+        carried = {name: getattr(self, name) for name in self._carried}
+        return {**super().__getstate__(), "base_class": self.base_class, "_base_keys": self._base_keys, **carried}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)

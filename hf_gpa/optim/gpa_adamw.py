@@ -198,8 +198,9 @@ class GPAAdamW(GPASwitch):
         }
         # Each group's cached step (`_plan`); before torch's constructor, which adds the groups.
         self._plans: dict[Hashable, _Plan] = {}
-        # ids of the groups whose steps are taken inside backward (`in_backward`): step() is none of theirs.
-        self._stepped_in_backward: set[int] = set()
+        # ids of the groups whose step has begun (`_begin_group_step`) since the last step(): those a backward pass
+        # stepped (`in_backward`), whose step the step() after it does not take again.
+        self._steps_begun: set[int] = set()
         super().__init__(params, defaults)  # every group, these defaults filled in, passes `_check_group`
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -213,7 +214,7 @@ class GPAAdamW(GPASwitch):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._plans = {}  # unpickled, or loaded (torch's load_state_dict ends here): plans of the old state go
-        self._stepped_in_backward = set()  # a copy has no hooks
+        self._steps_begun = set()  # a copy or a loaded state is between two steps
 
     # ---- the state ----
 
@@ -340,7 +341,8 @@ class GPAAdamW(GPASwitch):
     def _begin_group_step(self, group: dict[str, Any]) -> AdamWHyper:
         """What is done once per group and training step, whether or not it has gradients: this step's mu_x
         (advancing Schedule-Free's weight sum, as schedule_free's optimizers do for every group at every step) and the
-        resolved hyper-parameters."""
+        resolved hyper-parameters. Recorded until the next `step()` ends, which then does not do it again."""
+        self._steps_begun.add(id(group))
         mu_x, group[WEIGHT_SUM] = averaging_mu_x(group[AVERAGING], group[MU_X], group[LR], group[WEIGHT_SUM])
         beta1, beta2 = group[BETAS]
         return AdamWHyper(group[LR], beta1, beta2, group[EPS], group[WEIGHT_DECAY], mu_x, group[MU_Y], group[MAXIMIZE])
@@ -361,12 +363,20 @@ class GPAAdamW(GPASwitch):
         for _, params in work:  # before any work: a step that raises changes nothing
             _check_dense_grads(params)
         plans = [self._plan(group, params) for group, params in work]  # a refused conversion raises here
-        for (group, _), plan in zip(work, plans):
-            _run(plan, plan.grads(), self._begin_group_step(group))
-        stepped = {id(group) for group, _ in work} | self._stepped_in_backward
-        for group in self.param_groups:
-            if id(group) not in stepped:  # a step without gradients still counts in Schedule-Free's weight sum
-                self._begin_group_step(group)
+        # A group whose step a backward pass began since the last step() (`step_in_backward`, the closure's backward
+        # included) has had this step; step() takes it for every other group, with gradients or without (a step
+        # without gradients still counts in Schedule-Free's weight sum): also for a hooked group none of whose
+        # parameters got a gradient, so that no hook ran.
+        stepped = set(self._steps_begun)
+        try:
+            for (group, _), plan in zip(work, plans):
+                _run(plan, plan.grads(), self._begin_group_step(group))
+            stepped.update(id(group) for group, _ in work)
+            for group in self.param_groups:
+                if id(group) not in stepped:
+                    self._begin_group_step(group)
+        finally:
+            self._steps_begun.clear()
         return loss
 
 

@@ -11,7 +11,10 @@ one parameter (``_step_params``); at the end of the pass the step is closed, the
 it running their once-per-step work then (as ``step()`` runs it for a group without gradients). A parameter that gets
 no gradient is not stepped, as in ``step()``. ``optimizer.step()`` and ``zero_grad()`` find no gradients left and do
 nothing for the hooked groups (their step was the backward pass), so a loop or a Trainer that calls them keeps working,
-and the LR scheduler, ``eval()``/``train()``, ``state_dict()`` and resuming are unchanged.
+and the LR scheduler, ``eval()``/``train()``, ``state_dict()`` and resuming are unchanged. A training step in which no
+hooked parameter gets a gradient (no backward at all, or one through other parameters only) runs no hook: the
+``optimizer.step()`` after it is then the hooked groups' step, as in ``step()`` (it takes the once-per-step work of
+every group whose step no backward pass began since the last ``step()``).
 
 What cannot work this way: gradient accumulation (every backward steps), clipping by the global gradient norm (the
 norm is known only after the last gradient, when every other parameter has moved), loss scaling that skips steps on
@@ -77,9 +80,6 @@ class StepInBackward:
                     )
                 seen.add(id(p))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(index)))
-        # Their steps are taken here: the optimizer's step() is none of theirs.
-        self._marked = [id(optimizer.param_groups[i]) for i in self._groups]
-        getattr(optimizer, "_stepped_in_backward", set()).update(self._marked)
 
     def _hook(self, index: int) -> Any:
         def step_param(p: torch.Tensor) -> None:
@@ -131,8 +131,6 @@ class StepInBackward:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        getattr(self.optimizer, "_stepped_in_backward", set()).difference_update(getattr(self, "_marked", ()))
-        self._marked = []
 
     @property
     def active(self) -> bool:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The runs of runs.jsonl (docs/benchmarks.md, "Why our Schedule-Free ends behind schedulefree's"): final-seed runs of
-# the powered setting (benchmarks.powered_table.WORKLOAD) outside its plan, one JSON line per run, paired with the
-# final runs of ../results.json by seed. Run from the repository root; 17 runs, about 7 CPU-minutes on one thread.
+# the powered setting (benchmarks.powered_table.WORKLOAD) outside its plan, evaluated on its validation windows, one
+# JSON line per run, paired by seed with the final runs of the earlier ../results.json (git show
+# 285281b:benchmarks/results/powered_table/results.json, which was evaluated on the same windows). Run from the
+# repository root; 17 runs, about 7 CPU-minutes on one thread.
 set -euo pipefail
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1

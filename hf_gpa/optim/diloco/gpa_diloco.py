@@ -1,8 +1,9 @@
 """GPA across workers: DiLoCo whose outer step is GPA's primal averaging instead of Nesterov (the paper's closing
 proposal: the smoothing mu_x decoupled from the communication period H).
 
-Every H inner steps the M workers' pseudo-gradients are averaged by DiLoCo's one all-reduce, and the outer state, an
-iterate z and its average x, takes one GPA step (paper, eq. 7, with SGD of rate outer_lr as the base):
+Every H inner steps the M workers' pseudo-gradients are averaged by the outer sync (``sync``), as DiLoCo's are, and
+the outer state, an iterate z and its average x, takes one GPA step (paper, eq. 7, with SGD of rate outer_lr as the
+base):
 
     p = mean_m (y - inner_m),   z <- z - outer_lr p,   x <- mu_x x + (1 - mu_x) z,   y <- mu_y x + (1 - mu_y) z
 
@@ -26,12 +27,11 @@ from typing import Any
 
 import torch
 
-from ._checks import as_number, check_mu_x
-from ._state_layout import gpa_diloco_state
-from ._tensors import local_tensor
-from ._types import (
+from .._checks import check_mu_x, in_unit_interval
+from .._state_layout import gpa_diloco_state
+from .._tensors import local_tensor
+from .._types import (
     DEFAULT_INNER_STEPS,
-    DEFAULT_NUM_FRAGMENTS,
     DEFAULT_OUTER_MOMENTUM,
     MU_X,
     MU_Y,
@@ -40,7 +40,7 @@ from ._types import (
     Z,
     default_outer_lr,
 )
-from .diloco import DiLoCo
+from .outer import OuterOptimizer
 
 __all__ = [
     "GPADiLoCo",
@@ -70,13 +70,10 @@ def outer_lr_like_diloco(diloco_outer_lr: float, diloco_outer_momentum: float, m
 def check_outer_mu_y(mu_y: Any, name: str = "mu_y") -> float:
     """mu_y of the outer step in [0, 1]: x is kept, not recovered from y, so mu_y = 0 (workers restarting from z, x
     an exponential average of the z's) is allowed here, unlike `GPA`'s mu_y."""
-    value = as_number(mu_y, name, "in [0, 1]")
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"Invalid {name}: {mu_y!r} (must lie in [0, 1])")
-    return value
+    return in_unit_interval(mu_y, name, with_1=True)
 
 
-class GPADiLoCo(DiLoCo):
+class GPADiLoCo(OuterOptimizer):
     r"""GPA across workers: DiLoCo (see `DiLoCo`) whose outer step is GPA's primal averaging.
 
     .. math::
@@ -101,12 +98,12 @@ class GPADiLoCo(DiLoCo):
     outer SGD (no momentum) of rate ``outer_lr``. Off that diagonal, `outer_lr_like_diloco` gives the outer lr whose
     first outer step moves y as far as a given DiLoCo's first step moves its outer weights.
 
-    Everything else is DiLoCo's: processes, islands (``num_workers``), streaming (``num_fragments``), the broadcast
-    at construction, ``eval()``/``train()`` (the parameters hold x in eval mode, the same bits on every process, and
-    ``train()`` gives the inner weights back bitwise), the layout in the state dict and the bitwise resume of every
-    worker. The state per parameter is ``state["outer"]`` (x; in eval mode the inner weights, as for DiLoCo) and
-    ``state["z"]``, plus the base's; the param groups keep DiLoCo's ``outer_momentum`` at 0 (unused) beside
-    ``mu_x`` and ``mu_y``.
+    Everything else is DiLoCo's (``outer``): processes, islands (``num_workers``), streaming (``num_fragments``), the
+    outer sync (``outer_dtype``, ``overlap_steps``: the same sync object, compressed or overlapped alike), the
+    broadcast at construction, ``eval()``/``train()`` (the parameters hold x in eval mode, the same bits on every
+    process, and ``train()`` gives the inner weights back bitwise), ``synchronize()``, the layout in the state dict and
+    the bitwise resume of every worker, casts. The state per parameter is ``state["outer"]`` (x; in eval mode the
+    inner weights, as for DiLoCo) and ``state["z"]``, plus the base's; the param groups hold ``mu_x`` and ``mu_y``.
 
     Args:
         params: iterable of parameters or dicts defining parameter groups.
@@ -116,9 +113,15 @@ class GPADiLoCo(DiLoCo):
             1 - 0.9: 7.0 for one worker, 6.0 across workers).
         mu_x: the averaging constant of x per outer step, in [0, 1) (default: 0.9).
         mu_y: the interpolation constant of the restart point y, in [0, 1] (default: 0.9).
-        distributed, process_group, num_workers, num_fragments: as for `DiLoCo`.
-        **base_kwargs: the base optimizer's own arguments (lr, betas, weight_decay, ...).
+        **kwargs: ``distributed``, ``process_group``, ``num_workers``, ``num_fragments``, ``outer_dtype``,
+            ``overlap_steps``, ``overlap_alpha`` (keyword-only: where it runs and how it syncs, as for `DiLoCo`; an
+            overlapped sync mixes the new y into the inner weights that moved on) or a ready-made ``sync`` (torchft's,
+            `diloco.torchft_sync.TorchftSync`: x and z heal with the rest), then the base optimizer's own arguments
+            (lr, betas, weight_decay, ...).
     """
+
+    _algorithm = "GPADiLoCo"
+    _outer_keys = (Z,)
 
     def __init__(
         self,
@@ -128,25 +131,10 @@ class GPADiLoCo(DiLoCo):
         outer_lr: float | None = None,
         mu_x: float = DEFAULT_GPA_DILOCO_MU,
         mu_y: float = DEFAULT_GPA_DILOCO_MU,
-        *,
-        distributed: bool = False,
-        process_group: Any = None,
-        num_workers: int | None = None,
-        num_fragments: int = DEFAULT_NUM_FRAGMENTS,
-        **base_kwargs: Any,
+        **kwargs: Any,
     ) -> None:
-        # Checked before DiLoCo's constructor creates process groups or broadcasts anything.
-        mus = {MU_X: check_mu_x(mu_x), MU_Y: check_outer_mu_y(mu_y)}
-        super().__init__(
-            params, base, inner_steps, outer_lr, 0.0, distributed=distributed, process_group=process_group,
-            num_workers=num_workers, num_fragments=num_fragments, **base_kwargs,
-        )  # fmt: skip
-        self.defaults.update(mus)  # groups added later take them
-        for group in self.param_groups:
-            for key, value in mus.items():
-                group.setdefault(key, value)
-
-    _island_shards = False  # FSDP2 inside the islands: verified for DiLoCo's outer step only
+        mus = {MU_X: check_mu_x(mu_x), MU_Y: check_outer_mu_y(mu_y)}  # before the layout, the sync and the base
+        super().__init__(params, base, inner_steps, outer_lr, mus, **kwargs)
 
     def _default_outer_lr(self, num_workers: int) -> float:
         """DiLoCo's default (outer lr, momentum) for ``num_workers`` in this form, on the default diagonal."""
@@ -156,32 +144,23 @@ class GPADiLoCo(DiLoCo):
         return outer_lr_like_diloco(default_outer_lr(num_workers), DEFAULT_OUTER_MOMENTUM, mu, mu)
 
     def _check_own(self, values: dict[str, Any]) -> None:
+        check_mu_x(values[MU_X])
+        check_outer_mu_y(values[MU_Y])
         super()._check_own(values)
-        if MU_X in values:  # the constructor's were checked before DiLoCo's constructor ran
-            check_mu_x(values[MU_X])
-        if MU_Y in values:
-            check_outer_mu_y(values[MU_Y])
 
-    def _init_outer(self, p: torch.Tensor) -> None:
+    def _outer_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """x (``state["outer"]``) and z, both the current weights; no Nesterov buffer."""
-        state = self.state[p]
-        if OUTER not in state:
-            state.update(gpa_diloco_state(p))
+        return gpa_diloco_state(p)
 
-    def _outer_step(self, due: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
-        if not due:
-            return
-        inners = [local_tensor(self._inner(p)) for _, p in due]
-        xs = [local_tensor(self.state[p][OUTER]) for _, p in due]
-        zs = [local_tensor(self.state[p][Z]) for _, p in due]
-        # The restart point of the period now ending, computed as it was at its start (the same bits).
-        ys = [torch.lerp(z, x, group[MU_Y]) for (group, _), x, z in zip(due, xs, zs)]
-        pseudo_grads = self._pseudo_gradients(ys, inners)
-        for (group, p), inner, x, z, y, pseudo_grad in zip(due, inners, xs, zs, ys, pseudo_grads):
-            z.sub_(pseudo_grad, alpha=group[OUTER_LR])
-            torch.lerp(z, x, group[MU_X], out=y)  # y's buffer is free: it holds the new x first
-            x.copy_(y)
-            torch.lerp(z, x, group[MU_Y], out=y)
-            inner.copy_(y)
-            if inner is not local_tensor(p):
-                local_tensor(p).copy_(y)
+    def _reference(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        """y = mu_y x + (1 - mu_y) z, the restart point of the period now ending, computed as at its start (the same
+        bits: x and z have not changed since)."""
+        x, z = local_tensor(self.state[p][OUTER]), local_tensor(self.state[p][Z])
+        return torch.lerp(z, x, group[MU_Y])
+
+    def _outer_update(self, group: dict[str, Any], p: torch.Tensor, pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """z's SGD step with the averaged pseudo-gradient, x's average of it; the workers restart from the new y."""
+        x, z = local_tensor(self.state[p][OUTER]), local_tensor(self.state[p][Z])
+        z.sub_(pseudo_grad, alpha=group[OUTER_LR])
+        x.copy_(torch.lerp(z, x, group[MU_X]))
+        return torch.lerp(z, x, group[MU_Y])
