@@ -62,7 +62,7 @@ from hf_gpa.optim.diloco import (
     check_outer_lr,
     check_outer_momentum,
     check_outer_mu_y,
-    outer_lr_like_diloco,
+    default_gpa_outer_lr,
 )
 from hf_gpa.optim_table import (
     FLAG_READERS,
@@ -613,9 +613,7 @@ class GPATrainingArguments(TrainingArguments):
         self.gpa_mu_y = check_outer_mu_y(self.gpa_mu_y, "--gpa_mu_y")
         self.gpa_sync_steps = check_inner_steps(self.gpa_sync_steps, "--gpa_sync_steps")
         if self.gpa_outer_lr is None:
-            self.gpa_outer_lr = outer_lr_like_diloco(
-                default_outer_lr(self.diloco_workers), DEFAULT_OUTER_MOMENTUM, self.gpa_mu_x, self.gpa_mu_y
-            )
+            self.gpa_outer_lr = default_gpa_outer_lr(self.diloco_workers, self.gpa_mu_x, self.gpa_mu_y)
         self.gpa_outer_lr = check_outer_lr(self.gpa_outer_lr, "--gpa_outer_lr")
 
     @property

@@ -22,7 +22,7 @@ from distributed_workers import build_mlp, global_batch, mse
 from gpa_diloco_simulation import MU_X, MU_Y, OUTER_LR, Snapshot, simulate
 from launching import launch_ranks
 
-from hf_gpa.optim import DiLoCo, GPADiLoCo, outer_lr_like_diloco
+from hf_gpa.optim import DiLoCo, GPADiLoCo, default_gpa_outer_lr, outer_lr_like_diloco
 
 WORKERS = Path(__file__).with_name("gpa_diloco_workers.py")
 FOUR_WORKERS_TOL = dict(rtol=0.0, atol=1e-6)
@@ -86,6 +86,14 @@ def test_outer_lr_like_diloco_matches_diloco_s_first_outer_step_off_the_diagonal
     theirs = _run(diloco, twin, range(3))
     for p, q in zip(ours[-1], theirs[-1]):
         torch.testing.assert_close(p, q, rtol=0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("mu_x", "mu_y", "outer_lr"), [(0.9, 0.9, 7.0), (0.95, 0.8, 0.7 * 1.9 / (1 - 0.95 * 0.8))])
+def test_an_unset_outer_lr_follows_mu_x_and_mu_y_as_the_trainer_flag_does(mu_x, mu_y, outer_lr) -> None:
+    """One rule for the unset outer lr: the optimizer's, at its own mu_x and mu_y, is `default_gpa_outer_lr`'s, the
+    one an unset --gpa_outer_lr resolves to (before, the optimizer took 7.0 at any mu_x and mu_y)."""
+    opt = GPADiLoCo(build_mlp(torch.float32).parameters(), inner_steps=INNER_STEPS, mu_x=mu_x, mu_y=mu_y, **ADAMW_KW)
+    assert opt.param_groups[0]["outer_lr"] == default_gpa_outer_lr(1, mu_x, mu_y) == pytest.approx(outer_lr, abs=1e-12)
 
 
 def test_eval_shows_x_and_train_restores_the_inner_weights_bitwise() -> None:

@@ -52,7 +52,14 @@ from ._types import (
     default_outer_lr,
 )
 from .averaging import inner_steps_from_mu_x, mu_x_from_inner_steps
-from .diloco import DiLoCo, GPADiLoCo, WorkerLayout, island_allreduce_hook, outer_lr_like_diloco
+from .diloco import (
+    DiLoCo,
+    GPADiLoCo,
+    WorkerLayout,
+    default_gpa_outer_lr,
+    island_allreduce_hook,
+    outer_lr_like_diloco,
+)
 from .diloco import saved_layout as saved_diloco_layout
 from .gpa import GPA
 from .gpa_adamw import GPAAdamW
@@ -65,6 +72,7 @@ __all__ = [
     "GPAAdamW",
     "DiLoCo",
     "GPADiLoCo",
+    "default_gpa_outer_lr",
     "outer_lr_like_diloco",
     "WorkerLayout",
     "island_allreduce_hook",

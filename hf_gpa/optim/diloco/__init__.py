@@ -32,9 +32,9 @@ from .compression import OUTER_DTYPES
 from .diloco import DiLoCo
 from .gpa_diloco import (
     DEFAULT_GPA_DILOCO_MU,
-    DEFAULT_GPA_DILOCO_OUTER_LR,
     GPADiLoCo,
     check_outer_mu_y,
+    default_gpa_outer_lr,
     outer_lr_like_diloco,
 )
 from .layout import WorkerLayout, broadcast_, island_allreduce_hook
@@ -49,7 +49,6 @@ __all__ = [
     "DEFAULT_OUTER_LR_ACROSS_WORKERS",
     "DEFAULT_OUTER_MOMENTUM",
     "DEFAULT_GPA_DILOCO_MU",
-    "DEFAULT_GPA_DILOCO_OUTER_LR",
     "OPTIMIZER_RANK_NAME",
     "OUTER_DTYPES",
     "DiLoCo",
@@ -68,6 +67,7 @@ __all__ = [
     "compression",
     "fragments",
     "island_allreduce_hook",
+    "default_gpa_outer_lr",
     "outer_lr_like_diloco",
     "rules",
     "saved_layout",

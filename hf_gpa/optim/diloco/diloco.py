@@ -123,7 +123,7 @@ class DiLoCo(OuterOptimizer):
     ) -> None:
         super().__init__(params, base, inner_steps, outer_lr, {OUTER_MOMENTUM: outer_momentum}, **kwargs)
 
-    def _default_outer_lr(self, num_workers: int) -> float:
+    def _default_outer_lr(self, num_workers: int, outer_defaults: dict[str, Any]) -> float:
         """The outer lr an unset ``outer_lr`` takes (`_types.default_outer_lr`)."""
         return default_outer_lr(num_workers)
 

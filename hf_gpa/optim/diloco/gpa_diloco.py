@@ -47,14 +47,23 @@ __all__ = [
     "check_outer_mu_y",
     "outer_lr_like_diloco",
     "DEFAULT_GPA_DILOCO_MU",
-    "DEFAULT_GPA_DILOCO_OUTER_LR",
+    "default_gpa_outer_lr",
 ]
 
-#: The defaults mu_x = mu_y = 0.9 and outer_lr = 0.7 / (1 - 0.9) = 7 are DiLoCo's defaults (outer lr 0.7, Nesterov
-#: momentum 0.9) in this form, for one worker: the starting point of a mu_x / mu_y sweep. Across workers the
-#: outer_lr default is DiLoCo's across workers in this form, 0.6 / (1 - 0.9) = 6 (`_types.default_outer_lr`).
+#: The default mu_x = mu_y = 0.9 with `default_gpa_outer_lr` is DiLoCo's defaults (outer lr 0.7 for one worker, 0.6
+#: across workers, Nesterov momentum 0.9) in this form: the starting point of a mu_x / mu_y sweep.
 DEFAULT_GPA_DILOCO_MU = 0.9
-DEFAULT_GPA_DILOCO_OUTER_LR = 7.0
+
+
+def default_gpa_outer_lr(
+    num_workers: int | None, mu_x: float = DEFAULT_GPA_DILOCO_MU, mu_y: float = DEFAULT_GPA_DILOCO_MU
+) -> float:
+    """The outer lr an unset ``outer_lr`` (and an unset ``--gpa_outer_lr``) takes: the one whose first outer step moves
+    y as far as DiLoCo's defaults for ``num_workers`` (outer lr `default_outer_lr`, momentum 0.9) move its outer
+    weights, `outer_lr_like_diloco`. At mu_x = mu_y = 0.9: 7.0 for one worker, 6.0 across workers. The one source of
+    this figure: the optimizer, the Trainer flag and the docs (checked by tests/test_docs.py) read it here. Rounded to
+    12 decimals, so that the defaults are the figures stated (7.0, not 7.000000000000001)."""
+    return round(outer_lr_like_diloco(default_outer_lr(num_workers), DEFAULT_OUTER_MOMENTUM, mu_x, mu_y), 12)
 
 
 def outer_lr_like_diloco(diloco_outer_lr: float, diloco_outer_momentum: float, mu_x: float, mu_y: float) -> float:
@@ -136,12 +145,9 @@ class GPADiLoCo(OuterOptimizer):
         mus = {MU_X: check_mu_x(mu_x), MU_Y: check_outer_mu_y(mu_y)}  # before the layout, the sync and the base
         super().__init__(params, base, inner_steps, outer_lr, mus, **kwargs)
 
-    def _default_outer_lr(self, num_workers: int) -> float:
-        """DiLoCo's default (outer lr, momentum) for ``num_workers`` in this form, on the default diagonal."""
-        if num_workers == 1:
-            return DEFAULT_GPA_DILOCO_OUTER_LR
-        mu = DEFAULT_GPA_DILOCO_MU
-        return outer_lr_like_diloco(default_outer_lr(num_workers), DEFAULT_OUTER_MOMENTUM, mu, mu)
+    def _default_outer_lr(self, num_workers: int, outer_defaults: dict[str, Any]) -> float:
+        """`default_gpa_outer_lr` at this optimizer's mu_x and mu_y."""
+        return default_gpa_outer_lr(num_workers, outer_defaults[MU_X], outer_defaults[MU_Y])
 
     def _check_own(self, values: dict[str, Any]) -> None:
         check_mu_x(values[MU_X])

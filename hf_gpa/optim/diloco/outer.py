@@ -13,7 +13,7 @@ a subclass that gives four things:
   pseudo-gradient ``reference - inner`` is taken;
 * ``_outer_update(group, p, pseudo_grad)``: the outer step with the averaged pseudo-gradient, returning the point the
   inner weights restart from;
-* ``_default_outer_lr(num_workers)``: the outer lr an unset ``outer_lr`` takes.
+* ``_default_outer_lr(num_workers, outer_defaults)``: the outer lr an unset ``outer_lr`` takes.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class OuterOptimizer(BaseOptimizerWrapper):
         self.outer_traffic: OuterTraffic = self.sync.traffic
         self._wide_keys = (OUTER, *self._outer_keys, *self.sync.state_keys)
         if outer_lr is None:
-            outer_lr = self._default_outer_lr(self.layout.num_workers)
+            outer_lr = self._default_outer_lr(self.layout.num_workers, outer_defaults)
         defaults = {INNER_STEPS: inner_steps, OUTER_LR: outer_lr, **outer_defaults, INNER_STEP: 0}
         super().__init__(params, base, base_kwargs, defaults)
         params = [p for group in self.param_groups for p in group["params"]]
