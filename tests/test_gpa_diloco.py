@@ -308,6 +308,33 @@ def test_synchronize_ends_a_partial_period(two_ranks: list) -> None:
     assert not all(torch.equal(a, b) for a, b in zip(expected[-1].x, simulate(2, 1, INNER_STEPS, 5)[-1].x))
 
 
+@pytest.mark.parametrize("algorithm", ["DiLoCo", "GPADiLoCo"])
+def test_synchronize_runs_once_per_step(algorithm: str) -> None:
+    """``synchronize()`` twice at the same step (the end of training reached by two routes, say a best-model load
+    and the last step) changes nothing the second time: the weights, x and the state are those of one call. Before,
+    the second call took another outer step (DiLoCo's momentum moved the outer weights again, GPA's x averaged
+    again). After the next inner step, it synchronises that step."""
+    model = build_mlp(torch.float32)
+    if algorithm == "DiLoCo":
+        opt = DiLoCo(model.parameters(), inner_steps=INNER_STEPS, outer_lr=0.7, outer_momentum=0.9, **ADAMW_KW)
+    else:
+        opt = _opt(model)
+    _run(opt, model, range(INNER_STEPS + 2))
+    opt.synchronize()
+    once = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+    opt.synchronize()
+    twice = opt.state_dict(), [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(once[1], twice[1]))
+    for p, state in once[0]["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, twice[0]["state"][p][key]), key
+    _run(opt, model, range(INNER_STEPS + 2, 2 * INNER_STEPS + 2))  # the end of this period, two steps of the next
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.synchronize()
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
 def test_a_cast_mid_run_is_followed(dtype: torch.dtype) -> None:
     """model.to(float64 or bfloat16) mid-period: x and z follow in the state dtype of the new parameters (float64; for

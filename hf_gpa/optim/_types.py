@@ -117,6 +117,7 @@ INNER_STEPS = "inner_steps"
 OUTER_LR = "outer_lr"
 OUTER_MOMENTUM = "outer_momentum"
 INNER_STEP = "inner_step"  # DiLoCo's count of inner steps taken
+SYNCED_AT = "synced_at"  # the inner step at which `OuterOptimizer.synchronize` last ran (absent: never)
 #: DiLoCo, in the param groups of a state dict only: the worker layout that saved it (``diloco.layout.WorkerLayout``).
 DILOCO_LAYOUT = "diloco_layout"
 #: DiLoCo across processes, in the param groups of a state dict only: what this process sent to the other workers so

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._types import INNER_STEP, INNER_STEPS, OUTER
+from .._types import INNER_STEP, INNER_STEPS, OUTER, SYNCED_AT
 
 __all__ = ["FragmentSchedule", "fragment_due", "fragment_of_each", "steps_since_sync"]
 
@@ -71,7 +71,8 @@ class FragmentSchedule:
     ) -> list[tuple[dict[str, Any], torch.Tensor]]:
         """(group, parameter) of the parameters with outer state (in ``states``) whose fragment takes its outer step
         after the groups' inner step, in the order of the groups: the same list on every process. ``partial``:
-        instead, those whose fragment took inner steps since its last outer step (the end of training)."""
+        instead, those whose fragment took inner steps since its last outer step (the end of training), none of a
+        group already synchronised at its current step."""
         params = [p for group in param_groups for p in group["params"]]
         fragments, due, position = self.of_each(params), [], 0
         for group in param_groups:
@@ -80,7 +81,10 @@ class FragmentSchedule:
                 fragment = fragments[position]
                 position += 1
                 if partial:
-                    wanted = steps_since_sync(fragment, step, period, self.num_fragments) > 0
+                    wanted = (
+                        group.get(SYNCED_AT) != step
+                        and steps_since_sync(fragment, step, period, self.num_fragments) > 0
+                    )
                 else:
                     wanted = fragment_due(fragment, step, period, self.num_fragments)
                 if wanted and OUTER in states.get(p, ()):

@@ -27,7 +27,16 @@ import torch
 from .._checks import check_inner_steps, check_num_fragments, check_outer_lr
 from .._state_layout import HALF_DTYPES, held_through_half, wide_dtype
 from .._tensors import authoritative_y, bits_differ, local_tensor, shard_like
-from .._types import DEFAULT_NUM_FRAGMENTS, INNER_FP32, INNER_STEP, INNER_STEPS, OUTER, OUTER_LR, TRAIN_MODE
+from .._types import (
+    DEFAULT_NUM_FRAGMENTS,
+    INNER_FP32,
+    INNER_STEP,
+    INNER_STEPS,
+    OUTER,
+    OUTER_LR,
+    SYNCED_AT,
+    TRAIN_MODE,
+)
 from .._wrapper import BaseOptimizerWrapper
 from . import checkpoint, rules
 from .fragments import FragmentSchedule
@@ -218,10 +227,13 @@ class OuterOptimizer(BaseOptimizerWrapper):
         """For the end of training (`GPATrainer` calls it at the last step): every sync in flight applied now, then
         every fragment that took inner steps since its last outer step synchronised and stepped now, with the
         pseudo-gradient of those steps, so that the evaluation weights hold every inner step of every worker (without
-        it the steps after the last whole period leave no trace there). Collective: every process calls it. In eval
-        mode it switches to train mode for the updates and back."""
+        it the steps after the last whole period leave no trace there). Once per step: a second call before the next
+        inner step changes nothing (the group's ``synced_at``; before, it took the outer step again). Collective:
+        every process calls it. In eval mode it switches to train mode for the updates and back."""
         with _in_train_mode(self):
             self._outer_syncs(self.schedule.due(self.param_groups, self.state, partial=True), every=True)
+        for group in self.param_groups:
+            group[SYNCED_AT] = group[INNER_STEP]
 
     @torch.no_grad()
     def apply_syncs_in_flight(self) -> None:
