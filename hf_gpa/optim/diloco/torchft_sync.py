@@ -169,6 +169,18 @@ class SyncRecord:
     ended: float = 0.0
 
 
+def _group_store(host: str | None, timeout: datetime.timedelta) -> tuple[Any, str, int]:
+    """The replica group's TCPStore: torchrun's (``MASTER_ADDR``/``MASTER_PORT``; None: not ours to keep), else one
+    started here on a free port of ``host`` (default: this machine's name); (the store, its host, its port)."""
+    from torch.distributed import TCPStore
+
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun's store
+        return None, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store_host = host or socket.gethostname()
+    store = TCPStore(host_name=store_host, port=0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return store, store_host, store.port
+
+
 class TorchftSync(OuterSync):
     """The outer sync of one replica group over a ``torchft.Manager`` (see the module docstring).
 
@@ -225,9 +237,8 @@ class TorchftSync(OuterSync):
         """This replica group's Manager, connected to the lighthouse at ``lighthouse`` (``http://HOST:PORT``), and
         the sync over it. Every argument is checked before anything starts.
 
-        The group's TCPStore is torchrun's (``MASTER_ADDR``/``MASTER_PORT``, a world of one process) or, outside
-        torchrun, one started here on a free port of ``host`` (default: ``MASTER_ADDR``, else this machine's name),
-        which the other groups reach for the all-reduce's rendezvous. ``min_replicas``: the fewest groups a sync may
+        The group's TCPStore (`_group_store`) is torchrun's or one started here on a free port of ``host``; the other
+        groups reach it for the all-reduce's rendezvous. ``min_replicas``: the fewest groups a sync may
         average (torchft's ``min_replica_size``; the lighthouse's ``--min_replicas`` should say the same). A lighthouse
         that cannot be reached within ``connect_timeout_s`` raises a ``ConnectionError`` naming its address; the
         environment variables ``TORCHFT_TIMEOUT_SEC``, ``TORCHFT_QUORUM_TIMEOUT_SEC`` and
@@ -244,15 +255,7 @@ class TorchftSync(OuterSync):
         if world_size != 1:
             raise ValueError(f"Invalid WORLD_SIZE: {world_size} ({rules.TORCHFT_NOT_YET['distributed']})")
         torchft = require_torchft()
-        from torch.distributed import TCPStore
-
-        store = None
-        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun's store
-            store_host, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        else:
-            store_host = host or socket.gethostname()
-            store = TCPStore(host_name=store_host, port=0, is_master=True, wait_for_workers=False, timeout=timeout)
-            store_port = store.port
+        store, store_host, store_port = _group_store(host, timeout)
         try:
             manager = torchft.Manager(
                 pg=torchft.ProcessGroupGloo(timeout=timeout),
@@ -365,8 +368,6 @@ class TorchftSync(OuterSync):
             self._sync(due, references, inners)
 
     def _sync(self, due: Due, references: list[torch.Tensor], inners: list[torch.Tensor]) -> None:
-        from torch.distributed import ReduceOp
-
         manager = self.manager
         record = SyncRecord(manager_step=manager.current_step(), joining=self._joining)
         started = time.perf_counter()
@@ -375,27 +376,7 @@ class TorchftSync(OuterSync):
         count = torch.zeros(1)  # the groups that send their pseudo-gradients (float32 sums of 0 and 1: exact)
         for attempt in range(1, self.max_retries + 2):
             record.attempts = attempt
-            t0 = time.perf_counter()
-            self._quorum(manager)
-            t1 = time.perf_counter()
-            sends = not (self._joining or self._healed)  # a healed group's inner weights are its source's
-            for flat, idx, views in buckets:
-                if sends:
-                    for i, view in zip(idx, views):
-                        torch.sub(references[i], inners[i], out=view)
-                else:
-                    flat.zero_()
-            count.fill_(1.0 if sends else 0.0)
-            works = [manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in (*(b[0] for b in buckets), count)]
-            for work in works:
-                work.wait()  # an error is not raised here: torchft reports it to should_commit
-            t2 = time.perf_counter()
-            committed = manager.should_commit()  # applies a heal first (this group's _heal)
-            t3 = time.perf_counter()
-            record.quorum_s += t1 - t0
-            record.allreduce_s += t2 - t1
-            record.commit_s += t3 - t2
-            if committed:
+            if self._attempt(record, buckets, references, inners, count):
                 break
             error = manager.errored()
             record.errors.append(repr(getattr(error, "original_exception", error)))
@@ -410,32 +391,67 @@ class TorchftSync(OuterSync):
                 f"{record.manager_step} was not committed in {self.max_retries + 1} attempts (max_retries = "
                 f"{self.max_retries}); the errors: {'; '.join(record.errors)}"
             )
-        workers = round(float(count.item()))
-        record.workers, record.healed = workers, self._healed
+        record.workers, record.healed = round(float(count.item())), self._healed
         record.inner_step = due[0][0][INNER_STEP] if due else -1
         if self._healed:
             logger.info(
                 "Replica group %s healed from a live group at manager step %d: inner step %d",
                 self.replica_group, manager.current_step(), record.inner_step,
             )  # fmt: skip
-        if workers:
-            if workers < self._workers:
-                logger.warning(
-                    "Replica group %s: outer sync at manager step %d averaged %d groups (the last one %d)",
-                    self.replica_group, record.manager_step, workers, self._workers,
-                )  # fmt: skip
-            self._workers = workers
-            averaged = list(references)
-            for flat, idx, views in buckets:
-                flat.div_(workers)
-                for i, view in zip(idx, views):
-                    averaged[i] = view
-                self.traffic.outer_bytes += outer_sent_bytes(flat.numel(), flat.element_size(), "float32", workers)
-            self.traffic.outer_steps += 1
-            self.pending.append(PendingSync(due, averaged, 0))
+        if record.workers:
+            self._average(due, record, buckets, references)
         record.total_s = time.perf_counter() - started
         record.ended = time.time()
         self.records.append(record)
+
+    def _attempt(
+        self, record: SyncRecord, buckets: list, references: list[torch.Tensor], inners: list[torch.Tensor], count
+    ) -> bool:
+        """One try of the sync: a quorum, this group's pseudo-gradients (zeros from a group that joins or has just
+        healed) and its count summed over the groups, then torchft's commit vote; whether it committed."""
+        from torch.distributed import ReduceOp
+
+        manager = self.manager
+        t0 = time.perf_counter()
+        self._quorum(manager)
+        t1 = time.perf_counter()
+        sends = not (self._joining or self._healed)  # a healed group's inner weights are its source's
+        for flat, idx, views in buckets:
+            if sends:
+                for i, view in zip(idx, views):
+                    torch.sub(references[i], inners[i], out=view)
+            else:
+                flat.zero_()
+        count.fill_(1.0 if sends else 0.0)
+        works = [manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in (*(b[0] for b in buckets), count)]
+        for work in works:
+            work.wait()  # an error is not raised here: torchft reports it to should_commit
+        t2 = time.perf_counter()
+        committed = manager.should_commit()  # applies a heal first (this group's _heal)
+        t3 = time.perf_counter()
+        record.quorum_s += t1 - t0
+        record.allreduce_s += t2 - t1
+        record.commit_s += t3 - t2
+        return committed
+
+    def _average(self, due: Due, record: SyncRecord, buckets: list, references: list[torch.Tensor]) -> None:
+        """The summed pseudo-gradients divided by the groups that sent them, pending for the outer step; the bytes
+        counted."""
+        workers = record.workers
+        if workers < self._workers:
+            logger.warning(
+                "Replica group %s: outer sync at manager step %d averaged %d groups (the last one %d)",
+                self.replica_group, record.manager_step, workers, self._workers,
+            )  # fmt: skip
+        self._workers = workers
+        averaged = list(references)
+        for flat, idx, views in buckets:
+            flat.div_(workers)
+            for i, view in zip(idx, views):
+                averaged[i] = view
+            self.traffic.outer_bytes += outer_sent_bytes(flat.numel(), flat.element_size(), "float32", workers)
+        self.traffic.outer_steps += 1
+        self.pending.append(PendingSync(due, averaged, 0))
 
     def _quorum(self, manager: Any) -> None:
         """This sync's quorum, waited for; a lighthouse that gives none within the quorum timeout is named."""
