@@ -604,16 +604,18 @@ def test_diloco_workers_search_slides_past_an_edge_then_brackets_the_pick(monkey
     scores = {lattice.point({"mu_x": x, "mu_y": y}): abs(x - 0.995) + abs(y - 0.9) for x, y in points}
     verdicts = dw.bracketing(lattice, scores, dw.best_point(scores))
     assert verdicts == {"mu_x": "no: highest value of its ladder", "mu_y": "yes"}
-    plan = dataclasses.replace(dw.REGIME_PLAN, slide=2)
+    # past an edge one ladder step at a time, within the budget: DDP-AdamW from 0.08 to the top of its ladder; DiLoCo
+    # along lr to its ladder's end, then around the best along the outer lr
+    asked = _fake_tuning(monkeypatch, lambda method, lr: -math.log(lr) + abs(method.outer_pair[0] - 1.0))
     context = types.SimpleNamespace(plan=plan)
-    method, lr = dw.tuned(context, dw.Method("diloco", 8))
-    assert lr == 0.08  # 0.005, 0.01, 0.02 slid twice (0.04, 0.08): at most ``slide`` extensions, here still the edge
-    assert [lr for outer, lr in asked if outer is None] == [0.005, 0.01, 0.02, 0.04, 0.08]
-    assert method.outer == (1.0, 0.9)  # 0.4, 0.6, 0.8 at 0.9, slid to 1.0 (best) then 1.2 (worse): bracketed
-    assert [outer for outer, _ in asked if outer is not None][-2:] == [(1.0, 0.9), (1.2, 0.9)]
-    asked.clear()
-    method, lr = dw.tuned(context, dw.Method("adamw"))
-    assert asked == [(None, 0.01), (None, 0.02), (None, 0.04), (None, 0.08), (None, 0.16)] and lr == 0.08
+    method, lr = dw.tuned(context, dw.Method("adamw"), None)
+    assert [lr for _, lr, _ in asked["adamw"]] == [0.08, 0.05657, 0.1131, 0.16, 0.2263, 0.32, 0.4525] and lr == 0.4525
+    method, lr = dw.tuned(context, dw.Method("diloco", 8), None)
+    assert [(lr, *m.outer_pair) for m, lr, _ in asked["diloco H=8"]] == [
+        (0.01, 0.75, 0.75), (0.005, 0.75, 0.75), (0.02, 0.75, 0.75), (0.04, 0.75, 0.75), (0.08, 0.75, 0.75),
+        (0.08, 0.6, 0.75), (0.08, 0.9, 0.75),
+    ]  # fmt: skip
+    assert (lr, method.outer_pair) == (0.08, (0.9, 0.75))
 
 
 def _torchft_group(syncs: list[tuple[int, int, float, bool]], eval_loss: float, joined: float = 0.0) -> dict:
