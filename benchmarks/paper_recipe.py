@@ -206,6 +206,15 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return total, total - embedding
 
 
+def record_parameters(results: report.ResultsFile, workload: Workload) -> tuple[int, int]:
+    """Records the model's parameter counts (`count_parameters`) in ``results`` (``parameters`` and
+    ``non_embedding_parameters``), writes it, and returns them."""
+    total, non_embedding = count_parameters(workload.build(0))
+    results.data.update(parameters=total, non_embedding_parameters=non_embedding)
+    results.write()
+    return total, non_embedding
+
+
 def results_file(path: Path, workload: Workload, plan: Any) -> report.ResultsFile:
     """The resumable record of ``workload`` at ``path`` under ``plan`` (a dataclass: `Plan`, or another benchmark's
     plan of the same workload), with where its runs train (`benchmarks.report.environment`: CPU model and instruction

@@ -58,9 +58,9 @@ from benchmarks.paper_recipe import (
     Plan,
     RunSpec,
     Workload,
-    count_parameters,
     import_schedulefree,
     load_token_windows,
+    record_parameters,
     results_file,
     train_run,
 )
@@ -223,12 +223,9 @@ def run_pipeline(
     best of a shorter budget); ``report=False`` leaves the report to a later ``--report-only`` (and returns "").
     """
     results = results_file(out / "results.json", workload, plan)
-    total, non_embedding = count_parameters(workload.build(0))
-    results.data["parameters"] = total
-    results.data["non_embedding_parameters"] = non_embedding
+    total, non_embedding = record_parameters(results, workload)
     tokens = workload.steps * workload.batch_size * workload.seq_len
     logger.info("Model: %d parameters (%d non-embedding); %d tokens per full run", total, non_embedding, tokens)
-    results.write()
     if not pipeline:
         run_specs(extras, workload, results, workers)
         return write_report(out / "results.json", out) if report else ""

@@ -59,9 +59,9 @@ from benchmarks.paper_recipe import (
     QUICK_WORKLOAD,
     RunSpec,
     Workload,
-    count_parameters,
     import_schedulefree,
     load_token_windows,
+    record_parameters,
     results_file,
     train_run,
 )
@@ -470,9 +470,7 @@ def run_pipeline(
 
     check_plan(plan, workload)
     results = results_file(out / "results.json", workload, plan)
-    total, non_embedding = count_parameters(workload.build(0))
-    results.data.update(parameters=total, non_embedding_parameters=non_embedding)
-    results.write()
+    record_parameters(results, workload)
     runner = Runner(results, workload, max_runs)
     tuning: dict[str, Any] = {}
     results.data["tuning"] = tuning  # rebuilt from the recorded runs (instantly) for this call's plan

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from batchnorm_models import conv_net, make_trainer  # beside this script, which the launcher runs by its path
-from helpers import eval_and_save_every
+from helpers import eval_and_save_every, logged_lines
 from torch import nn
 
 from hf_gpa.batchnorm import norm_statistics, recalibrate_norm_statistics
@@ -72,34 +72,25 @@ def two_nodes(out: Path, node: int) -> None:
 
     from safetensors.torch import load_file
 
-    class Warnings(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__(logging.WARNING)
-            self.messages: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.messages.append(record.getMessage())
-
-    warnings = Warnings()
-    logging.getLogger("hf_gpa").addHandler(warnings)
-    run = make_trainer(
-        out / f"node{node}",
-        max_steps=4,
-        per_device_train_batch_size=16,
-        **eval_and_save_every(2),
-        load_best_model_at_end=True,
-        metric_for_best_model="eval_loss",
-        greater_is_better=True,  # the higher loss: checkpoint-2, so that the best and the last model differ
-        save_on_each_node=False,
-        gpa_bn_recalibration_batches=2,
-    )
-    run.train()
+    with logged_lines("hf_gpa", logging.WARNING) as warnings:
+        run = make_trainer(
+            out / f"node{node}",
+            max_steps=4,
+            per_device_train_batch_size=16,
+            **eval_and_save_every(2),
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            greater_is_better=True,  # the higher loss: checkpoint-2, so that the best and the last model differ
+            save_on_each_node=False,
+            gpa_bn_recalibration_batches=2,
+        )
+        run.train()
     folders = sorted((out / "node0").glob("checkpoint-*")) if node == 0 else []  # only node 0 has weights
     facts = {
         "held": {name: p.detach().clone() for name, p in run.model.named_parameters()},
         "best": Path(run.state.best_model_checkpoint).name,
         "checkpoints": {folder.name: load_file(str(folder / "model.safetensors")) for folder in folders},
-        "warnings": warnings.messages,
+        "warnings": warnings,
     }
     torch.save(facts, out / f"two_nodes{node}.pt")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from distributed_workers import GLOBAL_BATCH, build_mlp, global_batch, mse
@@ -47,6 +47,9 @@ def rank_rows(step: int, rank: int, world_size: int, dtype: torch.dtype) -> tupl
 class Snapshot:
     """After one inner step (and the outer step it ends, if any): each worker's inner weights, the outer weights and
     the outer momentum (lists in the model's parameter order)."""
+
+    #: The outer tensors a worker's record holds after every step, under these names too.
+    outer_keys: ClassVar[tuple[str, ...]] = ("outer", "momentum")
 
     inner: list[list[torch.Tensor]]
     outer: list[torch.Tensor]
@@ -243,3 +246,31 @@ class _Sync:
             residuals=[[e.clone() for e in r] for r in self.residuals],
             server_residuals=[[e.clone() for e in r] for r in self.servers],
         )
+
+
+def assert_matches(
+    history: list[dict[str, list[torch.Tensor]]], expected: list[Any], worker: int, **tol: float
+) -> None:
+    """One rank's record after every step against the simulation's `Snapshot` (this module's or GPA's): its
+    worker's inner weights and the outer tensors (``outer_keys``: the outer weights and momentum, or x and z),
+    bitwise or within ``tol``."""
+    assert len(history) == len(expected)
+    for step, (held, snapshot) in enumerate(zip(history, expected), start=1):
+        wanted = [("inner", snapshot.inner[worker]), *((key, getattr(snapshot, key)) for key in snapshot.outer_keys)]
+        for key, want in wanted:
+            for i, (a, b) in enumerate(zip(held[key], want)):
+                if tol:
+                    torch.testing.assert_close(a, b, **tol, msg=lambda m: f"step {step}, {key}[{i}]: {m}")  # noqa: B023
+                else:
+                    assert torch.equal(a, b), f"step {step}, {key}[{i}]: max |diff| {(a - b).abs().max().item():.3g}"
+
+
+def assert_same_outer_everywhere(
+    histories: list[list[dict[str, list[torch.Tensor]]]], keys: tuple[str, ...] = Snapshot.outer_keys
+) -> None:
+    """Every rank's record holds bitwise the same outer tensors (``keys``, a `Snapshot`'s ``outer_keys``) as rank
+    0's after every step."""
+    for step, held in enumerate(zip(*histories), start=1):
+        for rank, other in enumerate(held[1:], start=1):
+            for key in keys:
+                assert all(torch.equal(a, b) for a, b in zip(held[0][key], other[key])), (step, rank, key)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from diloco_workers import error_of
 from distributed_workers import trainer_args
-from helpers import TokenDataset, tiny_llama
+from helpers import TokenDataset, logged_lines, tiny_llama
 from transformers import TrainerCallback
 
 from hf_gpa import GPATrainer, GPATrainingArguments
@@ -39,20 +39,16 @@ RESUME_FROM = "checkpoint-4"
 STREAMING = dict(diloco_inner_steps=4, diloco_fragments=2, max_steps=8)  # fragment 1 at steps 2, 6; fragment 0 at 4, 8
 
 
+#: The run of DiLoCo's and GPA's workers alike (gpa_diloco_trainer_workers): evaluated after every outer step.
+SCHEDULE = dict(
+    max_steps=STEPS, save_steps=SAVE_STEPS, eval_strategy="steps", eval_steps=INNER_STEPS, lr_scheduler_type="cosine"
+)
+
+
 def diloco_args(output_dir: Path, **overrides: Any) -> GPATrainingArguments:
     """test_distributed's DDP Trainer arguments, with DiLoCo across the processes in place of GPA."""
-    diloco = dict(
-        optim="diloco_adamw",
-        gpa_mu_x=None,  # GPA's, unread by DiLoCo
-        diloco_distributed=True,
-        diloco_inner_steps=INNER_STEPS,
-        max_steps=STEPS,
-        save_steps=SAVE_STEPS,
-        eval_strategy="steps",
-        eval_steps=INNER_STEPS,
-        lr_scheduler_type="cosine",
-    )
-    return trainer_args(output_dir, 2, **{**diloco, **overrides})
+    diloco = dict(optim="diloco_adamw", gpa_mu_x=None, diloco_distributed=True, diloco_inner_steps=INNER_STEPS)
+    return trainer_args(output_dir, 2, **{**diloco, **SCHEDULE, **overrides})  # gpa_mu_x: GPA's, unread by DiLoCo
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -127,17 +123,6 @@ class Recorder(TrainerCallback):
         self.train_mode_during_eval.append(unwrap_gpa_optimizer(optimizer).train_mode)
 
 
-class StartLines(logging.Handler):
-    """The INFO lines hf_gpa.workers logs (the start line of a run across processes)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def groups_of(trainer: GPATrainer) -> dict[str, list[int]]:
     """The global ranks of every process group the run's collectives can use, by the name the flight recorder gives."""
     layout = unwrap_gpa_optimizer(trainer.optimizer).layout
@@ -174,14 +159,8 @@ def run(
     for callback in callbacks:
         trainer.add_callback(callback)
     first = last_record_id()
-    start_lines = StartLines()
-    logger = logging.getLogger("hf_gpa.workers")
-    logger.addHandler(start_lines)
-    logger.setLevel(logging.INFO)
-    try:
+    with logged_lines("hf_gpa.workers", logging.INFO) as start_lines:  # the start line of a run across processes
         trainer.train(resume_from_checkpoint=resume)
-    finally:
-        logger.removeHandler(start_lines)
     metrics = trainer.evaluate()  # after training: at the outer weights
     trainer.save_model(str(out / name / "final"))
     layout = unwrap_gpa_optimizer(trainer.optimizer).layout
@@ -205,7 +184,7 @@ def run(
         ],
         "numel": sum(p.numel() for p in trainer.model.parameters()),
         "log_history": trainer.state.log_history,
-        "start_lines": start_lines.lines,
+        "start_lines": start_lines,
     }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import diloco_simulation
 import torch
@@ -29,6 +29,9 @@ OUTER_LR, MU_X, MU_Y = 1.5, 0.8, 0.6
 @dataclass
 class Snapshot:
     """After one inner step (and the outer step it ends, if any): each worker's inner weights, x and z."""
+
+    #: The outer tensors a worker's record holds after every step, under these names too.
+    outer_keys: ClassVar[tuple[str, ...]] = ("x", "z")
 
     inner: list[list[torch.Tensor]]
     x: list[torch.Tensor]

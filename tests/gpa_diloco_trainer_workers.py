@@ -38,29 +38,18 @@ from hf_gpa.checkpoint import unwrap_gpa_optimizer
 from hf_gpa.example_args import checkpoint_to_resume
 from hf_gpa.optim import GPADiLoCo
 
-STEPS = 6
-SYNC_STEPS = 3  # outer steps after steps 3 and 6
-SAVE_STEPS = 2  # checkpoints at 2 (mid-period), 4 (after an outer step and one inner step) and 6 (an outer step)
-RESUME_FROM = "checkpoint-4"
+# diloco_trainer_workers' run (`dw.SCHEDULE`): outer steps after steps 3 and 6, checkpoints at 2 (mid-period), 4 (after
+# an outer step and one inner step) and 6 (an outer step)
+STEPS, SYNC_STEPS, RESUME_FROM = dw.STEPS, dw.INNER_STEPS, dw.RESUME_FROM
 OUTER = dict(gpa_outer_lr=1.5, gpa_mu_x=0.8, gpa_mu_y=0.6)  # mu_x != mu_y: not DiLoCo's diagonal
 TIMEOUT_S = 15  # the collective timeout of the `dies` scenario (--ddp_timeout)
 DIES_AT = 3  # in `dies`, rank 1 kills itself as step 3 begins (after checkpoint-2, before the outer step at 3)
 
 
 def gpa_args(output_dir: Path, **overrides: Any) -> Any:
-    """test_distributed's DDP Trainer arguments, with GPA across the processes."""
-    gpa = dict(
-        optim="gpa_adamw",
-        gpa_distributed=True,
-        gpa_sync_steps=SYNC_STEPS,
-        **OUTER,
-        max_steps=STEPS,
-        save_steps=SAVE_STEPS,
-        eval_strategy="steps",
-        eval_steps=SYNC_STEPS,
-        lr_scheduler_type="cosine",
-    )
-    return trainer_args(output_dir, 2, **{**gpa, **overrides})
+    """test_distributed's DDP Trainer arguments, with GPA across the processes (on `diloco_args`' schedule)."""
+    gpa = dict(optim="gpa_adamw", gpa_distributed=True, gpa_sync_steps=SYNC_STEPS, **OUTER)
+    return trainer_args(output_dir, 2, **{**gpa, **dw.SCHEDULE, **overrides})
 
 
 class Recorder(dw.Recorder):

@@ -1,4 +1,5 @@
-"""Helpers the trainer-side test files share (tiny models and data, arguments, snapshots, the shared Llama run).
+"""Helpers the trainer-side test files share (tiny models and data, arguments, snapshots, the shared Llama run, the
+checks of runs across processes, log lines).
 
 A plain module beside the tests, imported as ``from helpers import ...``: test modules do not import each other, and
 fixtures live in ``conftest.py``.
@@ -6,10 +7,14 @@ fixtures live in ``conftest.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from tensors import TokenDataset  # noqa: F401  (re-exported: the trainer-side tests take it from here)
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
@@ -113,6 +118,11 @@ def assert_equal_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         assert torch.equal(a[name], b[name]), name
 
 
+def equal_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether ``a`` and ``b`` hold the same names and, under each, the same bits."""
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
 
@@ -196,3 +206,60 @@ def run_llama(output_dir, resume: str | None = None, **overrides) -> tuple[GPATr
     trainer = llama_trainer(make_args(output_dir, **{**RUN, **overrides}), snapshots)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, snapshots
+
+
+# ---- runs across processes ----
+
+
+def assert_ranks_agree_on_outer(first: dict[str, Any], second: dict[str, Any], *keys: str) -> None:
+    """Two ranks' records of a run of DiLoCo or GPA across 2 workers (``{"steps": [{"inner": ..., "outer": ...,
+    ...}], "held_after_train": ..., "eval_loss": ...}``): after every step they hold bitwise the same outer weights
+    (and ``keys``, e.g. GPA's z), not the same inner weights after step 2 (each worker its own data); after training
+    both hold the last outer weights and evaluate to the same loss."""
+    for a, b in zip(first["steps"], second["steps"]):
+        assert all(equal_dicts(a[key], b[key]) for key in ("outer", *keys)), a["step"]
+    assert not equal_dicts(first["steps"][1]["inner"], second["steps"][1]["inner"])
+    last = first["steps"][-1]["outer"]
+    for run in (first, second):
+        assert equal_dicts(run["held_after_train"], last)
+    assert first["eval_loss"] == second["eval_loss"]
+
+
+def assert_evaluated_in_eval_mode(runs: list[dict[str, Any]]) -> None:
+    """Every rank's run evaluated, and every evaluation batch ran with the optimizer in eval mode (at the outer
+    weights; GPA's x)."""
+    for run in runs:
+        assert run["train_mode_during_eval"] and not any(run["train_mode_during_eval"])
+
+
+def saved_and_step(out: Path, run: dict[str, Any], checkpoint: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``out/run/{checkpoint}/model.safetensors`` (``checkpoint`` "final": save_model()'s after training) and the
+    record of the step of ``run`` it was saved after."""
+    step = run["steps"][-1]["step"] if checkpoint == "final" else int(checkpoint.split("-")[1])
+    saved = load_file(out / "run" / checkpoint / "model.safetensors")
+    return saved, next(s for s in run["steps"] if s["step"] == step)
+
+
+class _Lines(logging.Handler):
+    def __init__(self, level: int, lines: list[str]) -> None:
+        super().__init__(level)
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def logged_lines(name: str, level: int) -> Iterator[list[str]]:
+    """The messages the logger ``name`` (and those below it) logs at ``level`` or above inside the block, in the
+    list it gives; the logger lets them through meanwhile (its level lowered to ``level`` where it was higher)."""
+    logger, lines = logging.getLogger(name), []
+    handler, before = _Lines(level, lines), logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > level:
+        logger.setLevel(level)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)

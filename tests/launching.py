@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+_REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 180  # a 2-rank scenario takes ~10-30 s on 2 shared cores; past this it is a hang, not slowness
 
 
@@ -81,9 +82,47 @@ def launch_ranks(workers: Path, scenario: str, world_size: int, out: Path) -> li
     out.mkdir(parents=True, exist_ok=True)
     cmds = [[sys.executable, str(workers), scenario, str(out), str(r), str(world_size)] for r in range(world_size)]
     logs = [out / f"rank{r}.log" for r in range(world_size)]
-    repo = Path(__file__).resolve().parents[1]
-    run_logged_together(cmds, logs, launch_env(repo, workers.parent), what=f"{scenario} on {world_size} processes")
+    run_logged_together(cmds, logs, launch_env(_REPO, workers.parent), what=f"{scenario} on {world_size} processes")
     return [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def accelerate_launch(
+    workers: Path, scenario: str, num_processes: int, out: Path, config: Path, **env: str
+) -> list[dict[str, Any]]:
+    """``accelerate launch --config_file CONFIG --num_processes N WORKERS SCENARIO OUT`` (the user's command) on CPU
+    processes, with ``env`` over `launch_env`'s, and each rank's record ``OUT/SCENARIO_rank{r}.pt``. A failure or a
+    hang fails the test with the end of the log."""
+    import sys
+
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    cmd += ["--num_processes", str(num_processes), "--main_process_port", str(free_port())]
+    cmd += [str(workers), scenario, str(out)]
+    env = {**launch_env(_REPO, workers.parent), **env}
+    run_logged(cmd, out / "launch.log", env, what=f"{scenario} on {num_processes} processes")
+    return [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(num_processes)]
+
+
+def run_documented_command(doc: Path, marker: str, args: str, cwd: Path, **env: str) -> str:
+    """The one ``bash`` block of ``doc`` that follows a ``<!-- skip-test: ... -->`` comment ``marker`` matches,
+    with a free port for its ``accelerate launch`` and ``args`` appended, run in ``cwd`` (the repository's configs/
+    and run_clm_gpa.py linked into it; this Python's scripts first on PATH), with ``env`` over `launch_env`'s;
+    the command as it ran. Its failure, or a hang past 600 s, fails the test with the end of the log."""
+    import re
+    import sys
+
+    blocks = re.findall(rf"<!-- skip-test:[^>]*{marker}[^>]*-->\n```bash\n(.*?)\n```", doc.read_text(), re.S)
+    assert len(blocks) == 1, blocks
+    port = f"accelerate launch --main_process_port {free_port()}"
+    command = blocks[0].replace("\\\n", " ").replace("accelerate launch", port)
+    for entry in ("configs", "run_clm_gpa.py"):
+        (cwd / entry).symlink_to(_REPO / entry)
+    env = {**launch_env(_REPO), **env}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    run_logged(["bash", "-e", "-c", f"{command} {args}"], cwd / "launch.log", env, 600, "the documented command", cwd)
+    return command
 
 
 def run_together(

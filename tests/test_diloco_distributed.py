@@ -28,7 +28,7 @@ from typing import Any
 import diloco_workers as dw
 import pytest
 import torch
-from diloco_simulation import Snapshot, simulate
+from diloco_simulation import assert_matches, assert_same_outer_everywhere, simulate
 from launching import LAUNCH_TIMEOUT_S, launch_env, launch_ranks, run_logged, run_together, tail
 
 WORKERS = Path(__file__).with_name("diloco_workers.py")
@@ -50,32 +50,6 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return launch("four_ranks", 4, tmp_path_factory.mktemp("four_ranks"))
-
-
-def assert_matches(
-    history: list[dict[str, list[torch.Tensor]]], expected: list[Snapshot], worker: int, **tol: float
-) -> None:
-    """One rank's inner weights (its worker's), outer weights and outer momentum after every step, bitwise or
-    within ``tol``."""
-    assert len(history) == len(expected)
-    for step, (held, snapshot) in enumerate(zip(history, expected), start=1):
-        for key, want in (
-            ("inner", snapshot.inner[worker]),
-            ("outer", snapshot.outer),
-            ("momentum", snapshot.momentum),
-        ):
-            for i, (a, b) in enumerate(zip(held[key], want)):
-                if tol:
-                    torch.testing.assert_close(a, b, **tol, msg=lambda m: f"step {step}, {key}[{i}]: {m}")  # noqa: B023
-                else:
-                    assert torch.equal(a, b), f"step {step}, {key}[{i}]: max |diff| {(a - b).abs().max().item():.3g}"
-
-
-def assert_same_outer_everywhere(histories: list[list[dict[str, list[torch.Tensor]]]]) -> None:
-    for step, held in enumerate(zip(*histories), start=1):
-        for rank, other in enumerate(held[1:], start=1):
-            for key in ("outer", "momentum"):
-                assert all(torch.equal(a, b) for a, b in zip(held[0][key], other[key])), (step, rank, key)
 
 
 # ---------------------------------------------------------------- 2 processes

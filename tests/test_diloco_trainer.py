@@ -12,15 +12,14 @@ The checkpoint layout and resume refusals that need no launch are tested here to
 
 from __future__ import annotations
 
-import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import diloco_trainer_workers as dw
 import pytest
 import torch
-from launching import free_port, launch_env, run_logged
+from helpers import assert_evaluated_in_eval_mode, assert_ranks_agree_on_outer, equal_dicts, saved_and_step
+from launching import accelerate_launch, run_documented_command
 from safetensors.torch import load_file
 
 from hf_gpa.optim import WorkerLayout, saved_diloco_layout
@@ -34,13 +33,8 @@ CONFIG = REPO / "configs" / "accelerate_ddp.yaml"
 def launch(scenario: str, num_processes: int, out: Path, config: Path = CONFIG) -> list[dict[str, Any]]:
     """``accelerate launch`` of ``scenario`` on ``num_processes`` CPU processes with ``config``, with the flight
     recorder on; each rank's record. A failure or a hang fails the test with the end of the log."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-    cmd += ["--num_processes", str(num_processes), "--main_process_port", str(free_port())]
-    cmd += [str(WORKERS), scenario, str(out)]
-    env = {**launch_env(REPO, WORKERS.parent), "TORCH_FR_BUFFER_SIZE": "100000", "HF_GPA_DISABLE_CPU_KERNEL": "1"}
-    run_logged(cmd, out / "launch.log", env, what=f"{scenario} on {num_processes} processes")
-    return [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(num_processes)]
+    env = {"TORCH_FR_BUFFER_SIZE": "100000", "HF_GPA_DISABLE_CPU_KERNEL": "1"}
+    return accelerate_launch(WORKERS, scenario, num_processes, out, config, **env)
 
 
 @pytest.fixture(scope="module")
@@ -320,22 +314,13 @@ def test_outer_weights_are_the_same_bits_on_every_rank_after_every_step(two_rank
     """After every step both ranks hold bitwise the same outer weights; their inner weights differ (each worker its
     own data); after training both hold the outer weights in the parameters and evaluate to the same loss."""
     _, (first, second) = two_ranks
-    for a, b in zip(first["run"]["steps"], second["run"]["steps"]):
-        assert all(torch.equal(a["outer"][n], b["outer"][n]) for n in a["outer"]), a["step"]
-    assert any(
-        not torch.equal(first["run"]["steps"][1]["inner"][n], t) for n, t in second["run"]["steps"][1]["inner"].items()
-    )
-    last = first["run"]["steps"][-1]["outer"]
-    for f in (first, second):
-        assert all(torch.equal(f["run"]["held_after_train"][n], last[n]) for n in last)
-    assert first["run"]["eval_loss"] == second["run"]["eval_loss"]
+    assert_ranks_agree_on_outer(first["run"], second["run"])
 
 
 def test_evaluation_runs_at_the_outer_weights(two_ranks: tuple) -> None:
     """Every evaluation batch (after steps 3 and 6 and after training) ran with the optimizer in eval mode."""
     _, facts = two_ranks
-    for f in facts:
-        assert f["run"]["train_mode_during_eval"] and not any(f["run"]["train_mode_during_eval"])
+    assert_evaluated_in_eval_mode([f["run"] for f in facts])
 
 
 @pytest.mark.parametrize("checkpoint", ["checkpoint-2", "checkpoint-4", "checkpoint-6", "final"])
@@ -343,11 +328,8 @@ def test_every_save_holds_the_outer_weights(two_ranks: tuple, checkpoint: str) -
     """model.safetensors of every checkpoint and of save_model() holds the outer weights of its step: the initial
     weights at step 2, those of the outer step at 3 at step 4, those of step 6 at 6."""
     out, (first, _) = two_ranks
-    steps = {s["step"]: s["outer"] for s in first["run"]["steps"]}
-    saved = load_file(out / "run" / checkpoint / "model.safetensors")
-    expected = steps[dw.STEPS if checkpoint == "final" else int(checkpoint.split("-")[1])]
-    assert saved.keys() == expected.keys()
-    assert all(torch.equal(saved[n], expected[n]) for n in expected)
+    saved, step = saved_and_step(out, first["run"], checkpoint)
+    assert equal_dicts(saved, step["outer"])
 
 
 def test_checkpoints_keep_every_worker_s_state(two_ranks: tuple) -> None:
@@ -694,20 +676,8 @@ def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path, confi
     """docs/distributed.md's accelerate launches of run_clm_gpa.py (DDP islands, and FSDP2 inside each island), as
     written plus --use_cpu and the README's tiny settings (a streamed dataset: every process reads its own batches):
     2 workers of 2 processes train, save a checkpoint with every process's optimizer state and evaluate."""
-    marker = rf"<!-- skip-test:[^>]*documented {config} command[^>]*-->\n```bash\n(.*?)\n```"
-    blocks = re.findall(marker, DOC.read_text(), re.S)
-    assert len(blocks) == 1
-    command = (
-        blocks[0]
-        .replace("\\\n", " ")
-        .replace("accelerate launch", f"accelerate launch --main_process_port {free_port()}")
-    )
-    for entry in ("configs", "run_clm_gpa.py"):
-        (tmp_path / entry).symlink_to(REPO / entry)
-    env = {**launch_env(REPO), "HF_GPA_DISABLE_CPU_KERNEL": "1", "HF_GPA_CACHE": str(tmp_path / "cache")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    log = tmp_path / "launch.log"
-    run_logged(["bash", "-e", "-c", f"{command} {TINY_CLM}"], log, env, 600, "the documented command", tmp_path)
+    env = {"HF_GPA_DISABLE_CPU_KERNEL": "1", "HF_GPA_CACHE": str(tmp_path / "cache")}
+    run_documented_command(DOC, f"documented {config} command", TINY_CLM, tmp_path, **env)
     output = tmp_path / "outputs" / ("clm-diloco" if config == "ddp" else "clm-diloco-fsdp2")
     checkpoint = output / "checkpoint-3"
     assert {f"optimizer_rank{r}.pt" for r in range(4)} <= {p.name for p in checkpoint.iterdir()}

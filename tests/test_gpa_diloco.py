@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_simulation import ADAMW_KW, rank_rows
+from diloco_simulation import ADAMW_KW, assert_matches, assert_same_outer_everywhere, rank_rows
 from distributed_workers import build_mlp, global_batch, mse
 from gpa_diloco_simulation import MU_X, MU_Y, OUTER_LR, Snapshot, simulate
 from launching import launch_ranks
@@ -169,37 +169,14 @@ def test_distributed_on_a_single_process_is_refused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- 2 and 4 processes
 
 
-def launch(scenario: str, world_size: int, out: Path) -> list[dict[str, Any]]:
-    """Run ``scenario`` on ``world_size`` processes; each rank's record. A failure or a hang fails the test."""
-    return launch_ranks(WORKERS, scenario, world_size, out)
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch("two_ranks", 2, tmp_path_factory.mktemp("gpa_two_ranks"))
+    return launch_ranks(WORKERS, "two_ranks", 2, tmp_path_factory.mktemp("gpa_two_ranks"))
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch("four_ranks", 4, tmp_path_factory.mktemp("gpa_four_ranks"))
-
-
-def assert_matches(history: list[dict], expected: list[Snapshot], worker: int, **tol: float) -> None:
-    assert len(history) == len(expected)
-    for step, (held, snap) in enumerate(zip(history, expected), start=1):
-        for key, want in (("inner", snap.inner[worker]), ("x", snap.x), ("z", snap.z)):
-            for i, (a, b) in enumerate(zip(held[key], want)):
-                if tol:
-                    torch.testing.assert_close(a, b, **tol, msg=lambda m: f"step {step}, {key}[{i}]: {m}")  # noqa: B023
-                else:
-                    assert torch.equal(a, b), f"step {step}, {key}[{i}]: max |diff| {(a - b).abs().max().item():.3g}"
-
-
-def assert_same_x_everywhere(histories: list[list[dict]]) -> None:
-    for step, held in enumerate(zip(*histories), start=1):
-        for rank, other in enumerate(held[1:], start=1):
-            for key in ("x", "z"):
-                assert all(torch.equal(a, b) for a, b in zip(held[0][key], other[key])), (step, rank, key)
+    return launch_ranks(WORKERS, "four_ranks", 4, tmp_path_factory.mktemp("gpa_four_ranks"))
 
 
 def test_two_workers_equal_the_simulation_bitwise(two_ranks: list) -> None:
@@ -247,9 +224,9 @@ def test_num_workers_that_does_not_divide_the_world_size_is_refused(two_ranks: l
 
 
 def test_the_evaluation_weights_are_the_same_bits_on_every_rank(two_ranks: list, four_ranks: list) -> None:
-    assert_same_x_everywhere([facts["plain"] for facts in two_ranks])
-    assert_same_x_everywhere([facts["four_workers"] for facts in four_ranks])
-    assert_same_x_everywhere([facts["islands"] for facts in four_ranks])
+    assert_same_outer_everywhere([facts["plain"] for facts in two_ranks], Snapshot.outer_keys)
+    assert_same_outer_everywhere([facts["four_workers"] for facts in four_ranks], Snapshot.outer_keys)
+    assert_same_outer_everywhere([facts["islands"] for facts in four_ranks], Snapshot.outer_keys)
     for ranks, key in ((two_ranks, "plain_eval"), (four_ranks, "four_workers_eval"), (four_ranks, "islands_eval")):
         shown = [facts[key]["eval"] for facts in ranks]
         assert all(torch.equal(a, b) for other in shown[1:] for a, b in zip(shown[0], other)), key

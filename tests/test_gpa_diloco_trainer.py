@@ -11,7 +11,6 @@ The resume refusals that need no launch are tested here too, on files written in
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,8 @@ from typing import Any
 import gpa_diloco_trainer_workers as gw
 import pytest
 import torch
-from launching import free_port, launch_env, run_logged, run_together, tail
+from helpers import assert_evaluated_in_eval_mode, assert_ranks_agree_on_outer, equal_dicts, saved_and_step
+from launching import accelerate_launch, free_port, launch_env, run_documented_command, run_together, tail
 from safetensors.torch import load_file
 
 from hf_gpa.optim import WorkerLayout, saved_diloco_layout
@@ -35,14 +35,7 @@ ENV = {"HF_GPA_DISABLE_CPU_KERNEL": "1"}
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("gpa_diloco_trainer")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG)]
-    cmd += ["--num_processes", "2", "--main_process_port", str(free_port()), str(WORKERS), "two_ranks", str(out)]
-    run_logged(cmd, out / "launch.log", {**launch_env(REPO, WORKERS.parent), **ENV}, what="two_ranks on 2 processes")
-    return out, [torch.load(out / f"two_ranks_rank{r}.pt", weights_only=False) for r in range(2)]
-
-
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    return out, accelerate_launch(WORKERS, "two_ranks", 2, out, CONFIG, **ENV)
 
 
 # ---------------------------------------------------------------- the run: GPADiLoCo's, bitwise
@@ -71,27 +64,20 @@ def test_the_trainer_s_run_equals_gpa_diloco_s_own_loop_bitwise(two_ranks: tuple
         assert len(steps) == len(replayed) == gw.STEPS
         for held, want in zip(steps, replayed):
             for key in ("inner", "outer", "z"):
-                assert _equal(held[key], want[key]), (held["step"], key)
+                assert equal_dicts(held[key], want[key]), (held["step"], key)
 
 
 def test_x_and_z_are_the_same_bits_on_every_rank_after_every_step(two_ranks: tuple) -> None:
     """x and z are the same on both ranks after every step, the inner weights are not (each worker its own data), and
     after training both ranks hold x and evaluate to the same loss."""
     _, (first, second) = two_ranks
-    for a, b in zip(first["run"]["steps"], second["run"]["steps"]):
-        assert _equal(a["outer"], b["outer"]) and _equal(a["z"], b["z"]), a["step"]
-    assert not _equal(first["run"]["steps"][1]["inner"], second["run"]["steps"][1]["inner"])
-    last = first["run"]["steps"][-1]["outer"]
-    for f in (first, second):
-        assert _equal(f["run"]["held_after_train"], last)
-    assert first["run"]["eval_loss"] == second["run"]["eval_loss"]
+    assert_ranks_agree_on_outer(first["run"], second["run"], "z")
 
 
 def test_evaluation_runs_at_x(two_ranks: tuple) -> None:
     """Every evaluation batch (after steps 3 and 6 and after training) ran with the optimizer in eval mode."""
     _, facts = two_ranks
-    for f in facts:
-        assert f["run"]["train_mode_during_eval"] and not any(f["run"]["train_mode_during_eval"])
+    assert_evaluated_in_eval_mode([f["run"] for f in facts])
 
 
 @pytest.mark.parametrize("checkpoint", ["checkpoint-2", "checkpoint-4", "checkpoint-6", "final"])
@@ -99,12 +85,10 @@ def test_every_save_holds_x(two_ranks: tuple, checkpoint: str) -> None:
     """model.safetensors of every checkpoint and of save_model() holds x of its step (at step 2 the initial weights,
     at 4 those of the outer step at 3), not the inner weights."""
     out, (first, _) = two_ranks
-    steps = {s["step"]: s for s in first["run"]["steps"]}
-    step = steps[gw.STEPS if checkpoint == "final" else int(checkpoint.split("-")[1])]
-    saved = load_file(out / "run" / checkpoint / "model.safetensors")
-    assert _equal(saved, step["outer"])
+    saved, step = saved_and_step(out, first["run"], checkpoint)
+    assert equal_dicts(saved, step["outer"])
     if checkpoint == "checkpoint-4":
-        assert not _equal(saved, step["inner"])
+        assert not equal_dicts(saved, step["inner"])
 
 
 def test_checkpoints_keep_every_worker_s_state(two_ranks: tuple) -> None:
@@ -139,10 +123,10 @@ def test_resume_is_bitwise_on_every_rank(two_ranks: tuple) -> None:
         assert [s["step"] for s in f["resumed"]["steps"]] == [5, 6]
         for resumed in f["resumed"]["steps"]:
             for key in ("inner", "outer", "z"):
-                assert _equal(resumed[key], uninterrupted[resumed["step"]][key]), (resumed["step"], key)
+                assert equal_dicts(resumed[key], uninterrupted[resumed["step"]][key]), (resumed["step"], key)
         assert f["resumed"]["eval_loss"] == f["run"]["eval_loss"]
     resumed, uninterrupted = (load_file(out / d / "final" / "model.safetensors") for d in ("resumed", "run"))
-    assert _equal(resumed, uninterrupted)
+    assert equal_dicts(resumed, uninterrupted)
 
 
 @pytest.mark.parametrize(
@@ -284,22 +268,10 @@ def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path) -> No
     GPADiLoCo state and evaluate."""
     from test_diloco_trainer import TINY_CLM
 
-    marker = r"<!-- skip-test:[^>]*test_gpa_diloco_trainer[^>]*-->\n```bash\n(.*?)\n```"
-    blocks = re.findall(marker, DOC.read_text(), re.S)
-    assert len(blocks) == 1
-    command = (
-        blocks[0]
-        .replace("\\\n", " ")
-        .replace("accelerate launch", f"accelerate launch --main_process_port {free_port()}")
-    )
-    assert "--gpa_distributed true" in command
-    for entry in ("configs", "run_clm_gpa.py"):
-        (tmp_path / entry).symlink_to(REPO / entry)
-    env = {**launch_env(REPO), **ENV, "HF_GPA_CACHE": str(tmp_path / "cache")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     tiny = TINY_CLM.replace("--diloco_inner_steps", "--gpa_sync_steps")
-    log = tmp_path / "launch.log"
-    run_logged(["bash", "-e", "-c", f"{command} {tiny}"], log, env, 600, "the documented command", tmp_path)
+    env = {**ENV, "HF_GPA_CACHE": str(tmp_path / "cache")}
+    command = run_documented_command(DOC, "test_gpa_diloco_trainer", tiny, tmp_path, **env)
+    assert "--gpa_distributed true" in command
     checkpoint = tmp_path / "outputs" / "clm-gpa-workers" / "checkpoint-3"
     assert {f"optimizer_rank{r}.pt" for r in range(4)} <= {p.name for p in checkpoint.iterdir()}
     state = torch.load(checkpoint / "optimizer_rank3.pt", weights_only=True)

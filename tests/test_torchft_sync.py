@@ -12,16 +12,16 @@ from typing import Any
 
 import pytest
 import torch
-from diloco_simulation import ADAMW_KW, OUTER_LR, OUTER_MOMENTUM, rank_rows
-from distributed_workers import build_mlp, mse
-from gpa_diloco_simulation import MU_X, MU_Y
-from gpa_diloco_simulation import OUTER_LR as GPA_OUTER_LR
+from diloco_simulation import rank_rows
+from distributed_workers import mse
+from gpa_diloco_simulation import MU_Y
+from torchft_workers import ALGORITHMS, INNER_STEPS, diloco, initial_model
 
-from hf_gpa.optim import DiLoCo, GPADiLoCo
+from hf_gpa.optim import DiLoCo
 from hf_gpa.optim.diloco import OuterSync, WorkerLayout, checkpoint
 from hf_gpa.optim.diloco.torchft_sync import OPTIMIZER_KEY, TorchftSync, replica_group_id
 
-H = 3
+H = INNER_STEPS  # the optimizers of torchft_workers (its groups' DiLoCo and GPADiLoCo), run here in one process
 
 
 class _Done:
@@ -88,29 +88,6 @@ class ScriptedManager:
         pass
 
 
-def diloco(model: torch.nn.Module, **kwargs: Any) -> DiLoCo:
-    return DiLoCo(
-        model.parameters(), outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, inner_steps=H, **ADAMW_KW, **kwargs
-    )
-
-
-def gpa(model: torch.nn.Module, **kwargs: Any) -> GPADiLoCo:
-    return GPADiLoCo(
-        model.parameters(), outer_lr=GPA_OUTER_LR, mu_x=MU_X, mu_y=MU_Y, inner_steps=H, **ADAMW_KW, **kwargs
-    )
-
-
-ALGORITHMS = {"DiLoCo": diloco, "GPADiLoCo": gpa}
-
-
-def model_of(seed: int) -> torch.nn.Module:
-    model = build_mlp(torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * seed)
-    return model
-
-
 def scripted(manager: ScriptedManager, joined: bool = True) -> TorchftSync:
     sync = TorchftSync(manager, lighthouse="http://localhost:1", replica_group="0", max_retries=2)
     sync.joined = joined
@@ -152,7 +129,7 @@ def held(model: torch.nn.Module, optimizer: Any) -> list[torch.Tensor]:
 def test_the_average_is_the_sum_of_the_groups_that_did_the_period_over_their_count(algorithm: str) -> None:
     """M = the count the groups send: the pseudo-gradients summed with the peers' and divided by 1 + their count,
     the outer step taken with it, the bytes counted for M workers."""
-    model = model_of(0)
+    model = initial_model(0)
     peers_sum = torch.full((259,), 0.25)
     manager = ScriptedManager(peers=[peers_sum, torch.tensor([2.0])])
     optimizer = ALGORITHMS[algorithm](model, sync=scripted(manager))
@@ -171,7 +148,7 @@ def test_the_average_is_the_sum_of_the_groups_that_did_the_period_over_their_cou
 def test_a_sync_whose_commit_failed_sends_the_same_pseudo_gradients_again() -> None:
     """A failed commit (a peer died in the collective) takes a new quorum and sends the same bits again: the period is
     not thrown away, and the average is the second attempt's."""
-    model = model_of(0)
+    model = initial_model(0)
     manager = ScriptedManager(peers=[torch.zeros(259), torch.tensor([1.0])], fails=(1,))
     optimizer = diloco(model, sync=scripted(manager))
     train(model, optimizer, range(H))
@@ -184,12 +161,12 @@ def test_a_sync_whose_commit_failed_sends_the_same_pseudo_gradients_again() -> N
 def test_a_group_that_healed_in_a_failed_attempt_sends_nothing_on_the_retry() -> None:
     """A group healed at an attempt whose commit then failed holds its source's inner weights: on the retry it sends
     zeros and a count of 0, so the source's pseudo-gradients are not counted twice."""
-    source = model_of(5)
+    source = initial_model(5)
     source_manager = ScriptedManager(peers=[torch.zeros(259), torch.tensor([1.0])])
     source_opt = diloco(source, sync=scripted(source_manager))
     train(source, source_opt, range(H))
     served = source_manager.served_at_quorum[0]
-    model = model_of(0)
+    model = initial_model(0)
     manager = ScriptedManager(peers=[torch.zeros(259), torch.tensor([1.0])], fails=(1,), heal_at=1, served=served)
     optimizer = diloco(model, sync=scripted(manager))
     train(model, optimizer, range(H))
@@ -200,7 +177,7 @@ def test_a_group_that_healed_in_a_failed_attempt_sends_nothing_on_the_retry() ->
 
 def test_a_sync_not_committed_within_max_retries_stops_the_run_naming_it() -> None:
     """max_retries + 1 failed commits raise a RuntimeError naming max_retries and each attempt's error."""
-    model = model_of(0)
+    model = initial_model(0)
     manager = ScriptedManager(fails=(1, 2, 3, 4))
     optimizer = diloco(model, sync=scripted(manager))
     with pytest.raises(RuntimeError, match=r"not committed in 3 attempts \(max_retries = 2\).*attempt 3"):
@@ -214,11 +191,11 @@ def test_a_sync_not_committed_within_max_retries_stops_the_run_naming_it() -> No
 def test_at_a_fresh_start_the_join_heals_from_the_first_group_and_takes_no_outer_step(algorithm: str) -> None:
     """Every group joining at once (a count of 0): the group healed from the first one holds its weights and state,
     and no outer step is taken (the broadcast at construction across processes)."""
-    first = model_of(0)
+    first = initial_model(0)
     first_opt = ALGORITHMS[algorithm](first, sync=scripted(ScriptedManager()))
     first_opt.init_state()
     served = {OPTIMIZER_KEY: checkpoint.served_state(first_opt)}
-    model = model_of(1)
+    model = initial_model(1)
     manager = ScriptedManager(peers=[torch.zeros(259), torch.zeros(1)], heal_at=1, served=served)
     optimizer = ALGORITHMS[algorithm](model, sync=scripted(manager, joined=False))
     optimizer.sync.join()
@@ -232,14 +209,14 @@ def test_a_late_group_heals_in_its_peers_sync_and_ends_it_holding_what_they_hold
     """A group that joins its peers' outer sync heals from one of them (the state served at the quorum), sends
     nothing, and takes the same outer step with the same average: it holds what its source holds, bitwise."""
     others = torch.full((259,), -0.125)
-    source = model_of(5)
+    source = initial_model(5)
     source_manager = ScriptedManager(peers=[others, torch.tensor([1.0])])
     source_opt = ALGORITHMS[algorithm](source, sync=scripted(source_manager))
     train(source, source_opt, range(2 * H))  # two outer syncs
     served = source_manager.served_at_quorum[-1]  # what it serves to a group healing at its second sync
     summed = source_manager.sent[-1][0] + others
     assert torch.equal(source_manager.sent[-1][0], pseudo_gradients(served[OPTIMIZER_KEY]))
-    model = model_of(1)
+    model = initial_model(1)
     manager = ScriptedManager(peers=[summed, torch.tensor([2.0])], heal_at=1, served=served)
     optimizer = ALGORITHMS[algorithm](model, sync=scripted(manager, joined=False))
     optimizer.sync.join()
@@ -252,7 +229,7 @@ def test_a_late_group_s_lr_schedule_goes_on_with_its_peers_after_one_scheduler_s
     """The lr scheduler registered with heal_also heals with the optimizer; the join stands for the peers'
     optimizer.step() of that sync, so one scheduler step after it puts the group where its peers are: the same lr
     and schedule position at every later step."""
-    source, others = model_of(5), torch.zeros(259)
+    source, others = initial_model(5), torch.zeros(259)
     source_manager = ScriptedManager(peers=[others, torch.tensor([1.0])])
     source_opt = diloco(source, sync=scripted(source_manager, joined=False))
     source_scheduler = torch.optim.lr_scheduler.LambdaLR(source_opt, lambda t: 1.0 / (1 + t))
@@ -262,7 +239,7 @@ def test_a_late_group_s_lr_schedule_goes_on_with_its_peers_after_one_scheduler_s
         train(source, source_opt, range(t, t + 1))
         source_scheduler.step()
     served = source_manager.served_at_quorum[-1]
-    model = model_of(1)
+    model = initial_model(1)
     manager = ScriptedManager(
         peers=[source_manager.sent[-1][0] + others, torch.tensor([2.0])], heal_at=1, served=served
     )
@@ -277,7 +254,7 @@ def test_a_late_group_s_lr_schedule_goes_on_with_its_peers_after_one_scheduler_s
 
 def test_a_sync_before_join_is_refused_saying_what_to_call() -> None:
     """The first outer sync of a group that never joined raises, naming sync.join()."""
-    model = model_of(0)
+    model = initial_model(0)
     optimizer = diloco(model, sync=scripted(ScriptedManager(), joined=False))
     with pytest.raises(RuntimeError, match=r"before join\(\)\. Call sync\.join\(\)"):
         train(model, optimizer, range(H))
@@ -289,7 +266,7 @@ def test_join_without_an_optimizer_and_heal_also_after_join_are_refused() -> Non
     sync = scripted(ScriptedManager(), joined=False)
     with pytest.raises(RuntimeError, match=r"no optimizer uses this sync yet"):
         sync.join()
-    model = model_of(0)
+    model = initial_model(0)
     optimizer = diloco(model, sync=sync)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: 1.0)
     sync.heal_also("lr_scheduler", scheduler)
@@ -303,7 +280,7 @@ def test_join_without_an_optimizer_and_heal_also_after_join_are_refused() -> Non
 def test_heal_also_serves_a_copy_and_loads_it_back() -> None:
     """What heal_also registers is served as a copy taken at the quorum (the group goes on meanwhile) and loaded with
     the object's own load_state_dict."""
-    model = model_of(0)
+    model = initial_model(0)
     manager = ScriptedManager()
     sync = scripted(manager, joined=False)
     optimizer = diloco(model, sync=sync)
@@ -324,7 +301,7 @@ def test_heal_also_serves_a_copy_and_loads_it_back() -> None:
 def test_a_heal_copies_a_live_optimizer_into_the_tensors_the_healed_one_holds(algorithm: str, dtype: torch.dtype):
     """heal_from_(b, served_state(a)): b holds a's parameters, state, group values and traffic bitwise, in the same
     tensor objects it held (references stay valid), and its next steps equal a's."""
-    a_model, b_model = model_of(3).to(dtype), model_of(0).to(dtype)
+    a_model, b_model = initial_model(3).to(dtype), initial_model(0).to(dtype)
     a, b = ALGORITHMS[algorithm](a_model), ALGORITHMS[algorithm](b_model)
     train(a_model, a, range(H + 2))
     b.init_state()
@@ -349,7 +326,7 @@ def held_objects(model: torch.nn.Module, optimizer: Any) -> list[torch.Tensor]:
 
 def test_the_served_state_is_a_copy_the_live_group_may_go_on_from() -> None:
     """served_state copies every tensor: the live group's next steps leave what it served unchanged."""
-    model = model_of(0)
+    model = initial_model(0)
     optimizer = diloco(model)
     train(model, optimizer, range(2))
     served = checkpoint.served_state(optimizer)
@@ -361,7 +338,7 @@ def test_the_served_state_is_a_copy_the_live_group_may_go_on_from() -> None:
 
 def test_a_served_state_of_another_model_is_refused_before_anything_changes() -> None:
     """A state served by a group of another model (other parameters) raises a ValueError and changes nothing."""
-    model = model_of(0)
+    model = initial_model(0)
     optimizer = diloco(model)
     other = DiLoCo(torch.nn.Linear(3, 2).parameters())
     before = [p.detach().clone() for p in model.parameters()]
@@ -389,7 +366,7 @@ def test_a_setting_the_torchft_sync_does_not_run_is_refused_by_name(algorithm, a
     refused by name with the reason, before anything is created."""
     sync = scripted(ScriptedManager())
     with pytest.raises(ValueError, match=named):
-        ALGORITHMS[algorithm](model_of(0), sync=sync, **{argument: value})
+        ALGORITHMS[algorithm](initial_model(0), sync=sync, **{argument: value})
     assert sync.optimizer is None
 
 
@@ -397,7 +374,7 @@ def test_a_ready_made_sync_with_arguments_that_agree_runs_as_the_built_one() -> 
     """DiLoCo(sync=OuterSync(WorkerLayout())) with the defaults said again runs bitwise as DiLoCo() builds it."""
     runs = []
     for sync in (None, OuterSync(WorkerLayout())):
-        model = model_of(0)
+        model = initial_model(0)
         kwargs = {} if sync is None else {"sync": sync, "num_fragments": 1, "outer_dtype": "float32"}
         optimizer = diloco(model, **kwargs)
         train(model, optimizer, range(2 * H + 1))
@@ -408,14 +385,14 @@ def test_a_ready_made_sync_with_arguments_that_agree_runs_as_the_built_one() -> 
 def test_a_sync_serves_one_optimizer() -> None:
     """A TorchftSync given to a second optimizer is refused: it serves the first one's state."""
     sync = scripted(ScriptedManager())
-    diloco(model_of(0), sync=sync)
+    diloco(initial_model(0), sync=sync)
     with pytest.raises(ValueError, match=r"serves another optimizer already"):
-        diloco(model_of(0), sync=sync)
+        diloco(initial_model(0), sync=sync)
 
 
 def test_an_optimizer_on_torchft_cannot_be_copied_or_pickled() -> None:
     """copy.deepcopy and pickle of a DiLoCo over a TorchftSync raise a TypeError saying what to save instead."""
-    optimizer = diloco(model_of(0), sync=scripted(ScriptedManager()))
+    optimizer = diloco(initial_model(0), sync=scripted(ScriptedManager()))
     for copier in (copy.deepcopy, pickle.dumps):
         with pytest.raises(TypeError, match=r"cannot be copied or pickled.*optimizer\.state_dict\(\)"):
             copier(optimizer)

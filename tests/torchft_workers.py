@@ -14,7 +14,8 @@ the lighthouse and coordinate with the test through files in OUT, never through 
 * ``<scenario>_<g>_<attempt>.pt``: what the group held (after every step, or at the end) and its syncs' records.
 
 The model and the batches are those of ``diloco_simulation`` (group g is worker g of 3); group g > 0 starts from other
-weights than group 0 (the join must replace them with group 0's, as the broadcast at construction does).
+weights than group 0 (the join must replace them with group 0's, as the broadcast at construction does). The
+optimizers (`ALGORITHMS`) and `initial_model` are those tests/test_torchft_sync.py runs in one process too.
 """
 
 from __future__ import annotations
