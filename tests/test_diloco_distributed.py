@@ -58,15 +58,16 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
 def test_an_unset_outer_lr_takes_the_across_workers_default(two_ranks: list) -> None:
     """DiLoCo across two workers takes outer lr 0.6 unless given (the pick of benchmarks.diloco_workers --regime),
     GPADiLoCo the same in its form, 0.6 (1 + 0.9) / (1 - 0.81); one worker of both processes keeps the single-worker
-    0.7 (GPADiLoCo: 7.0)."""
-    from hf_gpa.optim import outer_lr_like_diloco
+    0.7 (GPADiLoCo: 7.0): the figures `default_gpa_outer_lr` states."""
+    from hf_gpa.optim import default_gpa_outer_lr, outer_lr_like_diloco
 
+    assert default_gpa_outer_lr(2) == pytest.approx(outer_lr_like_diloco(0.6, 0.9, 0.9, 0.9), abs=1e-12)
     for facts in two_ranks:
         assert facts["default_outer_lr"] == {
             ("DiLoCo", 1): 0.7,
             ("DiLoCo", 2): 0.6,
             ("GPADiLoCo", 1): 7.0,
-            ("GPADiLoCo", 2): outer_lr_like_diloco(0.6, 0.9, 0.9, 0.9),
+            ("GPADiLoCo", 2): 6.0,
         }
 
 

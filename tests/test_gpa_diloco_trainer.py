@@ -276,6 +276,5 @@ def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path) -> No
     assert {f"optimizer_rank{r}.pt" for r in range(4)} <= {p.name for p in checkpoint.iterdir()}
     state = torch.load(checkpoint / "optimizer_rank3.pt", weights_only=True)
     assert state["param_groups"][0]["optimizer"] == "GPADiLoCo(AdamW)"
-    assert state["param_groups"][0]["diloco_layout"] == {"world_size": 4, "num_workers": 2, "num_fragments": 1,
-                                                         "worker": 1}  # fmt: skip
+    assert saved_diloco_layout(state) == {"world_size": 4, "num_workers": 2, "num_fragments": 1, "worker": 1}
     assert "eval_loss" in (tmp_path / "outputs" / "clm-gpa-workers" / "all_results.json").read_text()
