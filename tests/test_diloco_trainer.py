@@ -677,7 +677,7 @@ def test_fsdp2_islands_checkpoint_refused_on_another_layout(fsdp_islands: tuple)
 
 # ---------------------------------------------------------------- the documented command
 
-DOC = REPO / "docs" / "distributed.md"
+DOCS = [REPO / "docs" / "diloco.md", REPO / "docs" / "diloco_at_scale.md"]
 #: The README's tiny settings for the example script, and a checkpoint after the first outer step.
 TINY_CLM = (
     "--use_cpu --max_steps 4 --save_steps 3 --diloco_inner_steps 2 --streaming true --max_train_samples 32 "
@@ -691,11 +691,11 @@ TINY_CLM = (
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp", "fsdp2"])
 def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path, config: str) -> None:
-    """docs/distributed.md's accelerate launches of run_clm_gpa.py (DDP islands, and FSDP2 inside each island), as
+    """The docs' accelerate launches of run_clm_gpa.py (DDP islands, and FSDP2 inside each island), as
     written plus --use_cpu and the README's tiny settings (a streamed dataset: every process reads its own batches):
     2 workers of 2 processes train, save a checkpoint with every process's optimizer state and evaluate."""
     marker = rf"<!-- skip-test:[^>]*documented {config} command[^>]*-->\n```bash\n(.*?)\n```"
-    blocks = re.findall(marker, DOC.read_text(), re.S)
+    blocks = re.findall(marker, "".join(doc.read_text() for doc in DOCS), re.S)
     assert len(blocks) == 1
     command = (
         blocks[0]
