@@ -282,3 +282,43 @@ def test_default_runs_state_the_thread_count_of_their_figures():
         if "OMP_NUM_THREADS=1" not in match.group(1)
     ]
     assert not unstated, "\n".join(unstated)
+
+
+# ---- figures the pages state that the code decides ----
+
+#: How the pages state the unset outer lr of GPA across workers: "unset outer lr 6.0 (across workers, mu_x 0.9,
+#: mu_y 0.9)". One phrase, so that every such figure can be checked against the code.
+UNSET_OUTER_LR = re.compile(
+    r"unset outer lr (\d+(?:\.\d+)?) \((one worker|across workers), mu_x (\d+(?:\.\d+)?),\s+mu_y (\d+(?:\.\d+)?)\)"
+)
+#: Ways of stating such a figure outside the phrase ("7.0 at mu_x = mu_y = 0.9", "6.0 across workers and 7.0 for
+#: one"): any left once the phrases are taken out is a figure the test cannot check. GPA's unset outer lr is above 1
+#: at any mu_x, mu_y (at least 0.6 (1 + 0.9)); DiLoCo's own (0.6 across workers, 0.7 for one) are below.
+UNCHECKED_OUTER_LR = re.compile(
+    r"\d+(?:\.\d+)?\s+(?:at|for|with)\s+mu_x\s*=\s*mu_y|\b[1-9]\d*\.\d+\s+(?:across workers|for one\b)",
+    re.IGNORECASE,
+)
+
+
+def test_the_unset_outer_lrs_the_page_states_are_the_code_s() -> None:
+    """Every unset outer lr of GPA across workers that the README and docs/ state is
+    `hf_gpa.optim.default_gpa_outer_lr` at the stated workers, mu_x and mu_y (to the decimals stated), and none is
+    stated in another form."""
+    from hf_gpa.optim import default_gpa_outer_lr
+
+    stated, wrong, unchecked = 0, [], []
+    for page in PAGES:
+        text = re.sub(r"\s+", " ", page.read_text(encoding="utf-8"))
+        for match in UNSET_OUTER_LR.finditer(text):
+            figure, workers, mu_x, mu_y = match.groups()
+            expected = default_gpa_outer_lr(1 if workers == "one worker" else None, float(mu_x), float(mu_y))
+            decimals = len(figure.partition(".")[2])
+            stated += 1
+            if round(expected, decimals) != float(figure):
+                wrong.append(f"{page.relative_to(REPO)}: {match.group(0)!r}, the code gives {expected:.6g}")
+        unchecked += [
+            f"{page.relative_to(REPO)}: {m.group(0)!r}" for m in UNCHECKED_OUTER_LR.finditer(UNSET_OUTER_LR.sub("", text))
+        ]
+    assert stated >= 3, "the pages state the unset outer lr in the checked phrase (one worker and across workers)"
+    assert not wrong, "\n".join(wrong)
+    assert not unchecked, "state these as 'unset outer lr X (across workers, mu_x A, mu_y B)':\n" + "\n".join(unchecked)
