@@ -316,9 +316,9 @@ def test_the_unset_outer_lrs_the_page_states_are_the_code_s() -> None:
             stated += 1
             if round(expected, decimals) != float(figure):
                 wrong.append(f"{page.relative_to(REPO)}: {match.group(0)!r}, the code gives {expected:.6g}")
-        unchecked += [
-            f"{page.relative_to(REPO)}: {m.group(0)!r}" for m in UNCHECKED_OUTER_LR.finditer(UNSET_OUTER_LR.sub("", text))
-        ]
+        rest = UNSET_OUTER_LR.sub("", text)
+        unchecked += [f"{page.relative_to(REPO)}: {m.group(0)!r}" for m in UNCHECKED_OUTER_LR.finditer(rest)]
     assert stated >= 3, "the pages state the unset outer lr in the checked phrase (one worker and across workers)"
     assert not wrong, "\n".join(wrong)
-    assert not unchecked, "state these as 'unset outer lr X (across workers, mu_x A, mu_y B)':\n" + "\n".join(unchecked)
+    phrase = "unset outer lr X (across workers, mu_x A, mu_y B)"
+    assert not unchecked, f"state these as {phrase!r}:\n" + "\n".join(unchecked)
