@@ -348,3 +348,38 @@ def test_blocks_run_without_warnings(page: str, line: str, tmp_path: Path, monke
         exec(compile(found[0].code, f"<{found[0].where()}>", "exec"), {"__name__": "__main__"})
     shown = [f"{w.category.__name__}: {w.message}" for w in caught if "CPU kernel" not in str(w.message)]
     assert not shown, f"{found[0].where()} warns:\n" + "\n".join(shown)
+
+
+# ---- pages a reader can take in ----
+
+README_MAX_LINES = 130
+PAGE_MAX_LINES = 350
+CELL_MAX_CHARS = 250
+
+
+def table_cells(page: Path) -> list[tuple[int, str]]:
+    """(line, text) of every cell of the page's Markdown tables, outside code blocks."""
+    cells, in_code = [], False
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("|"):
+            cells += [(number, cell.strip()) for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+    return cells
+
+
+def test_the_readme_is_a_landing_page() -> None:
+    """The README stays short (at most `README_MAX_LINES` lines) and its tables hold one short line per cell (at most
+    `CELL_MAX_CHARS` characters): the evidence lives in docs/."""
+    readme = REPO / "README.md"
+    lines = len(readme.read_text(encoding="utf-8").splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES})"
+    number, longest = max(table_cells(readme), key=lambda cell: len(cell[1]), default=(0, ""))
+    assert len(longest) <= CELL_MAX_CHARS, f"README.md line {number}: a cell of {len(longest)} characters: {longest}"
+
+
+@pytest.mark.parametrize("page", PAGES[1:], ids=[str(page.relative_to(REPO)) for page in PAGES[1:]])
+def test_every_docs_page_is_at_most_350_lines(page: Path) -> None:
+    """A docs/ page a reader picks by situation is at most `PAGE_MAX_LINES` lines; a longer one is split by topic."""
+    lines = len(page.read_text(encoding="utf-8").splitlines())
+    assert lines <= PAGE_MAX_LINES, f"{page.relative_to(REPO)} has {lines} lines (at most {PAGE_MAX_LINES})"
