@@ -9,8 +9,8 @@ inner step each rank of an island takes the gradient of its own rows of the glob
     p = (sum_m (y - w_m)) / M        (in the fixed order m = 0, 1, ...)
     z <- z - outer_lr p,   x <- mu_x x + (1 - mu_x) z,   y <- mu_y x + (1 - mu_y) z,   w_m <- y
 
-Written from the equations of docs/distributed.md with nothing of hf_gpa; the loop (the model, batches, fragments, the
-AdamW settings, a compressed or overlapped sync) is ``diloco_simulation``'s, with this outer step.
+Written from the equations of docs/gpa_across_workers.md, nothing of hf_gpa; the loop (the model, batches,
+fragments, the AdamW settings, a compressed or overlapped sync) is ``diloco_simulation``'s, with this outer step.
 """
 
 from __future__ import annotations

@@ -105,15 +105,17 @@ def accelerate_launch(
     return [torch.load(out / f"{scenario}_rank{r}.pt", weights_only=False) for r in range(num_processes)]
 
 
-def run_documented_command(doc: Path, marker: str, args: str, cwd: Path, **env: str) -> str:
-    """The one ``bash`` block of ``doc`` that follows a ``<!-- skip-test: ... -->`` comment ``marker`` matches,
-    with a free port for its ``accelerate launch`` and ``args`` appended, run in ``cwd`` (the repository's configs/
-    and run_clm_gpa.py linked into it; this Python's scripts first on PATH), with ``env`` over `launch_env`'s;
-    the command as it ran. Its failure, or a hang past 600 s, fails the test with the end of the log."""
+def run_documented_command(docs: Path | list[Path], marker: str, args: str, cwd: Path, **env: str) -> str:
+    """The one ``bash`` block of ``docs`` (a page, or several read as one) that follows a ``<!-- skip-test: ...
+    -->`` comment ``marker`` matches, with a free port for its ``accelerate launch`` and ``args`` appended, run in
+    ``cwd`` (the repository's configs/ and run_clm_gpa.py linked into it; this Python's scripts first on PATH), with
+    ``env`` over `launch_env`'s; the command as it ran. Its failure, or a hang past 600 s, fails the test with the end
+    of the log."""
     import re
     import sys
 
-    blocks = re.findall(rf"<!-- skip-test:[^>]*{marker}[^>]*-->\n```bash\n(.*?)\n```", doc.read_text(), re.S)
+    text = "".join(doc.read_text() for doc in (docs if isinstance(docs, list) else [docs]))
+    blocks = re.findall(rf"<!-- skip-test:[^>]*{marker}[^>]*-->\n```bash\n(.*?)\n```", text, re.S)
     assert len(blocks) == 1, blocks
     port = f"accelerate launch --main_process_port {free_port()}"
     command = blocks[0].replace("\\\n", " ").replace("accelerate launch", port)

@@ -315,19 +315,20 @@ def test_a_rank_that_fails_before_the_outer_step_makes_the_others_fail(tmp_path:
 
 # ---------------------------------------------------------------- the documented loop
 
-DOC = REPO / "docs" / "distributed.md"
+DOCS = [REPO / "docs" / "diloco.md", REPO / "docs" / "diloco_at_scale.md"]
 
 
 def documented_block(marker: str) -> str:
-    """The one Python block of docs/distributed.md whose skip-test marker contains ``marker``."""
-    blocks = re.findall(r"<!-- skip-test:([^>]*)-->\n```python\n(.*?)\n```", DOC.read_text(), re.S)
+    """The one Python block of docs/diloco.md and docs/diloco_at_scale.md whose skip-test marker holds ``marker``."""
+    text = "".join(doc.read_text() for doc in DOCS)
+    blocks = re.findall(r"<!-- skip-test:([^>]*)-->\n```python\n(.*?)\n```", text, re.S)
     found = [code for note, code in blocks if marker in note]
     assert len(found) == 1, (marker, len(found))
     return found[0]
 
 
 def test_the_documented_loop_runs_on_four_processes(tmp_path: Path) -> None:
-    """docs/distributed.md's DiLoCo loop, as written, under ``torchrun --nproc_per_node 4`` (2 islands of 2)."""
+    """docs/diloco.md's DiLoCo loop, as written, under ``torchrun --nproc_per_node 4`` (2 islands of 2)."""
     script = tmp_path / "diloco_loop.py"
     script.write_text(documented_block("test_diloco_distributed.py runs this block") + "\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)]
@@ -538,7 +539,7 @@ def test_a_mesh_that_is_not_the_island_is_refused_by_name(fsdp_islands: list, wh
 
 
 def test_the_documented_fsdp2_loop_runs_on_four_processes(tmp_path: Path) -> None:
-    """docs/distributed.md's FSDP2-inside-each-island loop, as written, under ``torchrun --nproc_per_node 4`` (2
+    """docs/diloco_at_scale.md's FSDP2-inside-each-island loop, as written, under ``torchrun --nproc_per_node 4`` (2
     islands of 2): it trains and rank 0 saves the gathered outer weights."""
     script = tmp_path / "fsdp2_loop.py"
     script.write_text(documented_block("test_the_documented_fsdp2_loop_runs_on_four_processes") + "\n")

@@ -659,7 +659,7 @@ def test_fsdp2_islands_checkpoint_refused_on_another_layout(fsdp_islands: tuple)
 
 # ---------------------------------------------------------------- the documented command
 
-DOC = REPO / "docs" / "distributed.md"
+DOCS = [REPO / "docs" / "diloco.md", REPO / "docs" / "diloco_at_scale.md"]
 #: The README's tiny settings for the example script, and a checkpoint after the first outer step.
 TINY_CLM = (
     "--use_cpu --max_steps 4 --save_steps 3 --diloco_inner_steps 2 --streaming true --max_train_samples 32 "
@@ -673,11 +673,11 @@ TINY_CLM = (
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp", "fsdp2"])
 def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path, config: str) -> None:
-    """docs/distributed.md's accelerate launches of run_clm_gpa.py (DDP islands, and FSDP2 inside each island), as
+    """The docs' accelerate launches of run_clm_gpa.py (DDP islands, and FSDP2 inside each island), as
     written plus --use_cpu and the README's tiny settings (a streamed dataset: every process reads its own batches):
     2 workers of 2 processes train, save a checkpoint with every process's optimizer state and evaluate."""
     env = {"HF_GPA_DISABLE_CPU_KERNEL": "1", "HF_GPA_CACHE": str(tmp_path / "cache")}
-    run_documented_command(DOC, f"documented {config} command", TINY_CLM, tmp_path, **env)
+    run_documented_command(DOCS, f"documented {config} command", TINY_CLM, tmp_path, **env)
     output = tmp_path / "outputs" / ("clm-diloco" if config == "ddp" else "clm-diloco-fsdp2")
     checkpoint = output / "checkpoint-3"
     assert {f"optimizer_rank{r}.pt" for r in range(4)} <= {p.name for p in checkpoint.iterdir()}

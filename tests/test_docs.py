@@ -26,6 +26,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest.mock import patch
@@ -282,3 +283,103 @@ def test_default_runs_state_the_thread_count_of_their_figures():
         if "OMP_NUM_THREADS=1" not in match.group(1)
     ]
     assert not unstated, "\n".join(unstated)
+
+
+# ---- figures the pages state that the code decides ----
+
+#: How the pages state the unset outer lr of GPA across workers: "unset outer lr 6.0 (across workers, mu_x 0.9,
+#: mu_y 0.9)". One phrase, so that every such figure can be checked against the code.
+UNSET_OUTER_LR = re.compile(
+    r"unset outer lr (\d+(?:\.\d+)?) \((one worker|across workers), mu_x (\d+(?:\.\d+)?),\s+mu_y (\d+(?:\.\d+)?)\)"
+)
+#: Ways of stating such a figure outside the phrase ("7.0 at mu_x = mu_y = 0.9", "6.0 across workers and 7.0 for
+#: one"): any left once the phrases are taken out is a figure the test cannot check. GPA's unset outer lr is above 1
+#: at any mu_x, mu_y (at least 0.6 (1 + 0.9)); DiLoCo's own (0.6 across workers, 0.7 for one) are below.
+UNCHECKED_OUTER_LR = re.compile(
+    r"\d+(?:\.\d+)?\s+(?:at|for|with)\s+mu_x\s*=\s*mu_y|\b[1-9]\d*\.\d+\s+(?:across workers|for one\b)",
+    re.IGNORECASE,
+)
+
+
+def test_the_unset_outer_lrs_the_page_states_are_the_code_s() -> None:
+    """Every unset outer lr of GPA across workers that the README and docs/ state is
+    `hf_gpa.optim.default_gpa_outer_lr` at the stated workers, mu_x and mu_y (to the decimals stated), and none is
+    stated in another form."""
+    from hf_gpa.optim import default_gpa_outer_lr
+
+    stated, wrong, unchecked = 0, [], []
+    for page in PAGES:
+        text = re.sub(r"\s+", " ", page.read_text(encoding="utf-8"))
+        for match in UNSET_OUTER_LR.finditer(text):
+            figure, workers, mu_x, mu_y = match.groups()
+            expected = default_gpa_outer_lr(1 if workers == "one worker" else None, float(mu_x), float(mu_y))
+            decimals = len(figure.partition(".")[2])
+            stated += 1
+            if round(expected, decimals) != float(figure):
+                wrong.append(f"{page.relative_to(REPO)}: {match.group(0)!r}, the code gives {expected:.6g}")
+        rest = UNSET_OUTER_LR.sub("", text)
+        unchecked += [f"{page.relative_to(REPO)}: {m.group(0)!r}" for m in UNCHECKED_OUTER_LR.finditer(rest)]
+    assert stated >= 3, "the pages state the unset outer lr in the checked phrase (one worker and across workers)"
+    assert not wrong, "\n".join(wrong)
+    phrase = "unset outer lr X (across workers, mu_x A, mu_y B)"
+    assert not unchecked, f"state these as {phrase!r}:\n" + "\n".join(unchecked)
+
+
+#: Blocks that once warned, each found by its page and a line of its code: the step inside backward with an LR
+#: scheduler (torch warned "lr_scheduler.step() before optimizer.step()", as the steps ran in backward hooks it does
+#: not see) and the Trainer example (torch warned that pin_memory was set without an accelerator).
+QUIET_BLOCKS = [
+    ("docs/memory.md", "hooks = step_in_backward(optimizer)"),
+    ("docs/trainer.md", "trainer = GPATrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4])"),
+]
+
+
+@pytest.mark.parametrize("page, line", QUIET_BLOCKS, ids=[page for page, _ in QUIET_BLOCKS])
+def test_blocks_run_without_warnings(page: str, line: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """These blocks run without a warning (hf_gpa's notice that its C++ kernel is turned off aside): a reader who
+    copies them sees none."""
+    found = [block for block in read_blocks(REPO / page) if block.lang in PYTHON_LANGS and line in block.code]
+    assert len(found) == 1, f"{page}: {len(found)} Python blocks hold {line!r}"
+    monkeypatch.chdir(tmp_path)
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(found[0].code, f"<{found[0].where()}>", "exec"), {"__name__": "__main__"})
+    shown = [f"{w.category.__name__}: {w.message}" for w in caught if "CPU kernel" not in str(w.message)]
+    assert not shown, f"{found[0].where()} warns:\n" + "\n".join(shown)
+
+
+# ---- pages a reader can take in ----
+
+README_MAX_LINES = 130
+PAGE_MAX_LINES = 350
+CELL_MAX_CHARS = 250
+
+
+def table_cells(page: Path) -> list[tuple[int, str]]:
+    """(line, text) of every cell of the page's Markdown tables, outside code blocks."""
+    cells, in_code = [], False
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("|"):
+            cells += [(number, cell.strip()) for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+    return cells
+
+
+def test_the_readme_is_a_landing_page() -> None:
+    """The README stays short (at most `README_MAX_LINES` lines) and its tables hold one short line per cell (at most
+    `CELL_MAX_CHARS` characters): the evidence lives in docs/."""
+    readme = REPO / "README.md"
+    lines = len(readme.read_text(encoding="utf-8").splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines (at most {README_MAX_LINES})"
+    number, longest = max(table_cells(readme), key=lambda cell: len(cell[1]), default=(0, ""))
+    assert len(longest) <= CELL_MAX_CHARS, f"README.md line {number}: a cell of {len(longest)} characters: {longest}"
+
+
+@pytest.mark.parametrize("page", PAGES[1:], ids=[str(page.relative_to(REPO)) for page in PAGES[1:]])
+def test_every_docs_page_is_at_most_350_lines(page: Path) -> None:
+    """A docs/ page a reader picks by situation is at most `PAGE_MAX_LINES` lines; a longer one is split by topic."""
+    lines = len(page.read_text(encoding="utf-8").splitlines())
+    assert lines <= PAGE_MAX_LINES, f"{page.relative_to(REPO)} has {lines} lines (at most {PAGE_MAX_LINES})"

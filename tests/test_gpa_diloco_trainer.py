@@ -258,12 +258,12 @@ def _run_each(
 
 # ---------------------------------------------------------------- the documented command
 
-DOC = REPO / "docs" / "distributed.md"
+DOC = REPO / "docs" / "gpa_across_workers.md"
 
 
 @pytest.mark.slow
 def test_the_documented_command_runs_on_four_cpu_processes(tmp_path: Path) -> None:
-    """docs/distributed.md's accelerate launch of run_clm_gpa.py with --gpa_distributed, as written plus --use_cpu and
+    """The GPA page's accelerate launch of run_clm_gpa.py with --gpa_distributed, as written plus --use_cpu and
     the README's tiny settings (H = 2): 2 workers of 2 processes train, save a checkpoint with every process's
     GPADiLoCo state and evaluate."""
     from test_diloco_trainer import TINY_CLM
