@@ -5,7 +5,7 @@ Why this file exists: docs/examples.md quotes figures from these runs (``eval_lo
 and a figure quoted in the docs must come from a record, not from a terminal someone once looked at.
 ``tests/test_example_figures.py`` checks that every figure docs/examples.md quotes is this record's rounding.
 
-    OMP_NUM_THREADS=1 nice python -m benchmarks.example_runs            # both scripts, ~5-10 min on a loaded 2-core CPU
+    OMP_NUM_THREADS=1 nice python -m benchmarks.example_runs   # both scripts, ~5-10 min on a loaded 2-core CPU
     OMP_NUM_THREADS=1 nice python -m benchmarks.example_runs --scripts run_clm_gpa.py
 
 Each script runs as its own process, exactly as the docs' command (``--output_dir`` in a fresh temporary folder;
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     runs = [run_script(script) for script in args.scripts]
     data = {"environment": environment(num_threads=1), "cpu_count": os.cpu_count(), "runs": runs}
-    table = markdown_table(["script", "wall time", "CPU time", "training loss", "final evaluation"], [_row(r) for r in runs])
+    table = markdown_table(
+        ["script", "wall time", "CPU time", "training loss", "final evaluation"], [_row(r) for r in runs]
+    )
     text = f"# The example scripts' default runs\n\n{table}\n\nMeasured on: {data['environment']}\n"
     write_outputs(args.out_dir, "example_runs", data, text)
     print(text)
