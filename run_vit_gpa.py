@@ -83,6 +83,7 @@ try:  # the examples extra; without it, stop here with the pip command that inst
         HubArguments,
         checkpoint_to_resume,
         parse_with_defaults,
+        results_of_finished_run,
         run_main,
         setup_logging,
         size_in_parameters,
@@ -523,6 +524,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     model_args, data_args, training_args = parse_args(argv)
 
     setup_logging(training_args, logger)
+    previous = results_of_finished_run(training_args, logger)
+    if previous is not None:
+        return previous  # the same command ran to its end before: nothing to train, nothing to write
     checkpoint = checkpoint_to_resume(training_args, logger)
     trainer = build_trainer(model_args, data_args, training_args)
 

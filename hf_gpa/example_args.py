@@ -42,6 +42,8 @@ __all__ = [
     "parse_with_defaults",
     "setup_logging",
     "checkpoint_to_resume",
+    "finished_run",
+    "results_of_finished_run",
     "end_process_group",
     "GPA_COUPLED_FLAGS",
     "GPA_RECIPE_DEFAULTS",
@@ -407,6 +409,57 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
             "the `--output_dir` or remove its checkpoint-* folders."
         )
     return checkpoint
+
+
+def finished_run(training_args: TrainingArguments) -> str | None:
+    """Why ``--output_dir`` already holds this training run, finished; None when there is training to do.
+
+    The same command run again must not train again: resuming from a run's last checkpoint at step ``--max_steps``
+    would take one more step and write over the final model and metrics. A run is finished when the newest
+    ``checkpoint-N`` in ``--output_dir`` (else the final ``trainer_state.json`` that the scripts write after training)
+    reached the requested ``--max_steps`` (with ``--num_train_epochs``: the steps and epochs it planned, and as many
+    epochs as requested). An explicit ``--resume_from_checkpoint`` and a run without ``--do_train`` are left alone.
+    """
+    output_dir = training_args.output_dir
+    if not training_args.do_train or training_args.resume_from_checkpoint or not os.path.isdir(output_dir):
+        return None
+    last = get_last_checkpoint(output_dir)
+    source = os.path.join(last or output_dir, "trainer_state.json")
+    try:
+        with open(source, encoding="utf-8") as f:
+            state = json.load(f)
+        step = int(state["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if training_args.max_steps > 0:
+        done = step >= training_args.max_steps
+        target = f"--max_steps {training_args.max_steps}"
+    else:
+        epochs = state.get("num_train_epochs") or 0
+        done = step >= int(state.get("max_steps") or 0) > 0 and epochs >= training_args.num_train_epochs
+        target = f"--num_train_epochs {training_args.num_train_epochs:g}"
+    if not done:
+        return None
+    return (
+        f"finished: {output_dir} holds a run that reached step {step} ({source}), the end of {target}; nothing to "
+        "do. To train again, pass another --output_dir (or remove this one); to continue this run, a larger "
+        f"{target.split()[0]} (it resumes from the newest checkpoint-N)."
+    )
+
+
+def results_of_finished_run(training_args: TrainingArguments, logger: logging.Logger) -> dict[str, float] | None:
+    """Where ``--output_dir`` holds this run finished (`finished_run`): say so and return the metrics it wrote to
+    ``all_results.json`` (empty where it wrote none), so that the script ends without training or writing anything;
+    None when there is training to do."""
+    finished = finished_run(training_args)
+    if finished is None:
+        return None
+    logger.warning(finished)
+    try:
+        with open(os.path.join(training_args.output_dir, "all_results.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def run_main(main: Callable[[], object]) -> None:

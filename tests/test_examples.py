@@ -300,6 +300,36 @@ def test_clm_save_steps_writes_checkpoints_that_resume(tmp_path: Path, run_clm: 
     assert resumed["eval_loss"] == uninterrupted["eval_loss"]
 
 
+def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``folder``: its modification time and contents."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--save_steps", "2"], ["--save_steps", "2", "--streaming", "true"], ["--optim", "adamw_torch"]],
+    ids=["checkpoints", "streaming", "adamw-no-checkpoints"],
+)
+def test_clm_the_same_command_again_does_not_train_again(
+    flags: list[str], tmp_path: Path, run_clm: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A finished run's command run again (its newest checkpoint, or without checkpoints its final trainer state, at
+    --max_steps) says the run is finished and ends without training or writing anything: no checkpoint-5, no file
+    rewritten; it returns the metrics the run wrote."""
+    output_dir = tmp_path / "out"
+    argv = ["--output_dir", str(output_dir), "--max_train_samples", "32", *_as_argv(TINY_CLM), *flags]
+    with patch.object(run_clm, "load_stdlib_texts", _first_stdlib_texts):
+        first = _run_main(run_clm, argv)
+        before = _snapshot(output_dir)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            again = _run_main(run_clm, argv)
+    assert _snapshot(output_dir) == before
+    assert again == _results(output_dir) and again["eval_loss"] == first["eval_loss"]
+    (message,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("finished: ")]
+    assert "nothing to do" in message and "--output_dir" in message and "--max_steps 4" in message
+
+
 # --- run_vit_gpa.py --------------------------------------------------------------------------------------------------
 
 TINY_VIT: dict[str, object] = {
