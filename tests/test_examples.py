@@ -302,7 +302,9 @@ def test_clm_save_steps_writes_checkpoints_that_resume(tmp_path: Path, run_clm: 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
     """Every file under ``folder``: its modification time and contents."""
-    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()
+    }
 
 
 @pytest.mark.parametrize(
