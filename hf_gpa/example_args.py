@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import inspect
 import json
 import logging
@@ -249,6 +250,10 @@ def parse_with_defaults(
                 given_dict.get("optim"),
                 given_switches(given_dict),
             )
+            known = option_strings(parser)
+            unknown = [f"--{key}" for key in given_dict if f"--{key}" not in known]
+            if unknown:
+                raise RefusedArgument(unknown_flags_message(parser, unknown))
             return parser.parse_dict({**defaults, **given_dict})
         if "-h" in argv or "--help" in argv:
             show_script_defaults(parser, recipe, embedded, data_source_flags)
@@ -267,7 +272,30 @@ def parse_with_defaults(
         prefix: list[str] = []
         for name, value in defaults.items():
             prefix += [f"--{name}", str(value)]
-        return parser.parse_args_into_dataclasses(args=prefix + argv)
+        *parsed, remaining = parser.parse_args_into_dataclasses(args=prefix + argv, return_remaining_strings=True)
+        if remaining:
+            raise RefusedArgument(unknown_flags_message(parser, remaining))
+        return tuple(parsed)
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string ``parser`` takes (``--gpa_mu_x``, ``--gpa-mu-x``, ``-h``, ...)."""
+    return [option for action in parser._actions for option in action.option_strings]  # argparse: no public list
+
+
+def unknown_flags_message(parser: argparse.ArgumentParser, remaining: Sequence[str]) -> str:
+    """``unknown flag --gpa_mu_xx; did you mean --gpa_mu_x?`` for each flag of ``remaining`` (the strings the parse
+    left over) that ``parser`` does not take, with the nearest of its flags where one is near; a left-over value
+    that follows no flag is named as argparse names it."""
+    known = option_strings(parser)
+    parts = []
+    for item in remaining:
+        if not item.startswith("-"):
+            continue
+        flag = item.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=1)
+        parts.append(f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else " (see --help)"))
+    return "; ".join(parts) or f"unrecognized arguments: {' '.join(remaining)}"
 
 
 @contextlib.contextmanager

@@ -236,12 +236,12 @@ def test_do_flags_in_a_json_file(script: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("script", "argv", "message"),
     [
-        ("run_clm_gpa", ["--not_a_flag", "1"], "not used by the HfArgumentParser"),
+        ("run_clm_gpa", ["--not_a_flag", "1"], "unknown flag --not_a_flag"),
         ("run_clm_gpa", ["--train_file", "data.parquet"], "csv, a json or a txt file"),
         ("run_clm_gpa", ["--gpa_mu_x", "1.5"], "gpa_mu_x"),
         ("run_clm_gpa", ["--validation_split_percentage", "0"], "validation_split_percentage"),
         ("run_clm_gpa", ["--model_type", "vit"], "causal-LM model type"),
-        ("run_vit_gpa", ["--not_a_flag", "1"], "not used by the HfArgumentParser"),
+        ("run_vit_gpa", ["--not_a_flag", "1"], "unknown flag --not_a_flag"),
         ("run_vit_gpa", ["--train_dir", "/nonexistent/images"], "not a directory"),
         ("run_vit_gpa", ["--min_crop_scale", "0"], "min_crop_scale"),
         ("run_vit_gpa", ["--gpa_mu_y", "0"], "gpa_mu_y"),
@@ -550,6 +550,27 @@ def test_a_refused_flag_ends_the_program_as_argparse_does(
     else:
         assert err == ""
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_a_mistyped_flag_gets_the_nearest_flag(
+    script: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mistyped flag ends the program with "unknown flag --gpa_mu_xx; did you mean --gpa_mu_x?", exit status 2, no
+    traceback, before any work; so does the same key in a JSON file of arguments."""
+    import runpy
+
+    monkeypatch.delenv("RANK", raising=False)
+    json_args = tmp_path / "args.json"
+    json_args.write_text(json.dumps({"output_dir": str(tmp_path / "out"), "gpa_mu_xx": 0.99}))
+    for argv in (["--output_dir", str(tmp_path / "out"), "--gpa_mu_xx", "0.99"], [str(json_args)]):
+        with patch.object(sys, "argv", [f"{script}.py", *argv]), pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(REPO / f"{script}.py"), run_name="__main__")
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{script}.py: error: unknown flag --gpa_mu_xx; did you mean --gpa_mu_x?" in err
+        assert "Traceback" not in err and "HfArgumentParser" not in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_checkpoint_that_cannot_continue_is_a_refused_argument(tmp_path: Path) -> None:
