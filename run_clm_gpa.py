@@ -617,9 +617,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         kwargs["dataset"] = "Python standard library source (hf_gpa.data)"
 
     if training_args.push_to_hub:
-        trainer.push_to_hub(**kwargs)
+        trainer.push_to_hub(results=all_metrics, **kwargs)
     else:
-        trainer.create_model_card(**kwargs)
+        trainer.create_model_card(results=all_metrics, **kwargs)
     return all_metrics
 
 
