@@ -524,7 +524,8 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
         super().create_model_card(*args, **kwargs)
         path = os.path.join(self.args.output_dir, "README.md")
         if self.is_world_process_zero() and os.path.isfile(path):
-            evaluated = evaluation_results(results, self.state.log_history)
+            log_history = getattr(getattr(self, "state", None), "log_history", [])
+            evaluated = evaluation_results(results, log_history)
             complete_model_card(
                 path,
                 section,
