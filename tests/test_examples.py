@@ -332,6 +332,19 @@ def test_clm_the_same_command_again_does_not_train_again(
     assert "nothing to do" in message and "--output_dir" in message and "--max_steps 4" in message
 
 
+def test_clm_a_run_shorter_than_one_outer_period_is_warned_at_the_start(
+    tmp_path: Path, run_clm: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DiLoCo with H = 32 for 2 steps (the docs' DiLoCo command at test sizes): one warning at the start of training
+    says that no outer step will happen before the end."""
+    argv = ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "16", *_as_argv(TINY_CLM)]
+    argv += ["--max_steps", "2", "--optim", "diloco_adamw", "--diloco_inner_steps", "32", "--do_eval", "false"]
+    with patch.object(run_clm, "load_stdlib_texts", _first_stdlib_texts), caplog.at_level("WARNING"):
+        _run_main(run_clm, argv)
+    (warning,) = [r.getMessage() for r in caplog.records if "fewer than one outer period" in r.getMessage()]
+    assert "2 steps" in warning and "H = 32" in warning and "no outer step" in warning
+
+
 # --- run_vit_gpa.py --------------------------------------------------------------------------------------------------
 
 TINY_VIT: dict[str, object] = {
