@@ -74,6 +74,11 @@ GPA_RECIPE_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 1.0,
 }
 
+#: Defaults of both scripts beyond the recipe. DDP without unused parameters: transformers asks DDP to look for them
+#: in every step of a model without activation checkpointing, and DDP warns on every process that it found none (the
+#: scripts' models use every parameter; a model that does not needs ``--ddp_find_unused_parameters true``).
+RUN_DEFAULTS: dict[str, Any] = {"ddp_find_unused_parameters": False}
+
 #: Defaults of both scripts that are left out when the user gives any of the flags they are coupled to: Schedule-Free
 #: averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given --gpa_mu_x; GPA
 #: across the processes (--gpa_distributed) refuses --gpa_inner_steps, whose per-step mu_x it has no use for.
@@ -237,7 +242,7 @@ def parse_with_defaults(
     """
     with _as_refused_argument():
         parser = HfArgumentParser(dataclass_types, usage=USAGE)
-        recipe = {**device_defaults(), **recipe}
+        recipe = {**RUN_DEFAULTS, **device_defaults(), **recipe}
         argv = list(sys.argv[1:] if argv is None else argv)
         if len(argv) == 1 and argv[0].endswith(".json"):
             given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())

@@ -254,6 +254,16 @@ def test_bad_flags_fail_clearly(script: str, argv: list[str], message: str) -> N
         _load_script(script).parse_args(["--output_dir", "unused", *argv])
 
 
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_ddp_does_not_look_for_unused_parameters_unless_asked(script: str) -> None:
+    """Under DDP the scripts do not ask DDP to look for unused parameters (transformers' default for a model without
+    activation checkpointing, which makes DDP warn on every process that it found none); the flag still wins."""
+    module = _load_script(script)
+    assert module.parse_args(["--output_dir", "unused"])[2].ddp_find_unused_parameters is False
+    given = module.parse_args(["--output_dir", "unused", "--ddp_find_unused_parameters", "true"])
+    assert given[2].ddp_find_unused_parameters is True
+
+
 def _final_output_folder(path: Path) -> Path:
     """What a finished run leaves in --output_dir: the model, its config and the trainer state, no optimizer."""
     path.mkdir(parents=True)
