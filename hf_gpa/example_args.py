@@ -84,8 +84,17 @@ RUN_DEFAULTS: dict[str, Any] = {"ddp_find_unused_parameters": False}
 #: across the processes (--gpa_distributed) refuses --gpa_inner_steps, whose per-step mu_x it has no use for.
 GPA_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {"gpa_inner_steps": ("gpa_mu_x", "gpa_averaging", "gpa_distributed")}
 
-#: The --help usage line: the full list of flags is the rest of --help.
-USAGE = "%(prog)s [-h] [--FLAG VALUE ...] | %(prog)s ARGS.json"
+#: The --help usage line (also printed above a refused argument): the GPA flags, then the rest, listed by --help.
+USAGE = (
+    "%(prog)s [-h] [--optim gpa_adamw] [--gpa_mu_x MU_X | --gpa_inner_steps H]\n"
+    "       [--gpa_mu_y MU_Y] [--gpa_averaging {gpa,schedule_free}] [--output_dir DIR]\n"
+    "       [any model, data or TrainingArguments flag ...]\n"
+    "   or: %(prog)s ARGS.json"
+)
+
+#: A flag whose choices take more than this many characters shows a short metavar and lists them, wrapped, in its
+#: help text (argparse puts them all on the flag's line: --optim's 46 names made a line of 900 characters).
+_CHOICES_WIDTH = 40
 
 
 #: Seconds the other processes of a launch wait, after refusing an argument, before they exit (`run_main`).
@@ -321,30 +330,57 @@ def show_script_defaults(
     embedded: Mapping[str, Any],
     data_source_flags: Sequence[str],
 ) -> None:
-    """Make ``parser``'s --help show the defaults the script applies rather than the dataclasses' own, and the GPA
-    flags first.
+    """Make ``parser``'s --help readable and true: the GPA flags first (`_gpa_flags_first`), each flag under its
+    underscore name alone (the dashed one is said once), long choices wrapped in the help text, and the defaults the
+    script applies rather than the dataclasses' own.
 
-    A recipe default replaces the shown default; an embedded-data default is shown beside the one that holds when a
-    dataset is named. A default that the chosen ``--optim`` ignores is still shown: it applies with the script's
-    default ``--optim``.
+    A recipe default replaces the shown default; an embedded-data default too, with the default that holds when a
+    dataset is named beside it where the two differ; an unset ``--output_dir`` shows the folder transformers writes
+    to. A default that the chosen ``--optim`` ignores is still shown: it applies with the script's default ``--optim``.
     """
     _gpa_flags_first(parser)
     data_flags = "/".join(f"--{flag}" for flag in data_source_flags)
-    do_flags = {"do_train", "do_eval"}
     for action in parser._actions:  # argparse has no public iterator over its actions
+        _shorten(action)
         dest = action.dest
         if dest in recipe:
             action.default = recipe[dest]
+        elif dest in embedded and str(embedded[dest]) == str(action.default):
+            pass  # the same default with or without a dataset
         elif dest in embedded:
             # "%(default)s" in the help text keeps argparse from appending its own "(default: ...)".
-            action.help = (
-                f"{action.help or ''} (default: {embedded[dest]} without {data_flags}; %(default)s with one of them)"
-            ).strip()
-        elif dest in do_flags and action.option_strings and action.option_strings[0].startswith("--do"):
+            action.help = f"{action.help or ''} (default: {embedded[dest]}; %(default)s with {data_flags})".strip()
+            continue
+        elif dest == "output_dir" and action.default is None:
+            action.default = _unset_output_dir()
+        elif dest in ("do_train", "do_eval") and action.option_strings[0].startswith("--do"):
             action.help = (
                 f"{action.help or ''} (default: true unless a --do_* flag is turned on, else %(default)s; "
                 "--do_eval false alone trains without evaluating)"
             ).strip()
+
+
+def _shorten(action: argparse.Action) -> None:
+    """One name per flag in --help (the underscore one; the dashed one parses too), and long choices as a short
+    metavar with the choices listed in the help text, where argparse wraps them."""
+    if len(action.option_strings) > 1 and all(s.startswith("--") for s in action.option_strings):
+        action.option_strings = action.option_strings[:1]
+    choices = [str(choice) for choice in action.choices or ()]
+    if len(",".join(choices)) > _CHOICES_WIDTH:
+        action.metavar = "NAME"
+        action.help = f"{action.help or ''} Choices: {', '.join(choices)}.".strip()
+
+
+def _unset_output_dir() -> str:
+    """Where transformers writes when no --output_dir is given (``TrainingArguments.__post_init__`` decides)."""
+    import transformers.utils.logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # it logs that it chose the folder
+    try:
+        return str(TrainingArguments(report_to="none").output_dir)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def _gpa_flags_first(parser: argparse.ArgumentParser) -> None:
@@ -356,7 +392,9 @@ def _gpa_flags_first(parser: argparse.ArgumentParser) -> None:
     """
     gpa_flags = set(inspect.get_annotations(GPATrainingArguments))
     group = parser.add_argument_group(
-        "GPA (hf_gpa)", "The optimizer and the flags of hf_gpa's optimizers; the stock flags follow under options."
+        "GPA (hf_gpa)",
+        "The optimizer and the flags of hf_gpa's optimizers; the stock flags follow under options. Every flag is "
+        "also taken with dashes (--gpa-mu-x).",
     )
     for action in list(parser._optionals._group_actions):
         if action.dest in gpa_flags:

@@ -500,6 +500,31 @@ def test_help_lists_all_argument_groups(
 
 
 @pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_help_is_readable_and_shows_the_defaults_the_script_uses(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--help: a usage line naming the GPA flags, no line over 100 characters (--optim's choices wrapped), the
+    defaults the script applies (--output_dir: the folder transformers writes to; a data-size default that is the
+    same with a dataset shown once)."""
+    with patch.object(sys, "argv", [f"{script}.py"]), pytest.raises(SystemExit):
+        _load_script(script).parse_args(["--help"])
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    assert usage.startswith(f"usage: {script}.py") and "--gpa_mu_x" in usage and "--optim gpa_adamw" in usage
+    assert [line for line in out.splitlines() if len(line) > 100] == []
+    assert "adamw_torch_fused" in out.split("\n  --gpa_base_optim")[0]  # the --optim choices, in its help text
+    output_dir = out.split("\n  --output_dir")[1].split("\n  --")[0]
+    assert "(default: trainer_output)" in " ".join(output_dir.split())
+    batch = " ".join(out.split("\n  --per_device_train_batch_size")[1].split("\n  --")[0].split())
+    assert "with one of them" not in out
+    assert batch.endswith(
+        "(default: 8)"
+        if script == "run_clm_gpa"
+        else "(default: 32; 8 with --dataset_name/--train_dir/--validation_dir)"
+    )
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
 def test_the_script_ends_its_process_group(script: str, tmp_path: Path) -> None:
     """Run as a program under a launcher (here: a process group of one, as `accelerate launch` leaves it), the script
     destroys the default process group when it ends, also when main() raises: a group left to the interpreter's exit
@@ -567,7 +592,7 @@ def test_a_refused_flag_ends_the_program_as_argparse_does(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     if rank == "0":
-        assert err.startswith(f"usage: {script}.py [-h] [--FLAG VALUE ...]")
+        assert err.startswith(f"usage: {script}.py [-h] [--optim gpa_adamw] [--gpa_mu_x MU_X")
         (line,) = [line for line in err.splitlines() if line.startswith(f"{script}.py: error: ")]
         assert "--gpa_mu_x" in line and "1.5" in line
     else:
