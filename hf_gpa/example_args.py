@@ -34,6 +34,8 @@ from hf_gpa.optim_table import unused_flags
 from hf_gpa.training_args import GPATrainingArguments
 from hf_gpa.workers import refuse_other_checkpoint
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "given_flags",
     "given_switches",
@@ -44,6 +46,9 @@ __all__ = [
     "setup_logging",
     "checkpoint_to_resume",
     "finished_run",
+    "start_run",
+    "train_and_evaluate",
+    "write_model_card",
     "results_of_finished_run",
     "end_process_group",
     "GPA_COUPLED_FLAGS",
@@ -531,6 +536,61 @@ def results_of_finished_run(training_args: TrainingArguments, logger: logging.Lo
             return json.load(f)
     except (OSError, ValueError):
         return {}
+
+
+def start_run(training_args: TrainingArguments, script_logger: logging.Logger) -> tuple[dict | None, str | None]:
+    """The start both scripts share, before any data is read: logging (`setup_logging`); then either the results of
+    this run where ``--output_dir`` holds it finished (`results_of_finished_run`: the script returns them and does
+    nothing else), or None and the checkpoint to resume from (`checkpoint_to_resume`)."""
+    setup_logging(training_args, script_logger)
+    previous = results_of_finished_run(training_args, script_logger)
+    if previous is not None:
+        return previous, None
+    return None, checkpoint_to_resume(training_args, script_logger)
+
+
+def train_and_evaluate(
+    trainer: Any,
+    checkpoint: str | None,
+    *,
+    count_samples: bool = True,
+    add_eval_metrics: Callable[[dict[str, float]], None] | None = None,
+) -> dict[str, float]:
+    """What both scripts do with their trainer, as transformers' examples do: train (from ``checkpoint``), save the
+    model (GPATrainer writes the evaluation weights) and the trainer state, then evaluate; each step's metrics logged,
+    written to ``{train,eval}_results.json`` and returned together (``all_results.json``). ``count_samples``: add
+    ``train_samples``/``eval_samples`` (not for a streamed dataset, which has no length); ``add_eval_metrics`` adds
+    what a script computes from the evaluation's metrics (the perplexity)."""
+    args, all_metrics = trainer.args, {}
+    if args.do_train:
+        metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
+        trainer.save_model()  # Saves the processing class too; GPATrainer writes the evaluation weights x.
+        if count_samples:
+            metrics["train_samples"] = len(trainer.train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        all_metrics.update(metrics)
+    if args.do_eval:
+        logger.info("*** Evaluate ***")
+        metrics = trainer.evaluate()
+        if count_samples:
+            metrics["eval_samples"] = len(trainer.eval_dataset)
+        if add_eval_metrics is not None:
+            add_eval_metrics(metrics)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        all_metrics.update(metrics)
+    return all_metrics
+
+
+def write_model_card(trainer: Any, results: Mapping[str, float], **card: Any) -> None:
+    """The model card with the run's ``results`` (`GPATrainer.create_model_card`), pushed with the model under
+    ``--push_to_hub``."""
+    if trainer.args.push_to_hub:
+        trainer.push_to_hub(results=results, **card)
+    else:
+        trainer.create_model_card(results=results, **card)
 
 
 def run_main(main: Callable[[], object]) -> None:
