@@ -29,7 +29,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.report import environment, markdown_table, write_outputs
+from benchmarks.report import environment, environment_text, markdown_table, write_outputs
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "benchmarks" / "results" / "example_runs"
@@ -81,24 +81,75 @@ def run_script(script: str) -> dict[str, Any]:
     }
 
 
-def _row(run: dict[str, Any]) -> list[Any]:
+def duration(seconds: float) -> str:
+    """``5 min 15 s``, ``58 s``: a time as the docs quote it, to the second."""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
+def machine(data: dict[str, Any]) -> str:
+    """The machine as the docs name it: the CPU model, the cores, and the load the runs shared them with."""
+    cpu = data["environment"]["cpu"].split(" (family")[0]
+    loads = [run["load_average_before"][0] for run in data["runs"] if run["load_average_before"]]
+    load = f", load average {min(loads):.1f} to {max(loads):.1f} from other jobs" if loads else ""
+    return f"{cpu}, {data['cpu_count']} cores{load}"
+
+
+def quoted_figures(run: dict[str, Any]) -> dict[str, str]:
+    """The figures docs/examples.md quotes from ``run`` (one script's record), each rounded as the docs round it:
+    wall time (with training and evaluation), CPU time, the first and last logged training loss, the final
+    evaluation. ``tests/test_example_figures.py`` checks that the docs hold each of them."""
     results, losses = run["results"], run["losses"]
-    metrics = ", ".join(f"{key} {value:.6g}" for key, value in sorted(results.items()) if key.startswith("eval_"))
-    loss = f"{losses[0]['loss']} (step {losses[0]['step']}) -> {losses[-1]['loss']} (step {losses[-1]['step']})"
-    return [run["script"], f"{run['wall_s']:.0f} s", f"{run['cpu_s']:.0f} s", loss, metrics]
+    figures = {
+        "wall": (
+            f"{duration(run['wall_s'])} (training {duration(results['train_runtime'])}, "
+            f"evaluation {duration(results['eval_runtime'])})"
+        ),
+        "cpu": f"{run['cpu_s']:.0f} s",
+        "loss": " -> ".join(f"{entry['loss']:.2f} (step {entry['step']})" for entry in (losses[0], losses[-1])),
+    }
+    if run["script"] == "run_clm_gpa.py":
+        figures["eval"] = (
+            f"`eval_loss` {results['eval_loss']:.3f}, `perplexity` {results['perplexity']:.1f}, next-token accuracy "
+            f"{results['eval_accuracy']:.1%} ({results['eval_samples']} blocks of 256 tokens)"
+        )
+    else:
+        figures["eval"] = (
+            f"`eval_accuracy` {results['eval_accuracy']:.1%} ({results['eval_samples']} images; chance is 10%), "
+            f"`eval_loss` {results['eval_loss']:.3f}"
+        )
+    return figures
+
+
+def _row(run: dict[str, Any]) -> list[Any]:
+    figures = quoted_figures(run)
+    return [f"`{run['script']}`", figures["wall"], figures["cpu"], figures["loss"], figures["eval"]]
+
+
+def render(data: dict[str, Any]) -> str:
+    """The record as a markdown table, its figures rounded as docs/examples.md quotes them."""
+    table = markdown_table(
+        ["script", "wall time", "CPU time", "training loss", "final evaluation"], [_row(r) for r in data["runs"]]
+    )
+    return (
+        f"# The example scripts' default runs\n\n{table}\n\nMeasured on {machine(data)}: "
+        f"{environment_text(data['environment'])}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scripts", nargs="+", default=list(COMMANDS), choices=list(COMMANDS))
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    parser.add_argument("--render", action="store_true", help="only rewrite the table from the record in --out-dir")
     args = parser.parse_args(argv)
-    runs = [run_script(script) for script in args.scripts]
-    data = {"environment": environment(num_threads=1), "cpu_count": os.cpu_count(), "runs": runs}
-    table = markdown_table(
-        ["script", "wall time", "CPU time", "training loss", "final evaluation"], [_row(r) for r in runs]
-    )
-    text = f"# The example scripts' default runs\n\n{table}\n\nMeasured on: {data['environment']}\n"
+    if args.render:
+        data = json.loads((args.out_dir / "example_runs.json").read_text())
+    else:
+        env = environment(num_threads=1)  # before the runs: the commit they run
+        runs = [run_script(script) for script in args.scripts]
+        data = {"environment": env, "cpu_count": os.cpu_count(), "runs": runs}
+    text = render(data)
     write_outputs(args.out_dir, "example_runs", data, text)
     print(text)
 
