@@ -189,3 +189,16 @@ def test_help_shows_the_gpa_flags_first(script: str, capsys) -> None:
     for name in inspect.get_annotations(GPATrainingArguments):
         flag = next(i for i, line in enumerate(lines) if line.startswith(f"  --{name} "))
         assert group < flag < options, name
+
+
+def test_hf_gpa_itself_imports_no_torchao() -> None:
+    """hf_gpa imports torchao only where a low-bit optimizer is asked for: ``import hf_gpa``, ``hf_gpa.optim``,
+    ``hf_gpa.data`` load no torchao (whose import prints "Failed to load ..._C_mxfp8" where its kernels do not match).
+    transformers.modeling_utils imports torchao whenever it is installed, so the trainer and the scripts do: not ours
+    to change."""
+    import subprocess
+    import sys
+
+    code = "import sys, hf_gpa, hf_gpa.optim, hf_gpa.data, hf_gpa.extras; print('torchao' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
