@@ -384,6 +384,21 @@ def vit_default_run(tmp_path_factory: pytest.TempPathFactory, run_vit: ModuleTyp
     return output_dir
 
 
+def test_vit_the_same_command_again_after_its_epochs_does_not_train_again(
+    tmp_path: Path, run_vit: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run sized in epochs (--num_train_epochs, no --max_steps), run again after it finished, says so and writes
+    nothing."""
+    flags = {name: value for name, value in TINY_VIT.items() if name != "max_steps"}
+    argv = ["--output_dir", str(tmp_path / "out"), *_as_argv(flags), "--num_train_epochs", "1"]
+    first = _run_main(run_vit, argv)
+    before = _snapshot(tmp_path / "out")
+    with caplog.at_level("WARNING"):
+        again = _run_main(run_vit, argv)
+    assert _snapshot(tmp_path / "out") == before and again == first
+    assert any("--num_train_epochs 1; nothing to do" in r.getMessage() for r in caplog.records)
+
+
 def test_vit_default_run_reports_accuracy(vit_default_run: Path) -> None:
     """all_results.json has train metrics and eval accuracy (from the local evaluate module) on 32 images."""
     results = _results(vit_default_run)
