@@ -82,16 +82,19 @@ def run_script(script: str) -> dict[str, Any]:
 
 
 def duration(seconds: float) -> str:
-    """``5 min 15 s``, ``58 s``: a time as the docs quote it, to the second."""
+    """``5 min 15 s``, ``58 s``, ``0.2 s``: a time as the docs quote it, to the second (under 10 s, to a tenth)."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
     minutes, secs = divmod(round(seconds), 60)
     return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
 def machine(data: dict[str, Any]) -> str:
-    """The machine as the docs name it: the CPU model, the cores, and the load the runs shared them with."""
+    """The machine as the docs name it: the CPU model, the cores, and the load the runs shared them with (the
+    15-minute load average at the end of each run)."""
     cpu = data["environment"]["cpu"].split(" (family")[0]
-    loads = [run["load_average_before"][0] for run in data["runs"] if run["load_average_before"]]
-    load = f", load average {min(loads):.1f} to {max(loads):.1f} from other jobs" if loads else ""
+    loads = [run["load_average_after"][2] for run in data["runs"] if run["load_average_after"]]
+    load = f", shared with other jobs (15-minute load average {min(loads):.1f} to {max(loads):.1f})" if loads else ""
     return f"{cpu}, {data['cpu_count']} cores{load}"
 
 
