@@ -636,6 +636,33 @@ def test_a_mistyped_flag_gets_the_nearest_flag(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_refused_flag_under_accelerate_launch_is_printed_once_without_a_traceback_of_the_script(
+    tmp_path: Path,
+) -> None:
+    """Under ``accelerate launch`` with 2 processes (the DDP config, gloo on CPU), a refused flag is printed once and
+    the first process exits with status 2 (the launcher's report names it as the root cause, exitcode 2), with no
+    traceback through the script; the launcher's own traceback (ChildFailedError) and status 1 follow, as
+    docs/examples.md says."""
+    from launching import free_port, launch_env, run_together
+
+    log = tmp_path / "launch.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate_ddp.yaml"),
+    ]
+    cmd += ["--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "run_clm_gpa.py")]
+    cmd += ["--output_dir", str(tmp_path / "out"), "--gpa_mu_x", "1.5"]
+    (code,) = run_together([cmd], [log], launch_env(REPO), 240)
+    text = log.read_text(errors="replace")
+    assert text.count("run_clm_gpa.py: error: Invalid --gpa_mu_x: 1.5") == 1, text[-4000:]
+    assert "exitcode  : 2" in text and "ChildFailedError" in text
+    assert f'File "{REPO / "run_clm_gpa.py"}"' not in text
+    assert code == 1
+
+
 def test_a_checkpoint_that_cannot_continue_is_a_refused_argument(tmp_path: Path) -> None:
     """The resume checks of the example scripts refuse by `RefusedArgument` (a ValueError), so that a program run
     ends on them as on any other refused flag."""
