@@ -71,6 +71,8 @@ try:  # the examples extra; without it, stop here with the pip command that inst
         GPA_COUPLED_FLAGS,
         GPA_RECIPE_DEFAULTS,
         HubArguments,
+        apply_config_overrides,
+        check_model_source,
         parse_with_defaults,
         run_main,
         size_in_parameters,
@@ -195,14 +197,7 @@ class ModelArguments(HubArguments):
     )
 
     def __post_init__(self) -> None:
-        if self.config_overrides is not None and (self.config_name is not None or self.model_name_or_path is not None):
-            raise ValueError(
-                "--config_overrides can't be used in combination with --config_name or --model_name_or_path"
-            )
-        if self.model_type is not None and self.model_type not in MODEL_TYPES:
-            raise ValueError(
-                f"--model_type {self.model_type!r} is not a causal-LM model type; use one of {MODEL_TYPES}"
-            )
+        check_model_source(self, MODEL_TYPES, "causal-LM")
         if self.tokenizer_vocab_size < 258:
             raise ValueError(f"--tokenizer_vocab_size must be at least 258, got {self.tokenizer_vocab_size}")
         if self.tokenizer_train_bytes <= 0:
@@ -378,10 +373,7 @@ def build_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
-    if model_args.config_overrides is not None:
-        logger.info(f"Overriding config: {model_args.config_overrides}")
-        config.update_from_string(model_args.config_overrides)
-        logger.info(f"New config: {config}")
+    apply_config_overrides(config, model_args.config_overrides, logger)
     return config
 
 

@@ -81,6 +81,8 @@ try:  # the examples extra; without it, stop here with the pip command that inst
         GPA_COUPLED_FLAGS,
         GPA_RECIPE_DEFAULTS,
         HubArguments,
+        apply_config_overrides,
+        check_model_source,
         parse_with_defaults,
         run_main,
         size_in_parameters,
@@ -290,14 +292,7 @@ class ModelArguments(HubArguments):
     )
 
     def __post_init__(self) -> None:
-        if self.config_overrides is not None and (self.config_name is not None or self.model_name_or_path is not None):
-            raise ValueError(
-                "--config_overrides can't be used in combination with --config_name or --model_name_or_path"
-            )
-        if self.model_type is not None and self.model_type not in MODEL_TYPES:
-            raise ValueError(
-                f"--model_type {self.model_type!r} is not an image-classification model type; use one of {MODEL_TYPES}"
-            )
+        check_model_source(self, MODEL_TYPES, "image-classification")
 
 
 def parse_args(
@@ -373,10 +368,7 @@ def build_config(model_args: ModelArguments, labels: list[str]) -> PreTrainedCon
     else:
         config = CONFIG_MAPPING[model_args.model_type](**common)
     logger.warning("You are instantiating a new config instance from scratch.")
-    if model_args.config_overrides is not None:
-        logger.info(f"Overriding config: {model_args.config_overrides}")
-        config.update_from_string(model_args.config_overrides)
-        logger.info(f"New config: {config}")
+    apply_config_overrides(config, model_args.config_overrides, logger)
     return config
 
 

@@ -44,6 +44,8 @@ __all__ = [
     "device_defaults",
     "parse_with_defaults",
     "setup_logging",
+    "apply_config_overrides",
+    "check_model_source",
     "checkpoint_to_resume",
     "finished_run",
     "start_run",
@@ -147,6 +149,28 @@ class HubArguments:
             "token": self.token,
             "trust_remote_code": self.trust_remote_code,
         }
+
+
+def check_model_source(model_args: Any, model_types: Sequence[str], kind: str) -> None:
+    """The checks both scripts' ``ModelArguments`` make: ``--config_overrides`` only for a model built from a config,
+    ``--model_type`` one of ``model_types`` (``kind``: "causal-LM", "image-classification")."""
+    if model_args.config_overrides is not None and (
+        model_args.config_name is not None or model_args.model_name_or_path is not None
+    ):
+        raise ValueError("--config_overrides can't be used in combination with --config_name or --model_name_or_path")
+    if model_args.model_type is not None and model_args.model_type not in model_types:
+        raise ValueError(
+            f"--model_type {model_args.model_type!r} is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} model "
+            f"type; use one of {tuple(model_types)}"
+        )
+
+
+def apply_config_overrides(config: Any, config_overrides: str | None, script_logger: logging.Logger) -> None:
+    """``--config_overrides`` (``"n_embd=10,resid_pdrop=0.2"``) applied to a config built from scratch, logged."""
+    if config_overrides is not None:
+        script_logger.info(f"Overriding config: {config_overrides}")
+        config.update_from_string(config_overrides)
+        script_logger.info(f"New config: {config}")
 
 
 class RefusedArgument(ValueError):
