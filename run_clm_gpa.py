@@ -71,11 +71,14 @@ try:  # the examples extra; without it, stop here with the pip command that inst
         GPA_COUPLED_FLAGS,
         GPA_RECIPE_DEFAULTS,
         HubArguments,
-        checkpoint_to_resume,
+        apply_config_overrides,
+        check_model_source,
         parse_with_defaults,
         run_main,
-        setup_logging,
         size_in_parameters,
+        start_run,
+        train_and_evaluate,
+        write_model_card,
     )
     from hf_gpa.metrics import ACCURACY
 except ModuleNotFoundError as error:
@@ -194,14 +197,7 @@ class ModelArguments(HubArguments):
     )
 
     def __post_init__(self) -> None:
-        if self.config_overrides is not None and (self.config_name is not None or self.model_name_or_path is not None):
-            raise ValueError(
-                "--config_overrides can't be used in combination with --config_name or --model_name_or_path"
-            )
-        if self.model_type is not None and self.model_type not in MODEL_TYPES:
-            raise ValueError(
-                f"--model_type {self.model_type!r} is not a causal-LM model type; use one of {MODEL_TYPES}"
-            )
+        check_model_source(self, MODEL_TYPES, "causal-LM")
         if self.tokenizer_vocab_size < 258:
             raise ValueError(f"--tokenizer_vocab_size must be at least 258, got {self.tokenizer_vocab_size}")
         if self.tokenizer_train_bytes <= 0:
@@ -377,10 +373,7 @@ def build_config(model_args: ModelArguments, tokenizer: PreTrainedTokenizerBase)
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(tokenizer, name, None) is not None:
             setattr(config, name, getattr(tokenizer, name))
-    if model_args.config_overrides is not None:
-        logger.info(f"Overriding config: {model_args.config_overrides}")
-        config.update_from_string(model_args.config_overrides)
-        logger.info(f"New config: {config}")
+    apply_config_overrides(config, model_args.config_overrides, logger)
     return config
 
 
@@ -432,20 +425,8 @@ def _accuracy_metrics(cache_dir: str | None) -> tuple[Callable[..., torch.Tensor
     return preprocess_logits_for_metrics, compute_metrics
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
-    model_args, data_args, training_args = parse_args(argv)
-
-    setup_logging(training_args, logger)
-    checkpoint = checkpoint_to_resume(training_args, logger)
-
-    # Set seed before initializing model.
-    set_seed(training_args.seed)
-
-    raw_datasets = load_raw_datasets(model_args, data_args)
-    tokenizer = build_tokenizer(model_args)
-    config = build_config(model_args, tokenizer)
-
+def build_model(model_args: ModelArguments, config: PreTrainedConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The model: pretrained when named, else built from ``config``; its embeddings grown to the tokenizer's size."""
     if model_args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
             model_args.model_name_or_path,
@@ -456,13 +437,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     else:
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=model_args.trust_remote_code)
         logger.info(f"Training new model from scratch - {size_in_parameters(model)}")
-
     # We resize the embeddings only when necessary to avoid index errors.
     embedding_size = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > embedding_size:
         model.resize_token_embeddings(len(tokenizer))
+    return model
 
-    # Preprocessing the datasets. First we tokenize all the texts.
+
+def tokenize(
+    raw_datasets: DatasetDict | IterableDatasetDict,
+    tokenizer: PreTrainedTokenizerBase,
+    data_args: DataTrainingArguments,
+    training_args: GPATrainingArguments,
+) -> DatasetDict | IterableDatasetDict:
+    """Every text tokenized (its text column dropped), as run_clm.py does."""
     split_for_columns = "train" if training_args.do_train else "validation"
     column_names = list(raw_datasets[split_for_columns].features)
     text_column_name = "text" if "text" in column_names else column_names[0]
@@ -482,18 +470,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         return output
 
     with training_args.main_process_first(desc="dataset map tokenization"):
-        if not data_args.streaming:
-            tokenized_datasets = raw_datasets.map(
-                tokenize_function,
-                batched=True,
-                num_proc=data_args.preprocessing_num_workers,
-                remove_columns=column_names,
-                load_from_cache_file=not data_args.overwrite_cache,
-                desc="Running tokenizer on dataset",
-            )
-        else:
-            tokenized_datasets = raw_datasets.map(tokenize_function, batched=True, remove_columns=column_names)
+        if data_args.streaming:
+            return raw_datasets.map(tokenize_function, batched=True, remove_columns=column_names)
+        return raw_datasets.map(
+            tokenize_function,
+            batched=True,
+            num_proc=data_args.preprocessing_num_workers,
+            remove_columns=column_names,
+            load_from_cache_file=not data_args.overwrite_cache,
+            desc="Running tokenizer on dataset",
+        )
 
+
+def block_size_of(
+    data_args: DataTrainingArguments, tokenizer: PreTrainedTokenizerBase, config: PreTrainedConfig
+) -> int:
+    """The length of the training blocks: --block_size (at most the tokenizer's and the model's maximum), else the
+    tokenizer's maximum length, capped at 1024 and at the model's positions."""
     max_pos_embeddings = getattr(config, "max_position_embeddings", None) or 1024
     if data_args.block_size is None:
         block_size = tokenizer.model_max_length
@@ -504,20 +497,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
                 "passing --block_size xxx."
             )
             block_size = min(1024, max_pos_embeddings)
-    else:
-        if data_args.block_size > tokenizer.model_max_length:
-            logger.warning(
-                f"The block_size passed ({data_args.block_size}) is larger than the maximum length for the model "
-                f"({tokenizer.model_max_length}). Using block_size={tokenizer.model_max_length}."
-            )
-        block_size = min(data_args.block_size, tokenizer.model_max_length)
-        if block_size > max_pos_embeddings:
-            raise ValueError(
-                f"--block_size {block_size} exceeds the model's max_position_embeddings ({max_pos_embeddings})"
-            )
+        return block_size
+    if data_args.block_size > tokenizer.model_max_length:
+        logger.warning(
+            f"The block_size passed ({data_args.block_size}) is larger than the maximum length for the model "
+            f"({tokenizer.model_max_length}). Using block_size={tokenizer.model_max_length}."
+        )
+    block_size = min(data_args.block_size, tokenizer.model_max_length)
+    if block_size > max_pos_embeddings:
+        raise ValueError(
+            f"--block_size {block_size} exceeds the model's max_position_embeddings ({max_pos_embeddings})"
+        )
+    return block_size
 
-    # Main data processing function that will concatenate all texts from our dataset and generate chunks of
-    # block_size.
+
+def group_into_blocks(
+    tokenized_datasets: DatasetDict | IterableDatasetDict,
+    block_size: int,
+    data_args: DataTrainingArguments,
+    training_args: GPATrainingArguments,
+) -> DatasetDict | IterableDatasetDict:
+    """All texts concatenated and cut into blocks of ``block_size`` tokens, labels = inputs, as run_clm.py does."""
+
     def group_texts(examples: Mapping[str, list[list[int]]]) -> dict[str, list[list[int]]]:
         # Concatenate all texts.
         concatenated_examples = {k: list(chain(*examples[k])) for k in examples}
@@ -536,29 +537,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     # Note that with `batched=True`, this map processes 1,000 texts together, so group_texts throws away a remainder
     # for each of those groups of 1,000 texts.
     with training_args.main_process_first(desc="grouping texts together"):
-        if not data_args.streaming:
-            lm_datasets = tokenized_datasets.map(
-                group_texts,
-                batched=True,
-                num_proc=data_args.preprocessing_num_workers,
-                load_from_cache_file=not data_args.overwrite_cache,
-                desc=f"Grouping texts in chunks of {block_size}",
-            )
-        else:
-            lm_datasets = tokenized_datasets.map(group_texts, batched=True)
+        if data_args.streaming:
+            return tokenized_datasets.map(group_texts, batched=True)
+        return tokenized_datasets.map(
+            group_texts,
+            batched=True,
+            num_proc=data_args.preprocessing_num_workers,
+            load_from_cache_file=not data_args.overwrite_cache,
+            desc=f"Grouping texts in chunks of {block_size}",
+        )
 
-    train_dataset = None
+
+def build_trainer(
+    model_args: ModelArguments, data_args: DataTrainingArguments, training_args: GPATrainingArguments
+) -> GPATrainer:
+    """The trainer `main` runs: the seeded model, the tokenizer, the datasets in blocks, the accuracy metric."""
+    # Set seed before initializing model.
+    set_seed(training_args.seed)
+
+    raw_datasets = load_raw_datasets(model_args, data_args)
+    tokenizer = build_tokenizer(model_args)
+    config = build_config(model_args, tokenizer)
+    model = build_model(model_args, config, tokenizer)
+    tokenized = tokenize(raw_datasets, tokenizer, data_args, training_args)
+    lm_datasets = group_into_blocks(tokenized, block_size_of(data_args, tokenizer, config), data_args, training_args)
+
+    train_dataset = eval_dataset = None
     if training_args.do_train:
         train_dataset = _split(lm_datasets, "train", "--do_train", data_args.max_train_samples, data_args.streaming)
-
-    eval_dataset = None
     preprocess_logits_for_metrics = compute_metrics = None
     if training_args.do_eval:
         eval_dataset = _split(lm_datasets, "validation", "--do_eval", data_args.max_eval_samples, data_args.streaming)
         preprocess_logits_for_metrics, compute_metrics = _accuracy_metrics(model_args.cache_dir)
 
-    # Initialize our Trainer
-    trainer = GPATrainer(
+    return GPATrainer(
         model=model,
         args=training_args,
         train_dataset=train_dataset,
@@ -570,37 +582,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         preprocess_logits_for_metrics=preprocess_logits_for_metrics,
     )
 
-    all_metrics: dict[str, float] = {}
-    # Training
-    if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=checkpoint)
-        trainer.save_model()  # Saves the tokenizer too for easy upload; GPATrainer writes the averaged weights x.
 
-        metrics = train_result.metrics
-        if not data_args.streaming:
-            metrics["train_samples"] = len(train_dataset)
-        trainer.log_metrics("train", metrics)
-        trainer.save_metrics("train", metrics)
-        trainer.save_state()
-        all_metrics.update(metrics)
+def add_perplexity(metrics: dict[str, float]) -> None:
+    """``perplexity`` = exp(``eval_loss``), inf where that overflows."""
+    try:
+        metrics["perplexity"] = math.exp(metrics["eval_loss"])
+    except OverflowError:
+        metrics["perplexity"] = float("inf")
 
-    # Evaluation
-    if training_args.do_eval:
-        logger.info("*** Evaluate ***")
 
-        metrics = trainer.evaluate()
-        if not data_args.streaming:
-            metrics["eval_samples"] = len(eval_dataset)
-        try:
-            perplexity = math.exp(metrics["eval_loss"])
-        except OverflowError:
-            perplexity = float("inf")
-        metrics["perplexity"] = perplexity
-
-        trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
-        all_metrics.update(metrics)
-
+def model_card_kwargs(model_args: ModelArguments, data_args: DataTrainingArguments) -> dict[str, Any]:
+    """What the model card says of the base model, the task and the dataset."""
     kwargs: dict[str, Any] = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-generation"}
     if data_args.dataset_name is not None:
         kwargs["dataset_tags"] = data_args.dataset_name
@@ -611,11 +603,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
             kwargs["dataset"] = data_args.dataset_name
     elif data_args.uses_embedded_corpus:
         kwargs["dataset"] = "Python standard library source (hf_gpa.data)"
+    return kwargs
 
-    if training_args.push_to_hub:
-        trainer.push_to_hub(**kwargs)
-    else:
-        trainer.create_model_card(**kwargs)
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
+    model_args, data_args, training_args = parse_args(argv)
+    previous, checkpoint = start_run(training_args, logger)
+    if previous is not None:
+        return previous  # the same command ran to its end before: nothing to train, nothing to write
+    trainer = build_trainer(model_args, data_args, training_args)
+    all_metrics = train_and_evaluate(
+        trainer, checkpoint, count_samples=not data_args.streaming, add_eval_metrics=add_perplexity
+    )
+    write_model_card(trainer, all_metrics, **model_card_kwargs(model_args, data_args))
     return all_metrics
 
 

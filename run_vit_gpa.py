@@ -81,11 +81,14 @@ try:  # the examples extra; without it, stop here with the pip command that inst
         GPA_COUPLED_FLAGS,
         GPA_RECIPE_DEFAULTS,
         HubArguments,
-        checkpoint_to_resume,
+        apply_config_overrides,
+        check_model_source,
         parse_with_defaults,
         run_main,
-        setup_logging,
         size_in_parameters,
+        start_run,
+        train_and_evaluate,
+        write_model_card,
     )
     from hf_gpa.metrics import ACCURACY
 except ModuleNotFoundError as error:
@@ -289,14 +292,7 @@ class ModelArguments(HubArguments):
     )
 
     def __post_init__(self) -> None:
-        if self.config_overrides is not None and (self.config_name is not None or self.model_name_or_path is not None):
-            raise ValueError(
-                "--config_overrides can't be used in combination with --config_name or --model_name_or_path"
-            )
-        if self.model_type is not None and self.model_type not in MODEL_TYPES:
-            raise ValueError(
-                f"--model_type {self.model_type!r} is not an image-classification model type; use one of {MODEL_TYPES}"
-            )
+        check_model_source(self, MODEL_TYPES, "image-classification")
 
 
 def parse_args(
@@ -372,10 +368,7 @@ def build_config(model_args: ModelArguments, labels: list[str]) -> PreTrainedCon
     else:
         config = CONFIG_MAPPING[model_args.model_type](**common)
     logger.warning("You are instantiating a new config instance from scratch.")
-    if model_args.config_overrides is not None:
-        logger.info(f"Overriding config: {model_args.config_overrides}")
-        config.update_from_string(model_args.config_overrides)
-        logger.info(f"New config: {config}")
+    apply_config_overrides(config, model_args.config_overrides, logger)
     return config
 
 
@@ -416,15 +409,8 @@ def random_resized_crop(image: Image.Image, min_scale: float, rng: random.Random
     return image
 
 
-def build_trainer(
-    model_args: ModelArguments, data_args: DataTrainingArguments, training_args: GPATrainingArguments
-) -> GPATrainer:
-    """The trainer `main` runs: the seeded model, the datasets with their transforms, the metric. A caller that
-    measures something during training adds its callback to it (``trainer.add_callback(...)``) and trains it."""
-    # Set seed before initializing model.
-    set_seed(training_args.seed)
-
-    dataset = load_raw_dataset(model_args, data_args, training_args.seed)
+def labels_of(dataset: datasets.DatasetDict, data_args: DataTrainingArguments) -> list[str]:
+    """The class names of the label column, after checking that the image and label columns exist."""
     some_split = dataset["train"] if "train" in dataset else dataset["validation"]
     for flag in ("image_column_name", "label_column_name"):
         column = getattr(data_args, flag)
@@ -436,29 +422,31 @@ def build_trainer(
     label_feature = some_split.features[data_args.label_column_name]
     if not isinstance(label_feature, datasets.ClassLabel):
         raise ValueError(f"--label_column_name {data_args.label_column_name!r} must be a ClassLabel column")
-    labels = list(label_feature.names)
+    return list(label_feature.names)
 
-    # Load the accuracy metric from the module that ships with hf_gpa (no Hub access).
-    metric = evaluate.load(ACCURACY, cache_dir=model_args.cache_dir)
 
-    # Define our compute_metrics function. It takes an `EvalPrediction` object (a namedtuple with a
-    # predictions and label_ids field) and has to return a dictionary string to float.
-    def compute_metrics(p: EvalPrediction) -> dict[str, float]:
-        """Computes accuracy on a batch of predictions"""
-        return metric.compute(predictions=np.argmax(p.predictions, axis=1), references=p.label_ids)
-
-    config = build_config(model_args, labels)
+def build_model(model_args: ModelArguments, config: PreTrainedConfig) -> Any:
+    """The model: pretrained when named, else built from ``config``."""
     if model_args.model_name_or_path:
-        model = AutoModelForImageClassification.from_pretrained(
+        return AutoModelForImageClassification.from_pretrained(
             model_args.model_name_or_path,
             config=config,
             **model_args.pretrained_kwargs,
             ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
         )
-    else:
-        model = AutoModelForImageClassification.from_config(config, trust_remote_code=model_args.trust_remote_code)
-        logger.info(f"Training new model from scratch - {size_in_parameters(model)}")
-    image_processor = build_image_processor(model_args, config)
+    model = AutoModelForImageClassification.from_config(config, trust_remote_code=model_args.trust_remote_code)
+    logger.info(f"Training new model from scratch - {size_in_parameters(model)}")
+    return model
+
+
+def set_transforms(
+    dataset: datasets.DatasetDict,
+    image_processor: BaseImageProcessor,
+    data_args: DataTrainingArguments,
+    training_args: GPATrainingArguments,
+) -> None:
+    """The splits the run needs, cut to --max_*_samples, each with its transform: the random augmentation and the
+    image processor for training, the image processor alone for evaluation."""
 
     # Augmentation draws from Python's global generator: seeded by set_seed(--seed) above and isolated from
     # GPATrainer's BatchNorm recalibration (which also forwards augmented training batches), so that runs repeat
@@ -481,30 +469,48 @@ def build_trainer(
         example_batch["pixel_values"] = list(image_processor(images, return_tensors="pt")["pixel_values"])
         return example_batch
 
+    for split, flag, max_samples, transform in (
+        ("train", "do_train", data_args.max_train_samples, train_transforms),
+        ("validation", "do_eval", data_args.max_eval_samples, val_transforms),
+    ):
+        if not getattr(training_args, flag):
+            continue
+        if split not in dataset:
+            raise ValueError(f"--{flag} requires a {split} dataset")
+        if max_samples is not None:
+            dataset[split] = dataset[split].shuffle(seed=training_args.seed).select(range(max_samples))
+        dataset[split].set_transform(transform)
+
+
+def build_trainer(
+    model_args: ModelArguments, data_args: DataTrainingArguments, training_args: GPATrainingArguments
+) -> GPATrainer:
+    """The trainer `main` runs: the seeded model, the datasets with their transforms, the metric. A caller that
+    measures something during training adds its callback to it (``trainer.add_callback(...)``) and trains it."""
+    # Set seed before initializing model.
+    set_seed(training_args.seed)
+
+    dataset = load_raw_dataset(model_args, data_args, training_args.seed)
+    labels = labels_of(dataset, data_args)
+
+    # Load the accuracy metric from the module that ships with hf_gpa (no Hub access).
+    metric = evaluate.load(ACCURACY, cache_dir=model_args.cache_dir)
+
+    # Define our compute_metrics function. It takes an `EvalPrediction` object (a namedtuple with a
+    # predictions and label_ids field) and has to return a dictionary string to float.
+    def compute_metrics(p: EvalPrediction) -> dict[str, float]:
+        """Computes accuracy on a batch of predictions"""
+        return metric.compute(predictions=np.argmax(p.predictions, axis=1), references=p.label_ids)
+
     def collate_fn(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         pixel_values = torch.stack([example["pixel_values"] for example in examples])
         labels = torch.tensor([example[data_args.label_column_name] for example in examples])
         return {"pixel_values": pixel_values, "labels": labels}
 
-    if training_args.do_train:
-        if "train" not in dataset:
-            raise ValueError("--do_train requires a train dataset")
-        if data_args.max_train_samples is not None:
-            dataset["train"] = (
-                dataset["train"].shuffle(seed=training_args.seed).select(range(data_args.max_train_samples))
-            )
-        # Set the training transforms
-        dataset["train"].set_transform(train_transforms)
-
-    if training_args.do_eval:
-        if "validation" not in dataset:
-            raise ValueError("--do_eval requires a validation dataset")
-        if data_args.max_eval_samples is not None:
-            dataset["validation"] = (
-                dataset["validation"].shuffle(seed=training_args.seed).select(range(data_args.max_eval_samples))
-            )
-        # Set the validation transforms
-        dataset["validation"].set_transform(val_transforms)
+    config = build_config(model_args, labels)
+    model = build_model(model_args, config)
+    image_processor = build_image_processor(model_args, config)
+    set_transforms(dataset, image_processor, data_args, training_args)
 
     # Initialize our trainer
     return GPATrainer(
@@ -521,42 +527,19 @@ def build_trainer(
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
     model_args, data_args, training_args = parse_args(argv)
-
-    setup_logging(training_args, logger)
-    checkpoint = checkpoint_to_resume(training_args, logger)
+    previous, checkpoint = start_run(training_args, logger)
+    if previous is not None:
+        return previous  # the same command ran to its end before: nothing to train, nothing to write
     trainer = build_trainer(model_args, data_args, training_args)
-
-    all_metrics: dict[str, float] = {}
-    # Training
-    if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=checkpoint)
-        trainer.save_model()  # GPATrainer writes the averaged weights x, and the image processor with them.
-        metrics = train_result.metrics
-        metrics["train_samples"] = len(trainer.train_dataset)
-        trainer.log_metrics("train", metrics)
-        trainer.save_metrics("train", metrics)
-        trainer.save_state()
-        all_metrics.update(metrics)
-
-    # Evaluation
-    if training_args.do_eval:
-        metrics = trainer.evaluate()
-        metrics["eval_samples"] = len(trainer.eval_dataset)
-        trainer.log_metrics("eval", metrics)
-        trainer.save_metrics("eval", metrics)
-        all_metrics.update(metrics)
-
-    # Write model card and (optionally) push to hub
-    kwargs: dict[str, Any] = {
-        "finetuned_from": model_args.model_name_or_path,
-        "tasks": "image-classification",
-        "dataset": data_args.dataset_name or ("scikit-learn digits" if data_args.uses_embedded_dataset else None),
-        "tags": ["image-classification", "vision", "gpa"],
-    }
-    if training_args.push_to_hub:
-        trainer.push_to_hub(**kwargs)
-    else:
-        trainer.create_model_card(**kwargs)
+    all_metrics = train_and_evaluate(trainer, checkpoint)
+    write_model_card(
+        trainer,
+        all_metrics,
+        finetuned_from=model_args.model_name_or_path,
+        tasks="image-classification",
+        dataset=data_args.dataset_name or ("scikit-learn digits" if data_args.uses_embedded_dataset else None),
+        tags=["image-classification", "vision", "gpa"],
+    )
     return all_metrics
 
 

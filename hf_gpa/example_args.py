@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import inspect
 import json
 import logging
@@ -33,6 +34,8 @@ from hf_gpa.optim_table import unused_flags
 from hf_gpa.training_args import GPATrainingArguments
 from hf_gpa.workers import refuse_other_checkpoint
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "given_flags",
     "given_switches",
@@ -41,7 +44,14 @@ __all__ = [
     "device_defaults",
     "parse_with_defaults",
     "setup_logging",
+    "apply_config_overrides",
+    "check_model_source",
     "checkpoint_to_resume",
+    "finished_run",
+    "start_run",
+    "train_and_evaluate",
+    "write_model_card",
+    "results_of_finished_run",
     "end_process_group",
     "GPA_COUPLED_FLAGS",
     "GPA_RECIPE_DEFAULTS",
@@ -71,13 +81,27 @@ GPA_RECIPE_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 1.0,
 }
 
+#: Defaults of both scripts beyond the recipe. DDP without unused parameters: transformers asks DDP to look for them
+#: in every step of a model without activation checkpointing, and DDP warns on every process that it found none (the
+#: scripts' models use every parameter; a model that does not needs ``--ddp_find_unused_parameters true``).
+RUN_DEFAULTS: dict[str, Any] = {"ddp_find_unused_parameters": False}
+
 #: Defaults of both scripts that are left out when the user gives any of the flags they are coupled to: Schedule-Free
 #: averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given --gpa_mu_x; GPA
 #: across the processes (--gpa_distributed) refuses --gpa_inner_steps, whose per-step mu_x it has no use for.
 GPA_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {"gpa_inner_steps": ("gpa_mu_x", "gpa_averaging", "gpa_distributed")}
 
-#: The --help usage line: the full list of flags is the rest of --help.
-USAGE = "%(prog)s [-h] [--FLAG VALUE ...] | %(prog)s ARGS.json"
+#: The --help usage line (also printed above a refused argument): the GPA flags, then the rest, listed by --help.
+USAGE = (
+    "%(prog)s [-h] [--optim gpa_adamw] [--gpa_mu_x MU_X | --gpa_inner_steps H]\n"
+    "       [--gpa_mu_y MU_Y] [--gpa_averaging {gpa,schedule_free}] [--output_dir DIR]\n"
+    "       [any model, data or TrainingArguments flag ...]\n"
+    "   or: %(prog)s ARGS.json"
+)
+
+#: A flag whose choices take more than this many characters shows a short metavar and lists them, wrapped, in its
+#: help text (argparse puts them all on the flag's line: --optim's 46 names made a line of 900 characters).
+_CHOICES_WIDTH = 40
 
 
 #: Seconds the other processes of a launch wait, after refusing an argument, before they exit (`run_main`).
@@ -125,6 +149,28 @@ class HubArguments:
             "token": self.token,
             "trust_remote_code": self.trust_remote_code,
         }
+
+
+def check_model_source(model_args: Any, model_types: Sequence[str], kind: str) -> None:
+    """The checks both scripts' ``ModelArguments`` make: ``--config_overrides`` only for a model built from a config,
+    ``--model_type`` one of ``model_types`` (``kind``: "causal-LM", "image-classification")."""
+    if model_args.config_overrides is not None and (
+        model_args.config_name is not None or model_args.model_name_or_path is not None
+    ):
+        raise ValueError("--config_overrides can't be used in combination with --config_name or --model_name_or_path")
+    if model_args.model_type is not None and model_args.model_type not in model_types:
+        raise ValueError(
+            f"--model_type {model_args.model_type!r} is not {'an' if kind[0] in 'aeiou' else 'a'} {kind} model "
+            f"type; use one of {tuple(model_types)}"
+        )
+
+
+def apply_config_overrides(config: Any, config_overrides: str | None, script_logger: logging.Logger) -> None:
+    """``--config_overrides`` (``"n_embd=10,resid_pdrop=0.2"``) applied to a config built from scratch, logged."""
+    if config_overrides is not None:
+        script_logger.info(f"Overriding config: {config_overrides}")
+        config.update_from_string(config_overrides)
+        script_logger.info(f"New config: {config}")
 
 
 class RefusedArgument(ValueError):
@@ -234,7 +280,7 @@ def parse_with_defaults(
     """
     with _as_refused_argument():
         parser = HfArgumentParser(dataclass_types, usage=USAGE)
-        recipe = {**device_defaults(), **recipe}
+        recipe = {**RUN_DEFAULTS, **device_defaults(), **recipe}
         argv = list(sys.argv[1:] if argv is None else argv)
         if len(argv) == 1 and argv[0].endswith(".json"):
             given_dict: dict[str, Any] = json.loads(Path(argv[0]).read_text())
@@ -247,6 +293,10 @@ def parse_with_defaults(
                 given_dict.get("optim"),
                 given_switches(given_dict),
             )
+            known = option_strings(parser)
+            unknown = [f"--{key}" for key in given_dict if f"--{key}" not in known]
+            if unknown:
+                raise RefusedArgument(unknown_flags_message(parser, unknown))
             return parser.parse_dict({**defaults, **given_dict})
         if "-h" in argv or "--help" in argv:
             show_script_defaults(parser, recipe, embedded, data_source_flags)
@@ -265,7 +315,30 @@ def parse_with_defaults(
         prefix: list[str] = []
         for name, value in defaults.items():
             prefix += [f"--{name}", str(value)]
-        return parser.parse_args_into_dataclasses(args=prefix + argv)
+        *parsed, remaining = parser.parse_args_into_dataclasses(args=prefix + argv, return_remaining_strings=True)
+        if remaining:
+            raise RefusedArgument(unknown_flags_message(parser, remaining))
+        return tuple(parsed)
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string ``parser`` takes (``--gpa_mu_x``, ``--gpa-mu-x``, ``-h``, ...)."""
+    return [option for action in parser._actions for option in action.option_strings]  # argparse: no public list
+
+
+def unknown_flags_message(parser: argparse.ArgumentParser, remaining: Sequence[str]) -> str:
+    """``unknown flag --gpa_mu_xx; did you mean --gpa_mu_x?`` for each flag of ``remaining`` (the strings the parse
+    left over) that ``parser`` does not take, with the nearest of its flags where one is near; a left-over value
+    that follows no flag is named as argparse names it."""
+    known = option_strings(parser)
+    parts = []
+    for item in remaining:
+        if not item.startswith("-"):
+            continue
+        flag = item.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=1)
+        parts.append(f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else " (see --help)"))
+    return "; ".join(parts) or f"unrecognized arguments: {' '.join(remaining)}"
 
 
 @contextlib.contextmanager
@@ -286,30 +359,57 @@ def show_script_defaults(
     embedded: Mapping[str, Any],
     data_source_flags: Sequence[str],
 ) -> None:
-    """Make ``parser``'s --help show the defaults the script applies rather than the dataclasses' own, and the GPA
-    flags first.
+    """Make ``parser``'s --help readable and true: the GPA flags first (`_gpa_flags_first`), each flag under its
+    underscore name alone (the dashed one is said once), long choices wrapped in the help text, and the defaults the
+    script applies rather than the dataclasses' own.
 
-    A recipe default replaces the shown default; an embedded-data default is shown beside the one that holds when a
-    dataset is named. A default that the chosen ``--optim`` ignores is still shown: it applies with the script's
-    default ``--optim``.
+    A recipe default replaces the shown default; an embedded-data default too, with the default that holds when a
+    dataset is named beside it where the two differ; an unset ``--output_dir`` shows the folder transformers writes
+    to. A default that the chosen ``--optim`` ignores is still shown: it applies with the script's default ``--optim``.
     """
     _gpa_flags_first(parser)
     data_flags = "/".join(f"--{flag}" for flag in data_source_flags)
-    do_flags = {"do_train", "do_eval"}
     for action in parser._actions:  # argparse has no public iterator over its actions
+        _shorten(action)
         dest = action.dest
         if dest in recipe:
             action.default = recipe[dest]
+        elif dest in embedded and str(embedded[dest]) == str(action.default):
+            pass  # the same default with or without a dataset
         elif dest in embedded:
             # "%(default)s" in the help text keeps argparse from appending its own "(default: ...)".
-            action.help = (
-                f"{action.help or ''} (default: {embedded[dest]} without {data_flags}; %(default)s with one of them)"
-            ).strip()
-        elif dest in do_flags and action.option_strings and action.option_strings[0].startswith("--do"):
+            action.help = f"{action.help or ''} (default: {embedded[dest]}; %(default)s with {data_flags})".strip()
+            continue
+        elif dest == "output_dir" and action.default is None:
+            action.default = _unset_output_dir()
+        elif dest in ("do_train", "do_eval") and action.option_strings[0].startswith("--do"):
             action.help = (
                 f"{action.help or ''} (default: true unless a --do_* flag is turned on, else %(default)s; "
                 "--do_eval false alone trains without evaluating)"
             ).strip()
+
+
+def _shorten(action: argparse.Action) -> None:
+    """One name per flag in --help (the underscore one; the dashed one parses too), and long choices as a short
+    metavar with the choices listed in the help text, where argparse wraps them."""
+    if len(action.option_strings) > 1 and all(s.startswith("--") for s in action.option_strings):
+        action.option_strings = action.option_strings[:1]
+    choices = [str(choice) for choice in action.choices or ()]
+    if len(",".join(choices)) > _CHOICES_WIDTH:
+        action.metavar = "NAME"
+        action.help = f"{action.help or ''} Choices: {', '.join(choices)}.".strip()
+
+
+def _unset_output_dir() -> str:
+    """Where transformers writes when no --output_dir is given (``TrainingArguments.__post_init__`` decides)."""
+    import transformers.utils.logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # it logs that it chose the folder
+    try:
+        return str(TrainingArguments(report_to="none").output_dir)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def _gpa_flags_first(parser: argparse.ArgumentParser) -> None:
@@ -321,7 +421,9 @@ def _gpa_flags_first(parser: argparse.ArgumentParser) -> None:
     """
     gpa_flags = set(inspect.get_annotations(GPATrainingArguments))
     group = parser.add_argument_group(
-        "GPA (hf_gpa)", "The optimizer and the flags of hf_gpa's optimizers; the stock flags follow under options."
+        "GPA (hf_gpa)",
+        "The optimizer and the flags of hf_gpa's optimizers; the stock flags follow under options. Every flag is "
+        "also taken with dashes (--gpa-mu-x).",
     )
     for action in list(parser._optionals._group_actions):
         if action.dest in gpa_flags:
@@ -407,6 +509,112 @@ def checkpoint_to_resume(training_args: TrainingArguments, logger: logging.Logge
             "the `--output_dir` or remove its checkpoint-* folders."
         )
     return checkpoint
+
+
+def finished_run(training_args: TrainingArguments) -> str | None:
+    """Why ``--output_dir`` already holds this training run, finished; None when there is training to do.
+
+    The same command run again must not train again: resuming from a run's last checkpoint at step ``--max_steps``
+    would take one more step and write over the final model and metrics. A run is finished when the newest
+    ``checkpoint-N`` in ``--output_dir`` (else the final ``trainer_state.json`` that the scripts write after training)
+    reached the requested ``--max_steps`` (with ``--num_train_epochs``: the steps and epochs it planned, and as many
+    epochs as requested). An explicit ``--resume_from_checkpoint`` and a run without ``--do_train`` are left alone.
+    """
+    output_dir = training_args.output_dir
+    if not training_args.do_train or training_args.resume_from_checkpoint or not os.path.isdir(output_dir):
+        return None
+    last = get_last_checkpoint(output_dir)
+    source = os.path.join(last or output_dir, "trainer_state.json")
+    try:
+        with open(source, encoding="utf-8") as f:
+            state = json.load(f)
+        step = int(state["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if training_args.max_steps > 0:
+        done = step >= training_args.max_steps
+        target = f"--max_steps {training_args.max_steps}"
+    else:
+        epochs = state.get("num_train_epochs") or 0
+        done = step >= int(state.get("max_steps") or 0) > 0 and epochs >= training_args.num_train_epochs
+        target = f"--num_train_epochs {training_args.num_train_epochs:g}"
+    if not done:
+        return None
+    return (
+        f"finished: {output_dir} holds a run that reached step {step} ({source}), the end of {target}; nothing to "
+        "do. To train again, pass another --output_dir (or remove this one); to continue this run, a larger "
+        f"{target.split()[0]} (it resumes from the newest checkpoint-N)."
+    )
+
+
+def results_of_finished_run(training_args: TrainingArguments, logger: logging.Logger) -> dict[str, float] | None:
+    """Where ``--output_dir`` holds this run finished (`finished_run`): say so and return the metrics it wrote to
+    ``all_results.json`` (empty where it wrote none), so that the script ends without training or writing anything;
+    None when there is training to do."""
+    finished = finished_run(training_args)
+    if finished is None:
+        return None
+    logger.warning(finished)
+    try:
+        with open(os.path.join(training_args.output_dir, "all_results.json"), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def start_run(training_args: TrainingArguments, script_logger: logging.Logger) -> tuple[dict | None, str | None]:
+    """The start both scripts share, before any data is read: logging (`setup_logging`); then either the results of
+    this run where ``--output_dir`` holds it finished (`results_of_finished_run`: the script returns them and does
+    nothing else), or None and the checkpoint to resume from (`checkpoint_to_resume`)."""
+    setup_logging(training_args, script_logger)
+    previous = results_of_finished_run(training_args, script_logger)
+    if previous is not None:
+        return previous, None
+    return None, checkpoint_to_resume(training_args, script_logger)
+
+
+def train_and_evaluate(
+    trainer: Any,
+    checkpoint: str | None,
+    *,
+    count_samples: bool = True,
+    add_eval_metrics: Callable[[dict[str, float]], None] | None = None,
+) -> dict[str, float]:
+    """What both scripts do with their trainer, as transformers' examples do: train (from ``checkpoint``), save the
+    model (GPATrainer writes the evaluation weights) and the trainer state, then evaluate; each step's metrics logged,
+    written to ``{train,eval}_results.json`` and returned together (``all_results.json``). ``count_samples``: add
+    ``train_samples``/``eval_samples`` (not for a streamed dataset, which has no length); ``add_eval_metrics`` adds
+    what a script computes from the evaluation's metrics (the perplexity)."""
+    args, all_metrics = trainer.args, {}
+    if args.do_train:
+        metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
+        trainer.save_model()  # Saves the processing class too; GPATrainer writes the evaluation weights x.
+        if count_samples:
+            metrics["train_samples"] = len(trainer.train_dataset)
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        all_metrics.update(metrics)
+    if args.do_eval:
+        logger.info("*** Evaluate ***")
+        metrics = trainer.evaluate()
+        if count_samples:
+            metrics["eval_samples"] = len(trainer.eval_dataset)
+        if add_eval_metrics is not None:
+            add_eval_metrics(metrics)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        all_metrics.update(metrics)
+    return all_metrics
+
+
+def write_model_card(trainer: Any, results: Mapping[str, float], **card: Any) -> None:
+    """The model card with the run's ``results`` (`GPATrainer.create_model_card`), pushed with the model under
+    ``--push_to_hub``."""
+    if trainer.args.push_to_hub:
+        trainer.push_to_hub(results=results, **card)
+    else:
+        trainer.create_model_card(results=results, **card)
 
 
 def run_main(main: Callable[[], object]) -> None:

@@ -8,22 +8,40 @@ and the model alone; `GPATrainer.create_model_card` only hands it the card trans
 from __future__ import annotations
 
 import inspect
+import math
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import yaml
 from torch import nn
 from transformers import TrainingArguments
 
-from hf_gpa.optim_table import GPAOptimizerNames, muon_split
+from hf_gpa.optim_table import HF_GPA_OPTIMIZERS, GPAOptimizerNames, muon_split, optim_value
 from hf_gpa.workers import workers_in_words
 
-__all__ = ["complete_model_card", "gpa_model_card_section", "gpa_run_summary", "with_gpa_tags"]
+__all__ = [
+    "complete_model_card",
+    "evaluation_results",
+    "gpa_model_card_section",
+    "gpa_optimizer_args",
+    "gpa_run_summary",
+    "task_and_dataset",
+    "with_gpa_tags",
+]
 
 #: How the model card names Muon (``--optim muon``, and as the base of GPA and DiLoCo).
 _MUON_CARD_NAME = (
     "Muon (hf_gpa.MuonWithAuxAdam: Muon on the hidden weight matrices, AdamW on embeddings, output head, norms and "
     "biases)"
 )
+
+#: What transformers' model card says of the optimizer's arguments when ``--optim_args`` is empty.
+_NO_OPTIMIZER_ARGS = "No additional optimizer arguments"
+#: The heading of transformers' table of the evaluations during training (empty when none ran during training).
+_TRAINING_RESULTS = "### Training results\n\n"
+#: Evaluation keys that are timings or counts, not results.
+_NOT_RESULTS = ("runtime", "samples_per_second", "steps_per_second", "samples", "epoch", "step")
 
 #: What transformers' model card says of a model whose config names no base model (trained from scratch).
 _EMPTY_BASE_MODEL = "This model is a fine-tuned version of [](https://huggingface.co/) on "
@@ -145,13 +163,92 @@ def with_gpa_tags(
     return bound.args, bound.kwargs
 
 
-def complete_model_card(path: str, section: str) -> None:
+def gpa_optimizer_args(args: TrainingArguments) -> str:
+    """``lr=0.003, gpa_mu_x=0.974004, gpa_mu_y=0.7, ...``: the learning rate and every flag the hf_gpa ``--optim``
+    reads, with its value in this run (empty for a stock ``--optim``)."""
+    spec = HF_GPA_OPTIMIZERS.get(optim_value(getattr(args, "optim", "")))
+    if spec is None:
+        return ""
+    values = {"lr": args.learning_rate, **{flag: getattr(args, flag, None) for flag in spec.flags}}
+    return ", ".join(f"{name}={_value_text(value)}" for name, value in values.items() if value is not None)
+
+
+def _value_text(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(getattr(value, "value", value))
+
+
+def evaluation_results(
+    results: Mapping[str, Any] | None, log_history: Sequence[Mapping[str, Any]]
+) -> dict[str, float]:
+    """The final evaluation's results by name (``loss``, ``perplexity``, ``accuracy``): from ``results`` where the
+    script hands them (they hold what it computed after the evaluation, e.g. the perplexity), else from the last
+    evaluation of the Trainer's ``log_history``; timings and counts left out."""
+    if results is None:
+        results = next((entry for entry in reversed(log_history) if "eval_loss" in entry), {})
+    named = {}
+    for key, value in results.items():
+        name = key.removeprefix("eval_")
+        if (key.startswith("eval_") or key == "perplexity") and name not in _NOT_RESULTS:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                named[name] = float(value)
+    return named
+
+
+def task_and_dataset(create_model_card: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The task and the dataset (its Hub tag, else its name) that ``create_model_card(*args, **kwargs)`` names, where
+    its signature takes them (None each where not), for the card's ``model-index``."""
+    try:
+        bound = inspect.signature(create_model_card).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return None, None
+
+    def first(value: Any) -> Any:
+        return value[0] if isinstance(value, (list, tuple)) and value else value or None
+
+    return first(bound.get("tasks")), first(bound.get("dataset_tags")) or first(bound.get("dataset"))
+
+
+def complete_model_card(
+    path: str,
+    section: str,
+    *,
+    optimizer_args: str = "",
+    results: Mapping[str, float] | None = None,
+    task: str | None = None,
+    dataset: str | None = None,
+) -> None:
     """Rewrite the card transformers wrote at ``path``: a model built from a config is said to be trained from
-    scratch, and ``section`` (`gpa_model_card_section`, possibly empty) is appended."""
+    scratch, the optimizer's arguments (`gpa_optimizer_args`) replace "No additional optimizer arguments", the final
+    evaluation's ``results`` (`evaluation_results`) fill the empty "Training results" and, with the ``task`` and
+    ``dataset`` they were measured on, the ``model-index`` (transformers drops a result without a dataset type), and
+    ``section`` (`gpa_model_card_section`, possibly empty) is appended."""
     with open(path, encoding="utf-8") as f:
         card = f.read()
     # transformers names the base model from config._name_or_path, which is "" for a model built from a config:
     # its card would say "a fine-tuned version of [](https://huggingface.co/)".
     card = card.replace(_EMPTY_BASE_MODEL, "This model was trained from scratch on ")
+    if optimizer_args:
+        card = card.replace(_NO_OPTIMIZER_ARGS, optimizer_args)
+    if results:
+        card = _with_results(card, results, task, dataset)
     with open(path, "w", encoding="utf-8") as f:
         f.write(card + ("\n" + section if section else ""))
+
+
+def _with_results(card: str, results: Mapping[str, float], task: str | None, dataset: str | None) -> str:
+    """``card`` with the final evaluation in its empty "Training results" and, where the ``model-index`` has no
+    result, there too (with the task and dataset, which the Hub requires of a result)."""
+    table = "| Metric | Value |\n|:---|---:|\n" + "".join(f"| {k} | {v:.6g} |\n" for k, v in results.items())
+    empty = _TRAINING_RESULTS + "\n"
+    if empty in card:
+        card = card.replace(empty, f"{_TRAINING_RESULTS}Final evaluation (at the evaluation weights):\n\n{table}", 1)
+    head, sep, body = card[4:].partition("\n---\n")
+    if not card.startswith("---\n") or not sep or task is None or dataset is None:
+        return card
+    metadata = yaml.safe_load(head) or {}
+    index = metadata.get("model-index") or []
+    if not index or index[0].get("results"):
+        return card
+    metrics = [{"name": name, "type": name, "value": value} for name, value in results.items()]
+    index[0]["results"] = [{"task": {"type": task}, "dataset": {"name": dataset, "type": dataset}, "metrics": metrics}]
+    return f"---\n{yaml.dump(metadata, sort_keys=False)}---\n{body}"

@@ -45,7 +45,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,7 +67,15 @@ from transformers.utils import (
 
 from hf_gpa.batchnorm import DEFAULT_RECALIBRATION_BATCHES, NormStatisticsAtX, count_over_processes, norm_layers
 from hf_gpa.checkpoint import evaluation_weights, random_state_kept, unwrap_gpa_optimizer
-from hf_gpa.model_card import complete_model_card, gpa_model_card_section, gpa_run_summary, with_gpa_tags
+from hf_gpa.model_card import (
+    complete_model_card,
+    evaluation_results,
+    gpa_model_card_section,
+    gpa_optimizer_args,
+    gpa_run_summary,
+    task_and_dataset,
+    with_gpa_tags,
+)
 from hf_gpa.optim import (
     StepInBackward,
     TrainEvalOptimizer,
@@ -500,20 +508,32 @@ class GPATrainer(DiLoCoWorkersMixin, Trainer):
 
     # ---- the Hub: the model card names the optimizer ----
 
-    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        """The next class's `create_model_card` plus a section naming the GPA optimizer, mu_x, mu_y and H
-        (`hf_gpa.model_card`).
+    def create_model_card(self, *args: Any, results: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        """The next class's `create_model_card` plus a section naming the GPA optimizer, mu_x, mu_y and H, the
+        optimizer's arguments and the final evaluation's results (`hf_gpa.model_card`).
 
         The next class decides the signature (`Trainer` takes ``language, license, tags, ...``, TRL's trainers
         ``model_name, dataset_name, tags``); the hf_gpa tags are added to ``tags`` wherever it takes them.
+        ``results``: the metrics a script computed beyond the evaluation's own (``perplexity``); without them the
+        last evaluation of the log history is the card's result.
         """
         section = gpa_model_card_section(self.args, getattr(self, "model", None))
         if section:
             args, kwargs = with_gpa_tags(super().create_model_card, args, kwargs, ("hf_gpa", self.args.optim.value))
+        task, dataset = task_and_dataset(super().create_model_card, args, kwargs)
         super().create_model_card(*args, **kwargs)
         path = os.path.join(self.args.output_dir, "README.md")
         if self.is_world_process_zero() and os.path.isfile(path):
-            complete_model_card(path, section)
+            log_history = getattr(getattr(self, "state", None), "log_history", [])
+            evaluated = evaluation_results(results, log_history)
+            complete_model_card(
+                path,
+                section,
+                optimizer_args=gpa_optimizer_args(self.args),
+                results=evaluated,
+                task=task,
+                dataset=dataset,
+            )
 
     def _push_from_checkpoint(self, checkpoint_folder: str, *args: Any, **kwargs: Any) -> None:
         # The stock checkpoint push uploads output_dir without a model card: write one, so that a repo pushed only
@@ -550,6 +570,7 @@ def _recalibration_dataloader(trainer: GPATrainer) -> DataLoader:
         collate_fn=collator,
         drop_last=len(dataset) >= batch_size,  # no short last batch: BatchNorm needs > 1 value per channel
     )
+
 
 def _recalibration_forward(trainer: GPATrainer, model: nn.Module, batch: dict[str, Any]) -> None:
     inputs = trainer._prepare_inputs(batch)

@@ -98,9 +98,9 @@ def _help(script: str, capsys) -> str:
             "run_clm_gpa",
             [
                 "(default: gpa_adamw)",
-                "(default: 400 without --dataset_name/--train_file/--validation_file; -1 with one of them)",
-                "(default: 0.003 without --dataset_name/--train_file/--validation_file; 5e-05 with one of them)",
-                "(default: 4 without --dataset_name/--train_file/--validation_file; None with one of them)",
+                "(default: 400; -1 with --dataset_name/--train_file/--validation_file)",
+                "(default: 0.003; 5e-05 with --dataset_name/--train_file/--validation_file)",
+                "(default: 4; None with --dataset_name/--train_file/--validation_file)",
                 "(default: cosine)",
             ],
         ),
@@ -108,8 +108,8 @@ def _help(script: str, capsys) -> str:
             "run_vit_gpa",
             [
                 "(default: gpa_adamw)",
-                "(default: 30 without --dataset_name/--train_dir/--validation_dir; 3.0 with one of them)",
-                "(default: 8 without --dataset_name/--train_dir/--validation_dir; None with one of them)",
+                "(default: 30; 3.0 with --dataset_name/--train_dir/--validation_dir)",
+                "(default: 8; None with --dataset_name/--train_dir/--validation_dir)",
             ],
         ),
     ],
@@ -185,7 +185,20 @@ def test_help_shows_the_gpa_flags_first(script: str, capsys) -> None:
     assert len(lines[0]) < 120 and lines[0].startswith("usage:")
     group = next(i for i, line in enumerate(lines) if line.startswith("GPA"))
     options = next(i for i, line in enumerate(lines) if line == "options:")
-    assert group < 5 < options
+    assert group < 7 < options  # the usage lines, then the GPA group
     for name in inspect.get_annotations(GPATrainingArguments):
         flag = next(i for i, line in enumerate(lines) if line.startswith(f"  --{name} "))
         assert group < flag < options, name
+
+
+def test_hf_gpa_itself_imports_no_torchao() -> None:
+    """hf_gpa imports torchao only where a low-bit optimizer is asked for: ``import hf_gpa``, ``hf_gpa.optim``,
+    ``hf_gpa.data`` load no torchao (whose import prints "Failed to load ..._C_mxfp8" where its kernels do not match).
+    transformers.modeling_utils imports torchao whenever it is installed, so the trainer and the scripts do: not ours
+    to change."""
+    import subprocess
+    import sys
+
+    code = "import sys, hf_gpa, hf_gpa.optim, hf_gpa.data, hf_gpa.extras; print('torchao' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

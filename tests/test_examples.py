@@ -236,12 +236,12 @@ def test_do_flags_in_a_json_file(script: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("script", "argv", "message"),
     [
-        ("run_clm_gpa", ["--not_a_flag", "1"], "not used by the HfArgumentParser"),
+        ("run_clm_gpa", ["--not_a_flag", "1"], "unknown flag --not_a_flag"),
         ("run_clm_gpa", ["--train_file", "data.parquet"], "csv, a json or a txt file"),
         ("run_clm_gpa", ["--gpa_mu_x", "1.5"], "gpa_mu_x"),
         ("run_clm_gpa", ["--validation_split_percentage", "0"], "validation_split_percentage"),
         ("run_clm_gpa", ["--model_type", "vit"], "causal-LM model type"),
-        ("run_vit_gpa", ["--not_a_flag", "1"], "not used by the HfArgumentParser"),
+        ("run_vit_gpa", ["--not_a_flag", "1"], "unknown flag --not_a_flag"),
         ("run_vit_gpa", ["--train_dir", "/nonexistent/images"], "not a directory"),
         ("run_vit_gpa", ["--min_crop_scale", "0"], "min_crop_scale"),
         ("run_vit_gpa", ["--gpa_mu_y", "0"], "gpa_mu_y"),
@@ -252,6 +252,16 @@ def test_bad_flags_fail_clearly(script: str, argv: list[str], message: str) -> N
     """A wrong flag fails before any data or model is loaded, with a ValueError that names it."""
     with pytest.raises(ValueError, match=message):
         _load_script(script).parse_args(["--output_dir", "unused", *argv])
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_ddp_does_not_look_for_unused_parameters_unless_asked(script: str) -> None:
+    """Under DDP the scripts do not ask DDP to look for unused parameters (transformers' default for a model without
+    activation checkpointing, which makes DDP warn on every process that it found none); the flag still wins."""
+    module = _load_script(script)
+    assert module.parse_args(["--output_dir", "unused"])[2].ddp_find_unused_parameters is False
+    given = module.parse_args(["--output_dir", "unused", "--ddp_find_unused_parameters", "true"])
+    assert given[2].ddp_find_unused_parameters is True
 
 
 def _final_output_folder(path: Path) -> Path:
@@ -300,6 +310,51 @@ def test_clm_save_steps_writes_checkpoints_that_resume(tmp_path: Path, run_clm: 
     assert resumed["eval_loss"] == uninterrupted["eval_loss"]
 
 
+def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``folder``: its modification time and contents."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in folder.rglob("*") if p.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--save_steps", "2"], ["--save_steps", "2", "--streaming", "true"], ["--optim", "adamw_torch"]],
+    ids=["checkpoints", "streaming", "adamw-no-checkpoints"],
+)
+def test_clm_the_same_command_again_does_not_train_again(
+    flags: list[str], tmp_path: Path, run_clm: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A finished run's command run again (its newest checkpoint, or without checkpoints its final trainer state, at
+    --max_steps) says the run is finished and ends without training or writing anything: no checkpoint-5, no file
+    rewritten; it returns the metrics the run wrote."""
+    output_dir = tmp_path / "out"
+    argv = ["--output_dir", str(output_dir), "--max_train_samples", "32", *_as_argv(TINY_CLM), *flags]
+    with patch.object(run_clm, "load_stdlib_texts", _first_stdlib_texts):
+        first = _run_main(run_clm, argv)
+        before = _snapshot(output_dir)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            again = _run_main(run_clm, argv)
+    assert _snapshot(output_dir) == before
+    assert again == _results(output_dir) and again["eval_loss"] == first["eval_loss"]
+    (message,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("finished: ")]
+    assert "nothing to do" in message and "--output_dir" in message and "--max_steps 4" in message
+
+
+def test_clm_a_run_shorter_than_one_outer_period_is_warned_at_the_start(
+    tmp_path: Path, run_clm: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DiLoCo with H = 32 for 2 steps (the docs' DiLoCo command at test sizes): one warning at the start of training
+    says that no outer step will happen before the end."""
+    argv = ["--output_dir", str(tmp_path / "out"), "--max_train_samples", "16", *_as_argv(TINY_CLM)]
+    argv += ["--max_steps", "2", "--optim", "diloco_adamw", "--diloco_inner_steps", "32", "--do_eval", "false"]
+    with patch.object(run_clm, "load_stdlib_texts", _first_stdlib_texts), caplog.at_level("WARNING"):
+        _run_main(run_clm, argv)
+    (warning,) = [r.getMessage() for r in caplog.records if "fewer than one outer period" in r.getMessage()]
+    assert "2 steps" in warning and "H = 32" in warning and "no outer step" in warning
+
+
 # --- run_vit_gpa.py --------------------------------------------------------------------------------------------------
 
 TINY_VIT: dict[str, object] = {
@@ -327,6 +382,21 @@ def vit_default_run(tmp_path_factory: pytest.TempPathFactory, run_vit: ModuleTyp
     output_dir = tmp_path_factory.mktemp("vit")
     _run_main(run_vit, ["--output_dir", str(output_dir), *_as_argv(TINY_VIT)])
     return output_dir
+
+
+def test_vit_the_same_command_again_after_its_epochs_does_not_train_again(
+    tmp_path: Path, run_vit: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run sized in epochs (--num_train_epochs, no --max_steps), run again after it finished, says so and writes
+    nothing."""
+    flags = {name: value for name, value in TINY_VIT.items() if name != "max_steps"}
+    argv = ["--output_dir", str(tmp_path / "out"), *_as_argv(flags), "--num_train_epochs", "1"]
+    first = _run_main(run_vit, argv)
+    before = _snapshot(tmp_path / "out")
+    with caplog.at_level("WARNING"):
+        again = _run_main(run_vit, argv)
+    assert _snapshot(tmp_path / "out") == before and again == first
+    assert any("--num_train_epochs 1; nothing to do" in r.getMessage() for r in caplog.records)
 
 
 def test_vit_default_run_reports_accuracy(vit_default_run: Path) -> None:
@@ -445,6 +515,31 @@ def test_help_lists_all_argument_groups(
 
 
 @pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_help_is_readable_and_shows_the_defaults_the_script_uses(
+    script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--help: a usage line naming the GPA flags, no line over 100 characters (--optim's choices wrapped), the
+    defaults the script applies (--output_dir: the folder transformers writes to; a data-size default that is the
+    same with a dataset shown once)."""
+    with patch.object(sys, "argv", [f"{script}.py"]), pytest.raises(SystemExit):
+        _load_script(script).parse_args(["--help"])
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    assert usage.startswith(f"usage: {script}.py") and "--gpa_mu_x" in usage and "--optim gpa_adamw" in usage
+    assert [line for line in out.splitlines() if len(line) > 100] == []
+    assert "adamw_torch_fused" in out.split("\n  --gpa_base_optim")[0]  # the --optim choices, in its help text
+    output_dir = out.split("\n  --output_dir")[1].split("\n  --")[0]
+    assert "(default: trainer_output)" in " ".join(output_dir.split())
+    batch = " ".join(out.split("\n  --per_device_train_batch_size")[1].split("\n  --")[0].split())
+    assert "with one of them" not in out
+    assert batch.endswith(
+        "(default: 8)"
+        if script == "run_clm_gpa"
+        else "(default: 32; 8 with --dataset_name/--train_dir/--validation_dir)"
+    )
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
 def test_the_script_ends_its_process_group(script: str, tmp_path: Path) -> None:
     """Run as a program under a launcher (here: a process group of one, as `accelerate launch` leaves it), the script
     destroys the default process group when it ends, also when main() raises: a group left to the interpreter's exit
@@ -512,12 +607,60 @@ def test_a_refused_flag_ends_the_program_as_argparse_does(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     if rank == "0":
-        assert err.startswith(f"usage: {script}.py [-h] [--FLAG VALUE ...]")
+        assert err.startswith(f"usage: {script}.py [-h] [--optim gpa_adamw] [--gpa_mu_x MU_X")
         (line,) = [line for line in err.splitlines() if line.startswith(f"{script}.py: error: ")]
         assert "--gpa_mu_x" in line and "1.5" in line
     else:
         assert err == ""
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("script", ["run_clm_gpa", "run_vit_gpa"])
+def test_a_mistyped_flag_gets_the_nearest_flag(
+    script: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mistyped flag ends the program with "unknown flag --gpa_mu_xx; did you mean --gpa_mu_x?", exit status 2, no
+    traceback, before any work; so does the same key in a JSON file of arguments."""
+    import runpy
+
+    monkeypatch.delenv("RANK", raising=False)
+    json_args = tmp_path / "args.json"
+    json_args.write_text(json.dumps({"output_dir": str(tmp_path / "out"), "gpa_mu_xx": 0.99}))
+    for argv in (["--output_dir", str(tmp_path / "out"), "--gpa_mu_xx", "0.99"], [str(json_args)]):
+        with patch.object(sys, "argv", [f"{script}.py", *argv]), pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(REPO / f"{script}.py"), run_name="__main__")
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{script}.py: error: unknown flag --gpa_mu_xx; did you mean --gpa_mu_x?" in err
+        assert "Traceback" not in err and "HfArgumentParser" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refused_flag_under_accelerate_launch_is_printed_once_without_a_traceback_of_the_script(
+    tmp_path: Path,
+) -> None:
+    """Under ``accelerate launch`` with 2 processes (the DDP config, gloo on CPU), a refused flag is printed once and
+    the first process exits with status 2 (the launcher's report names it as the root cause, exitcode 2), with no
+    traceback through the script; the launcher's own traceback (ChildFailedError) and status 1 follow, as
+    docs/examples.md says."""
+    from launching import free_port, launch_env, run_together
+
+    log = tmp_path / "launch.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate_ddp.yaml"),
+    ]
+    cmd += ["--num_processes", "2", "--main_process_port", str(free_port()), str(REPO / "run_clm_gpa.py")]
+    cmd += ["--output_dir", str(tmp_path / "out"), "--gpa_mu_x", "1.5"]
+    (code,) = run_together([cmd], [log], launch_env(REPO), 240)
+    text = log.read_text(errors="replace")
+    assert text.count("run_clm_gpa.py: error: Invalid --gpa_mu_x: 1.5") == 1, text[-4000:]
+    assert "exitcode  : 2" in text and "ChildFailedError" in text
+    assert f'File "{REPO / "run_clm_gpa.py"}"' not in text
+    assert code == 1
 
 
 def test_a_checkpoint_that_cannot_continue_is_a_refused_argument(tmp_path: Path) -> None:

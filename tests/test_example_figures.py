@@ -1,0 +1,43 @@
+"""The figures docs/examples.md quotes from the example scripts' default runs come from their record,
+``benchmarks/results/example_runs/example_runs.json`` (written by ``python -m benchmarks.example_runs``), rounded as
+``benchmarks.example_runs.quoted_figures`` rounds them: a figure no run gave cannot stay in the docs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks.example_runs import _row, machine, quoted_figures
+
+REPO = Path(__file__).resolve().parents[1]
+RECORD = REPO / "benchmarks" / "results" / "example_runs" / "example_runs.json"
+DOCS = REPO / "docs" / "examples.md"
+
+
+def _record() -> dict:
+    if not RECORD.is_file():
+        pytest.skip(f"no record yet: python -m benchmarks.example_runs writes {RECORD.relative_to(REPO)}")
+    return json.loads(RECORD.read_text())
+
+
+def test_the_docs_table_of_the_default_runs_is_the_record_s() -> None:
+    """Each script's row of the docs' table (wall, training and evaluation time, CPU time, training loss, final
+    evaluation) is the record's, rounded; and the docs name the machine and load the record was measured on."""
+    data, lines = _record(), DOCS.read_text().splitlines()
+    for run in data["runs"]:
+        (row,) = [line for line in lines if line.startswith(f"| `{run['script']}` |")]
+        assert row == "| " + " | ".join(str(cell) for cell in _row(run)) + " |"
+    assert machine(data) in " ".join(DOCS.read_text().split())
+
+
+def test_every_time_the_docs_quote_is_a_recorded_one() -> None:
+    """No time in docs/examples.md ("N min N s") that the record does not give: the old "5 min 15 s" and "about 5
+    minutes" are gone."""
+    figures = " ".join(f for run in _record()["runs"] for f in quoted_figures(run).values())
+    text = DOCS.read_text()
+    for time in re.findall(r"\d+ min \d+ s", text):
+        assert time in figures, time
+    assert "about 5 minutes" not in text.lower()
