@@ -15,6 +15,7 @@ from benchmarks.example_runs import _row, machine, quoted_figures
 REPO = Path(__file__).resolve().parents[1]
 RECORD = REPO / "benchmarks" / "results" / "example_runs" / "example_runs.json"
 DOCS = REPO / "docs" / "examples.md"
+README = REPO / "README.md"
 
 
 def _record() -> dict:
@@ -41,3 +42,14 @@ def test_every_time_the_docs_quote_is_a_recorded_one() -> None:
     for time in re.findall(r"\d+ min \d+ s", text):
         assert time in figures, time
     assert "about 5 minutes" not in text.lower()
+
+
+def test_the_readme_s_example_figures_are_the_record_s() -> None:
+    """The README's headline rows of the two default runs quote the record's final evaluation, rounded as the docs
+    round it (before, the ViT row said 98.15%, from older code and no record), and its CPU time."""
+    runs = {run["script"]: run for run in _record()["runs"]}
+    rows = {line.split("|")[1].strip(): line for line in README.read_text().splitlines() if line.startswith("| ")}
+    clm, vit = runs["run_clm_gpa.py"]["results"], runs["run_vit_gpa.py"]["results"]
+    assert f"| {clm['eval_loss']:.3f} (perplexity {clm['perplexity']:.1f}) |" in rows["CLM example, `eval_loss` at x"]
+    assert f"| {vit['eval_accuracy']:.1%} |" in rows["ViT example, `eval_accuracy` at x"]
+    assert f"{quoted_figures(runs['run_clm_gpa.py'])['cpu']} of CPU" in " ".join(README.read_text().split())
