@@ -901,12 +901,12 @@ def test_gpa_distributed_from_python_must_be_a_bool(tmp_path, monkeypatch):
 def test_gpa_distributed_builds_gpa_diloco_across_processes(tmp_path, monkeypatch):
     """--optim gpa_adamw --gpa_distributed true on 4 processes as 2 workers of 2, P = 2: the optimizer is `GPADiLoCo`
     around AdamW with H from --gpa_sync_steps, mu_x and mu_y from --gpa_mu_x / --gpa_mu_y (unset mu_x: 0.9 per outer
-    step), the outer lr from --gpa_outer_lr (unset: `outer_lr_like_diloco` of DiLoCo's defaults across workers); each
+    step), the outer lr from --gpa_outer_lr (unset: `default_gpa_outer_lr`, DiLoCo's defaults across workers); each
     process reads
     its own batches and counts its loss's tokens in its island; the arguments round-trip through their JSON."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_gpa.optim import GPADiLoCo, outer_lr_like_diloco
+    from hf_gpa.optim import GPADiLoCo, default_gpa_outer_lr, outer_lr_like_diloco
     from hf_gpa.optim_table import optimizer_cls_and_kwargs
 
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -914,7 +914,8 @@ def test_gpa_distributed_builds_gpa_diloco_across_processes(tmp_path, monkeypatc
             "--diloco_fragments", "2", "--learning_rate", "0.01"]  # fmt: skip
     args = parse(argv, tmp_path)
     assert (args.gpa_mu_x, args.gpa_mu_y, args.gpa_sync_steps) == (0.9, 0.5, 8)
-    assert args.gpa_outer_lr == outer_lr_like_diloco(0.6, 0.9, 0.9, 0.5)  # DiLoCo's defaults across workers
+    assert args.gpa_outer_lr == default_gpa_outer_lr(2, 0.9, 0.5)  # DiLoCo's defaults across workers, in GPA's form
+    assert args.gpa_outer_lr == pytest.approx(outer_lr_like_diloco(0.6, 0.9, 0.9, 0.5), abs=1e-12)
     assert args.across_workers == "--gpa_distributed"
     assert args.gpa_effective_inner_steps is None  # mu_x is per outer step: no per-step H to match (the model card)
     assert args.accelerator_config.dispatch_batches is False and args.average_tokens_across_devices is False
