@@ -36,10 +36,11 @@ three claims and what the saving costs in loss, on the tiny Llama and corpus of 
     all-reduce in bfloat16 and int8, streaming DiLoCo blocking and overlapped); DiLoCo's pick at the outer lrs of
     ``Plan.outer_lr_checks``. Every run records its phase ("tune" or "final") and where it ran
     (`report.environment`);
-  - an overlapped outer sync still in flight at the last step is applied before the final evaluation
-    (``DiLoCo.apply_syncs_in_flight``, as ``GPATrainer`` does at the end of training; the evaluation before it is
-    kept under ``before_syncs_applied``); the evaluations during training are of what a user sees at that step,
-    the syncs in flight not applied.
+  - the end of training is the Trainer's: ``synchronize()`` (``GPATrainer`` calls it at the last step) applies an
+    overlapped outer sync still in flight and synchronises the fragments of a streaming run that took inner steps
+    since their last outer step, before the final evaluation (the evaluation before it is kept under
+    ``before_syncs_applied``, for a streaming or overlapped run); the evaluations during training are of what a user
+    sees at that step, the syncs in flight not applied.
 
   The loss is that of the evaluation weights (DiLoCo's outer weights, GPA's x).
 
@@ -484,12 +485,12 @@ class Trainee:
                 self.optimizer.train()
 
     def end_training(self) -> None:
-        """What the Trainer does when training ends, before it evaluates: the overlapped outer syncs still in flight
-        applied (``DiLoCo.apply_syncs_in_flight``; nothing where there are none). A collective: every process calls
-        it."""
-        apply = getattr(self.optimizer, "apply_syncs_in_flight", None)
-        if apply is not None:
-            apply()
+        """What the Trainer does when training ends, before it evaluates: the outer optimizer's ``synchronize()``
+        (the syncs in flight applied, every fragment's partial period synchronised; nothing for DDP-AdamW or a run
+        that ends on a whole period). A collective: every process calls it."""
+        synchronize = getattr(self.optimizer, "synchronize", None)
+        if synchronize is not None:
+            synchronize()
 
 
 def entry_key(method: Method) -> Method:
@@ -783,7 +784,7 @@ def quality_run(context: Context, method: Method, lr: float, seed: int, phase: s
             run["diverged_at"] = step + 1
             break
         if step + 1 == steps:
-            if method.overlap_steps:
+            if method.overlap_steps or method.num_fragments > 1:
                 run["before_syncs_applied"] = context.evaluate(trainee)
             trainee.end_training()
         if (step + 1) % workload.eval_every == 0 or step + 1 == steps:
@@ -1270,9 +1271,9 @@ def report_text(data: dict[str, Any]) -> str:
             "Roles: `pick` a tuned method's pick; `variant` an untuned variant of a DiLoCo pick (outer all-reduce "
             "compressed, streaming blocking or overlapped); `check` a DiLoCo pick at another outer lr. DiLoCo: every "
             "process a worker, each with its share of the global batch. The loss is that of the evaluation weights "
-            "(DiLoCo's outer weights, GPA's x); an overlapped sync still in flight at the last step is applied first "
-            "(`apply_syncs_in_flight`, as the Trainer does), the curves before the last step show the weights as a "
-            "user sees them then. `validation windows` is the same final runs on the tuning's windows; `tuning "
+            "(DiLoCo's outer weights, GPA's x), at the last step after the Trainer's end of training (`synchronize()`: "
+            "an overlapped sync still in flight applied, a streaming run's partial fragment periods synchronised); "
+            "the curves before the last step show the weights as a user sees them then. `validation windows` is the same final runs on the tuning's windows; `tuning "
             "score` the pick's own at the tuning seeds: their gap is what the picking flattered it by.\n",
             text + "\n",
         ]
