@@ -1271,9 +1271,10 @@ def report_text(data: dict[str, Any]) -> str:
             "Roles: `pick` a tuned method's pick; `variant` an untuned variant of a DiLoCo pick (outer all-reduce "
             "compressed, streaming blocking or overlapped); `check` a DiLoCo pick at another outer lr. DiLoCo: every "
             "process a worker, each with its share of the global batch. The loss is that of the evaluation weights "
-            "(DiLoCo's outer weights, GPA's x), at the last step after the Trainer's end of training (`synchronize()`: "
-            "an overlapped sync still in flight applied, a streaming run's partial fragment periods synchronised); "
-            "the curves before the last step show the weights as a user sees them then. `validation windows` is the same final runs on the tuning's windows; `tuning "
+            "(DiLoCo's outer weights, GPA's x), at the last step after the Trainer's end of training "
+            "(`synchronize()`: an overlapped sync still in flight applied, a streaming run's partial fragment "
+            "periods synchronised); the curves before the last step show the weights as a user sees them then. "
+            "`validation windows` is the same final runs on the tuning's windows; `tuning "
             "score` the pick's own at the tuning seeds: their gap is what the picking flattered it by.\n",
             text + "\n",
         ]
