@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# The exact command that produces benchmarks/results/diloco_regime/diloco_workers.{json,md,png} (issue 51), run from
-# the repository root of a detached checkout of the commit this file was added in, so that nothing edited later
-# changes the running code (every run records that commit, its CPU, torch's instruction set, Python, torch and
-# threads):
-#   git -C /work/wt51 worktree add --detach /work/bench-regime <commit>
-#   cd /work/bench-regime
-#   PYTHONPATH=/work/bench-regime OMP_NUM_THREADS=1 setsid nohup nice -n 19 /work/main/.venv/bin/python \
+# The exact command that produces benchmarks/results/diloco_regime/diloco_workers.{json,md,png}, run from the
+# repository root of a detached checkout of the commit that runs it, so that nothing edited later changes the running
+# code (every run records that commit, its CPU, torch's instruction set, Python, torch and threads):
+#   git worktree add --detach ../bench-regime <commit>
+#   cd ../bench-regime
+#   PYTHONPATH=$PWD OMP_NUM_THREADS=1 setsid nohup nice -n 19 python \
 #       -m benchmarks.diloco_workers --regime --parts bytes quality --tune-seeds 0 --final-seeds 1 2 3 4 5 \
-#       --out benchmarks/results/diloco_regime > /work/bench-regime/regime.log 2>&1 &
+#       --out benchmarks/results/diloco_regime > regime.log 2>&1 &
 # Every run is appended to the JSON as it ends (the .md and .png rewritten from it), so the command can be killed
 # and started again: recorded runs are skipped. The same, as a script:
 set -euo pipefail
