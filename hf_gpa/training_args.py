@@ -185,7 +185,7 @@ class GPATrainingArguments(TrainingArguments):
             "help": (
                 "With --optim diloco_adamw or diloco_muon: the outer (Nesterov) learning rate (finite, > 0). Unset: "
                 f"{DEFAULT_OUTER_LR}, or {DEFAULT_OUTER_LR_ACROSS_WORKERS} with --diloco_distributed across more than "
-                "one worker (the pick of the measurement in DiLoCo's regime, docs/diloco_measured.md)."
+                "one worker (the DiLoCo scaling-law study's value at M = 4 workers)."
             )
         },
     )

@@ -56,7 +56,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]
 
 
 def test_an_unset_outer_lr_takes_the_across_workers_default(two_ranks: list) -> None:
-    """DiLoCo across two workers takes outer lr 0.6 unless given (the pick of benchmarks.diloco_workers --regime),
+    """DiLoCo across two workers takes outer lr 0.6 unless given (the DiLoCo scaling-law study's at M = 4),
     GPADiLoCo the same in its form, 0.6 (1 + 0.9) / (1 - 0.81); one worker of both processes keeps the single-worker
     0.7 (GPADiLoCo: 7.0): the figures `default_gpa_outer_lr` states."""
     from hf_gpa.optim import default_gpa_outer_lr, outer_lr_like_diloco

@@ -657,9 +657,9 @@ ISLANDS = [*DISTRIBUTED, "--diloco_workers", "2"]
         (["--optim", "diloco_adamw"], 0.7),
     ],
 )
-def test_an_unset_outer_lr_is_the_measured_one_across_workers(argv, outer_lr, tmp_path, monkeypatch) -> None:
-    """--diloco_outer_lr unset: 0.6 with --diloco_distributed across more than one worker (the pick of the
-    measurement in DiLoCo's regime), 0.7 for one worker; a given value stays; the resolved value round-trips through
+def test_an_unset_outer_lr_is_the_across_workers_value(argv, outer_lr, tmp_path, monkeypatch) -> None:
+    """--diloco_outer_lr unset: 0.6 with --diloco_distributed across more than one worker (the DiLoCo scaling-law
+    study's value at M = 4), 0.7 for one worker; a given value stays; the resolved value round-trips through
     the arguments' JSON, also under another --optim (a saved configuration)."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     args = parse(argv, tmp_path)
