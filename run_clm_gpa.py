@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from hf_gpa.extras import missing_extra
+from hf_gpa.extras import requires_extra
 
-try:  # the examples extra; without it, stop here with the pip command that installs it
+with requires_extra("run_clm_gpa.py", "examples"):  # without it, stop here with the pip command that installs it
     import datasets
     import evaluate
     import torch
@@ -81,8 +81,6 @@ try:  # the examples extra; without it, stop here with the pip command that inst
         write_model_card,
     )
     from hf_gpa.metrics import ACCURACY
-except ModuleNotFoundError as error:
-    raise missing_extra("run_clm_gpa.py", "examples", error) from error
 
 logger = logging.getLogger(__name__)
 

@@ -52,9 +52,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_gpa.extras import missing_extra
+from hf_gpa.extras import requires_extra
 
-try:  # the examples extra; without it, stop here with the pip command that installs it
+with requires_extra("run_vit_gpa.py", "examples"):  # without it, stop here with the pip command that installs it
     import datasets
     import evaluate
     import numpy as np
@@ -91,8 +91,6 @@ try:  # the examples extra; without it, stop here with the pip command that inst
         write_model_card,
     )
     from hf_gpa.metrics import ACCURACY
-except ModuleNotFoundError as error:
-    raise missing_extra("run_vit_gpa.py", "examples", error) from error
 
 logger = logging.getLogger(__name__)
 
