@@ -14,16 +14,9 @@ With no dataset and no model named, the script needs no network:
 * model: a small Llama built from a config (:data:`DEFAULT_LLAMA_CONFIG`);
 * training: :data:`EMBEDDED_DEFAULTS` (400 steps of 8 x 256 tokens), a few minutes on 2 CPU cores.
 
-Defaults, in the order they apply (a flag given on the command line or in the JSON file always wins):
-
-* :data:`GPA_RECIPE_DEFAULTS`, always: ``--optim gpa_adamw``, 10% linear warmup, cosine decay, weight decay 0.1,
-  gradient clipping at 1.0 (the paper's recipe);
-* :data:`EMBEDDED_DEFAULTS`, when no ``--dataset_name``/``--train_file``/``--validation_file`` is given;
-* ``--do_train --do_eval`` unless a ``--do_*`` flag is turned on (``--do_eval false`` trains without evaluating).
-
-A flag given also wins over a default it acts against: ``--save_steps N`` saves every N steps although the embedded
-data's default is ``--save_strategy no`` (``hf_gpa.example_args``). ``--resume_from_checkpoint`` must name a
-``checkpoint-N`` folder (a run's final folder has no optimizer state and is refused before any data is read).
+Defaults: :data:`GPA_RECIPE_DEFAULTS` (the paper's recipe) always, :data:`EMBEDDED_DEFAULTS` when no
+``--dataset_name``/``--train_file``/``--validation_file`` is given. ``hf_gpa.example_args`` says how the scripts
+apply their defaults (a flag given always wins) and what else they share.
 
 Examples::
 
@@ -40,11 +33,11 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import Any, ClassVar
 
-from hf_gpa.extras import missing_extra
+from hf_gpa.extras import requires_extra
 
-try:  # the examples extra; without it, stop here with the pip command that installs it
+with requires_extra("run_clm_gpa.py", "examples"):  # without it, stop here with the pip command that installs it
     import datasets
     import evaluate
     import torch
@@ -68,21 +61,17 @@ try:  # the examples extra; without it, stop here with the pip command that inst
     from hf_gpa import GPATrainer, GPATrainingArguments
     from hf_gpa.data import get_default_tokenizer, load_stdlib_texts
     from hf_gpa.example_args import (
-        GPA_COUPLED_FLAGS,
         GPA_RECIPE_DEFAULTS,
+        DataArguments,
         HubArguments,
         apply_config_overrides,
         check_model_source,
         parse_with_defaults,
+        run_example,
         run_main,
         size_in_parameters,
-        start_run,
-        train_and_evaluate,
-        write_model_card,
     )
     from hf_gpa.metrics import ACCURACY
-except ModuleNotFoundError as error:
-    raise missing_extra("run_clm_gpa.py", "examples", error) from error
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +92,6 @@ EMBEDDED_DEFAULTS: dict[str, Any] = {
     # A 400-step run needs a shorter averaging window than the paper's H = 32 (mu_x = 0.9967) tuned for ~10^4
     # steps: with H = 4, mu_x = 0.9 ** (1 / 4) = 0.974 and the initial weights have decayed out of x after 400 steps.
     "gpa_inner_steps": 4,
-}
-
-# A default that is left out when the user gives any of the flags it is coupled to.
-_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
-    "max_steps": ("num_train_epochs",),
-    **GPA_COUPLED_FLAGS,
 }
 
 #: The default model: a 4-layer Llama (2,557,632 parameters with the default 4096-token vocabulary).
@@ -161,9 +144,6 @@ class ModelArguments(HubArguments):
             )
         },
     )
-    config_name: str | None = field(
-        default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"}
-    )
     tokenizer_name: str | None = field(
         default=None,
         metadata={
@@ -205,39 +185,17 @@ class ModelArguments(HubArguments):
 
 
 @dataclass
-class DataTrainingArguments:
+class DataTrainingArguments(DataArguments):
     """What data to train and evaluate on. No dataset or file: the embedded stdlib source corpus."""
 
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."}
-    )
-    dataset_config_name: str | None = field(
-        default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."}
-    )
+    data_source_flags: ClassVar[tuple[str, ...]] = ("dataset_name", "train_file", "validation_file")
+
     train_file: str | None = field(
         default=None, metadata={"help": "The input training data file (a text, json or csv file)."}
     )
     validation_file: str | None = field(
         default=None,
         metadata={"help": "An optional input evaluation data file to evaluate the perplexity on (a text file)."},
-    )
-    max_train_samples: int | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "For debugging purposes or quicker training, truncate the number of training examples to this "
-                "value if set."
-            )
-        },
-    )
-    max_eval_samples: int | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "For debugging purposes or quicker training, truncate the number of evaluation examples to this "
-                "value if set."
-            )
-        },
     )
     streaming: bool = field(default=False, metadata={"help": "Enable streaming mode"})
     block_size: int | None = field(
@@ -282,31 +240,19 @@ class DataTrainingArguments:
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"--block_size must be at least 2, got {self.block_size}")
 
-    @property
-    def uses_embedded_corpus(self) -> bool:
-        """True when no dataset or data file is named, so the stdlib source corpus is used."""
-        return self.dataset_name is None and self.train_file is None and self.validation_file is None
-
 
 def parse_args(
     argv: Sequence[str] | None = None,
 ) -> tuple[ModelArguments, DataTrainingArguments, GPATrainingArguments]:
     """Parse the command line (or one JSON file), filling in the script's defaults for flags not given."""
-    return parse_with_defaults(
-        (ModelArguments, DataTrainingArguments, GPATrainingArguments),
-        ("dataset_name", "train_file", "validation_file"),
-        GPA_RECIPE_DEFAULTS,
-        EMBEDDED_DEFAULTS,
-        _COUPLED_FLAGS,
-        argv,
-    )
+    return parse_with_defaults(ModelArguments, DataTrainingArguments, GPA_RECIPE_DEFAULTS, EMBEDDED_DEFAULTS, argv)
 
 
 def load_raw_datasets(
     model_args: ModelArguments, data_args: DataTrainingArguments
 ) -> DatasetDict | IterableDatasetDict:
     """The train and validation splits as named by the flags, with a "text" column for the embedded corpus."""
-    if data_args.uses_embedded_corpus:
+    if data_args.uses_embedded_data:
         logger.info("No dataset given: using the Python standard library's source files (hf_gpa.data)")
         raw = DatasetDict(
             {split: Dataset.from_dict({"text": load_stdlib_texts(split)}) for split in ("train", "validation")}
@@ -601,23 +547,14 @@ def model_card_kwargs(model_args: ModelArguments, data_args: DataTrainingArgumen
             kwargs["dataset"] = f"{data_args.dataset_name} {data_args.dataset_config_name}"
         else:
             kwargs["dataset"] = data_args.dataset_name
-    elif data_args.uses_embedded_corpus:
+    elif data_args.uses_embedded_data:
         kwargs["dataset"] = "Python standard library source (hf_gpa.data)"
     return kwargs
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
-    model_args, data_args, training_args = parse_args(argv)
-    previous, checkpoint = start_run(training_args, logger)
-    if previous is not None:
-        return previous  # the same command ran to its end before: nothing to train, nothing to write
-    trainer = build_trainer(model_args, data_args, training_args)
-    all_metrics = train_and_evaluate(
-        trainer, checkpoint, count_samples=not data_args.streaming, add_eval_metrics=add_perplexity
-    )
-    write_model_card(trainer, all_metrics, **model_card_kwargs(model_args, data_args))
-    return all_metrics
+    return run_example(parse_args(argv), build_trainer, model_card_kwargs, logger, add_eval_metrics=add_perplexity)
 
 
 if __name__ == "__main__":

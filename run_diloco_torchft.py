@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_gpa.extras import missing_extra
+from hf_gpa.extras import requires_extra
 
-try:  # the examples extra (transformers, tokenizers); torchft is imported when the group connects
+with requires_extra("run_diloco_torchft.py", "examples"):  # transformers, tokenizers; torchft: when a group connects
     import torch
     from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, get_scheduler
 
@@ -69,8 +69,6 @@ try:  # the examples extra (transformers, tokenizers); torchft is imported when 
         TorchftSync,
         replica_group_id,
     )
-except ModuleNotFoundError as error:
-    raise missing_extra("run_diloco_torchft.py", "examples", error) from error
 
 logger = logging.getLogger(__name__)
 

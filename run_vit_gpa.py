@@ -22,17 +22,10 @@ Without torchvision this uses PIL only. It draws from Python's global generator,
 GPATrainer's BatchNorm recalibration leaves untouched: it forwards augmented training batches without changing
 training's own random draws.
 
-Defaults, in the order they apply (a flag given on the command line or in the JSON file always wins):
-
-* :data:`RECIPE_DEFAULTS`, always: ``hf_gpa.example_args.GPA_RECIPE_DEFAULTS`` (``--optim gpa_adamw``, 10% linear
-  warmup, cosine decay, weight decay 0.1, gradient clipping at 1.0: the paper's recipe) and
-  ``--remove_unused_columns false`` (the image column must reach the transform);
-* :data:`EMBEDDED_DEFAULTS`, when no ``--dataset_name``/``--train_dir``/``--validation_dir`` is given;
-* ``--do_train --do_eval`` unless a ``--do_*`` flag is turned on (``--do_eval false`` trains without evaluating).
-
-A flag given also wins over a default it acts against: ``--save_steps N`` saves every N steps although the embedded
-data's default is ``--save_strategy no`` (``hf_gpa.example_args``). ``--resume_from_checkpoint`` must name a
-``checkpoint-N`` folder (a run's final folder has no optimizer state and is refused before any data is read).
+Defaults: :data:`RECIPE_DEFAULTS` (the paper's recipe and ``--remove_unused_columns false``, since the image column
+must reach the transform) always, :data:`EMBEDDED_DEFAULTS` when no ``--dataset_name``/``--train_dir``/
+``--validation_dir`` is given. ``hf_gpa.example_args`` says how the scripts apply their defaults (a flag given always
+wins) and what else they share.
 
 Examples::
 
@@ -50,11 +43,11 @@ import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from hf_gpa.extras import missing_extra
+from hf_gpa.extras import requires_extra
 
-try:  # the examples extra; without it, stop here with the pip command that installs it
+with requires_extra("run_vit_gpa.py", "examples"):  # without it, stop here with the pip command that installs it
     import datasets
     import evaluate
     import numpy as np
@@ -78,21 +71,17 @@ try:  # the examples extra; without it, stop here with the pip command that inst
     from hf_gpa import GPATrainer, GPATrainingArguments
     from hf_gpa.data import load_digits_dataset
     from hf_gpa.example_args import (
-        GPA_COUPLED_FLAGS,
         GPA_RECIPE_DEFAULTS,
+        DataArguments,
         HubArguments,
         apply_config_overrides,
         check_model_source,
         parse_with_defaults,
+        run_example,
         run_main,
         size_in_parameters,
-        start_run,
-        train_and_evaluate,
-        write_model_card,
     )
     from hf_gpa.metrics import ACCURACY
-except ModuleNotFoundError as error:
-    raise missing_extra("run_vit_gpa.py", "examples", error) from error
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +108,6 @@ EMBEDDED_DEFAULTS: dict[str, Any] = {
     "min_crop_scale": 0.7,
     # 1,440 steps: a shorter averaging window than the paper's H = 32 (mu_x = 0.9967) tuned for ~10^4 steps.
     "gpa_inner_steps": 8,
-}
-
-# A default that is left out when the user gives any of the flags it is coupled to.
-_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
-    "num_train_epochs": ("max_steps",),
-    **GPA_COUPLED_FLAGS,
 }
 
 #: The default model: a 4-layer ViT on 16x16 images in 4x4 patches (16 patches + CLS; about 0.3M parameters).
@@ -167,9 +150,12 @@ DEFAULT_RESNET_TEXT = (
 
 
 @dataclass
-class DataTrainingArguments:
+class DataTrainingArguments(DataArguments):
     """What data to train and evaluate on. No dataset or folder: scikit-learn's bundled digits."""
 
+    data_source_flags: ClassVar[tuple[str, ...]] = ("dataset_name", "train_dir", "validation_dir")
+
+    # DataArguments' flag, its help saying what unset means here.
     dataset_name: str | None = field(
         default=None,
         metadata={
@@ -179,31 +165,10 @@ class DataTrainingArguments:
             )
         },
     )
-    dataset_config_name: str | None = field(
-        default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."}
-    )
     train_dir: str | None = field(default=None, metadata={"help": "A folder containing the training data."})
     validation_dir: str | None = field(default=None, metadata={"help": "A folder containing the validation data."})
     train_val_split: float | None = field(
         default=0.15, metadata={"help": "Percent to split off of train for validation."}
-    )
-    max_train_samples: int | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "For debugging purposes or quicker training, truncate the number of training examples to this "
-                "value if set."
-            )
-        },
-    )
-    max_eval_samples: int | None = field(
-        default=None,
-        metadata={
-            "help": (
-                "For debugging purposes or quicker training, truncate the number of evaluation examples to this "
-                "value if set."
-            )
-        },
     )
     image_column_name: str = field(
         default="image",
@@ -236,11 +201,6 @@ class DataTrainingArguments:
             if path is not None and not os.path.isdir(path):
                 raise ValueError(f"--{flag} {path!r} is not a directory (the imagefolder loader reads a folder)")
 
-    @property
-    def uses_embedded_dataset(self) -> bool:
-        """True when no dataset or folder is named, so scikit-learn's digits are used."""
-        return self.dataset_name is None and self.train_dir is None and self.validation_dir is None
-
 
 @dataclass
 class ModelArguments(HubArguments):
@@ -264,9 +224,6 @@ class ModelArguments(HubArguments):
                 + f". Unset: {DEFAULT_VIT_TEXT}; resnet: {DEFAULT_RESNET_TEXT}."
             )
         },
-    )
-    config_name: str | None = field(
-        default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"}
     )
     config_overrides: str | None = field(
         default=None,
@@ -299,19 +256,12 @@ def parse_args(
     argv: Sequence[str] | None = None,
 ) -> tuple[ModelArguments, DataTrainingArguments, GPATrainingArguments]:
     """Parse the command line (or one JSON file), filling in the script's defaults for flags not given."""
-    return parse_with_defaults(
-        (ModelArguments, DataTrainingArguments, GPATrainingArguments),
-        ("dataset_name", "train_dir", "validation_dir"),
-        RECIPE_DEFAULTS,
-        EMBEDDED_DEFAULTS,
-        _COUPLED_FLAGS,
-        argv,
-    )
+    return parse_with_defaults(ModelArguments, DataTrainingArguments, RECIPE_DEFAULTS, EMBEDDED_DEFAULTS, argv)
 
 
 def load_raw_dataset(model_args: ModelArguments, data_args: DataTrainingArguments, seed: int) -> datasets.DatasetDict:
     """The train and validation splits as named by the flags (validation split off train when missing)."""
-    if data_args.uses_embedded_dataset:
+    if data_args.uses_embedded_data:
         logger.info("No dataset given: using scikit-learn's bundled digits (hf_gpa.data.load_digits_dataset)")
         dataset = DatasetDict({"train": load_digits_dataset()})
     elif data_args.dataset_name is not None:
@@ -524,23 +474,19 @@ def build_trainer(
     )
 
 
+def model_card_kwargs(model_args: ModelArguments, data_args: DataTrainingArguments) -> dict[str, Any]:
+    """What the model card says of the base model, the task and the dataset."""
+    return {
+        "finetuned_from": model_args.model_name_or_path,
+        "tasks": "image-classification",
+        "dataset": data_args.dataset_name or ("scikit-learn digits" if data_args.uses_embedded_data else None),
+        "tags": ["image-classification", "vision", "gpa"],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     """Run the script on ``argv`` (default: ``sys.argv[1:]``); returns the metrics written to all_results.json."""
-    model_args, data_args, training_args = parse_args(argv)
-    previous, checkpoint = start_run(training_args, logger)
-    if previous is not None:
-        return previous  # the same command ran to its end before: nothing to train, nothing to write
-    trainer = build_trainer(model_args, data_args, training_args)
-    all_metrics = train_and_evaluate(trainer, checkpoint)
-    write_model_card(
-        trainer,
-        all_metrics,
-        finetuned_from=model_args.model_name_or_path,
-        tasks="image-classification",
-        dataset=data_args.dataset_name or ("scikit-learn digits" if data_args.uses_embedded_dataset else None),
-        tags=["image-classification", "vision", "gpa"],
-    )
-    return all_metrics
+    return run_example(parse_args(argv), build_trainer, model_card_kwargs, logger)
 
 
 if __name__ == "__main__":

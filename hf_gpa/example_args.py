@@ -1,11 +1,20 @@
-"""What the example scripts share: parsing with defaults that any given flag overrides, logging, the checkpoint to
-resume from, the end of the process group.
+"""What the example scripts share: the flags they both declare, parsing with defaults that any given flag overrides,
+logging, the checkpoint to resume from, the run itself (`run_example`), the end of the process group.
 
-``run_clm_gpa.py`` and ``run_vit_gpa.py`` apply the paper's GPA recipe by default, and their sizing of the embedded
-default data only when no dataset is named. Both parse the command line or one JSON file with ``HfArgumentParser``,
-as transformers' examples do, and fill in a default only for the flags that were not given: a flag the user gives
-always wins, also over a default it only implies something against (``--save_steps 2`` saves although the embedded
-data's default is ``--save_strategy no``).
+``run_clm_gpa.py`` and ``run_vit_gpa.py`` parse the command line or one JSON file with ``HfArgumentParser``, as
+transformers' examples do, into their ``ModelArguments`` (on `HubArguments`), ``DataTrainingArguments`` (on
+`DataArguments`) and `GPATrainingArguments`, and fill in a default only for the flags that were not given. Defaults,
+in the order they apply (a flag given on the command line or in the JSON file always wins):
+
+* the script's recipe defaults, always: `GPA_RECIPE_DEFAULTS` (``--optim gpa_adamw``, 10% linear warmup, cosine
+  decay, weight decay 0.1, gradient clipping at 1.0: the paper's recipe) and what the script adds to it;
+* the script's sizing of its embedded data (``EMBEDDED_DEFAULTS``), when none of the flags that name data
+  (`DataArguments.data_source_flags`: ``--dataset_name`` and the script's files or folders) is given;
+* ``--do_train --do_eval`` unless a ``--do_*`` flag is turned on (``--do_eval false`` trains without evaluating).
+
+A flag given also wins over a default it acts against: ``--save_steps N`` saves every N steps although the embedded
+data's default is ``--save_strategy no`` (`STRATEGY_OF`). ``--resume_from_checkpoint`` must name a ``checkpoint-N``
+folder (a run's final folder has no optimizer state and is refused before any data is read).
 """
 
 from __future__ import annotations
@@ -19,10 +28,10 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import datasets
 import transformers
@@ -49,12 +58,14 @@ __all__ = [
     "checkpoint_to_resume",
     "finished_run",
     "start_run",
+    "run_example",
     "train_and_evaluate",
     "write_model_card",
     "results_of_finished_run",
     "end_process_group",
-    "GPA_COUPLED_FLAGS",
+    "COUPLED_FLAGS",
     "GPA_RECIPE_DEFAULTS",
+    "DataArguments",
     "HubArguments",
     "run_main",
     "RefusedArgument",
@@ -86,10 +97,16 @@ GPA_RECIPE_DEFAULTS: dict[str, Any] = {
 #: scripts' models use every parameter; a model that does not needs ``--ddp_find_unused_parameters true``).
 RUN_DEFAULTS: dict[str, Any] = {"ddp_find_unused_parameters": False}
 
-#: Defaults of both scripts that are left out when the user gives any of the flags they are coupled to: Schedule-Free
-#: averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given --gpa_mu_x; GPA
-#: across the processes (--gpa_distributed) refuses --gpa_inner_steps, whose per-step mu_x it has no use for.
-GPA_COUPLED_FLAGS: dict[str, tuple[str, ...]] = {"gpa_inner_steps": ("gpa_mu_x", "gpa_averaging", "gpa_distributed")}
+#: Defaults of both scripts that are left out when the user gives any of the flags they are coupled to: the length of
+#: training is one of --max_steps and --num_train_epochs (a script's default for one gives way to the other given);
+#: Schedule-Free averaging takes no H, so a given --gpa_averaging drops the default H with it, and so does a given
+#: --gpa_mu_x; GPA across the processes (--gpa_distributed) refuses --gpa_inner_steps, whose per-step mu_x it has no
+#: use for.
+COUPLED_FLAGS: dict[str, tuple[str, ...]] = {
+    "max_steps": ("num_train_epochs",),
+    "num_train_epochs": ("max_steps",),
+    "gpa_inner_steps": ("gpa_mu_x", "gpa_averaging", "gpa_distributed"),
+}
 
 #: The --help usage line (also printed above a refused argument): the GPA flags, then the rest, listed by --help.
 USAGE = (
@@ -111,7 +128,9 @@ REFUSAL_GRACE_S = 2.0
 @dataclass
 class HubArguments:
     """The Hub arguments of both scripts' ``ModelArguments`` (as in transformers' examples): where pretrained files
-    are cached, which revision, the token and whether remote code may run."""
+    are cached, which revision, the token, whether remote code may run, and a pretrained config other than the
+    model's. Each script adds the model itself (``--model_name_or_path``, ``--model_type``, ``--config_overrides``:
+    the same flags in both, with help texts that name the script's own models)."""
 
     cache_dir: str | None = field(
         default=None, metadata={"help": "Where to store the pretrained models and datasets downloaded from the Hub"}
@@ -139,6 +158,9 @@ class HubArguments:
             )
         },
     )
+    config_name: str | None = field(
+        default=None, metadata={"help": "Pretrained config name or path if not the same as model_name"}
+    )
 
     @property
     def pretrained_kwargs(self) -> dict[str, Any]:
@@ -149,6 +171,50 @@ class HubArguments:
             "token": self.token,
             "trust_remote_code": self.trust_remote_code,
         }
+
+
+@dataclass
+class DataArguments:
+    """The data arguments of both scripts' ``DataTrainingArguments`` (as in transformers' examples): a dataset of the
+    datasets library, and how many of its examples a run uses. With none of `data_source_flags` given, a script uses
+    its embedded data, and the sizing defaults that go with it (`parse_with_defaults`)."""
+
+    #: The flags that name the data; a script adds its own (data files, image folders).
+    data_source_flags: ClassVar[tuple[str, ...]] = ("dataset_name",)
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."}
+    )
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."}
+    )
+    max_train_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "For debugging purposes or quicker training, truncate the number of training examples to this "
+                "value if set."
+            )
+        },
+    )
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "For debugging purposes or quicker training, truncate the number of evaluation examples to this "
+                "value if set."
+            )
+        },
+    )
+
+    @property
+    def uses_embedded_data(self) -> bool:
+        """True when none of `data_source_flags` names data, so the script uses its embedded data."""
+        return all(getattr(self, flag) is None for flag in self.data_source_flags)
+
+
+ModelArgsT = TypeVar("ModelArgsT")
+DataArgsT = TypeVar("DataArgsT", bound=DataArguments)
 
 
 def check_model_source(model_args: Any, model_types: Sequence[str], kind: str) -> None:
@@ -266,20 +332,22 @@ def defaults_for(
 
 
 def parse_with_defaults(
-    dataclass_types: tuple[type, ...],
-    data_source_flags: Sequence[str],
+    model_args_type: type[ModelArgsT],
+    data_args_type: type[DataArgsT],
     recipe: Mapping[str, Any],
     embedded: Mapping[str, Any],
-    coupled: Mapping[str, Sequence[str]],
     argv: Sequence[str] | None = None,
-) -> tuple[Any, ...]:
-    """Parse the command line (or one JSON file) into ``dataclass_types``, filling in defaults for flags not given.
+) -> tuple[ModelArgsT, DataArgsT, GPATrainingArguments]:
+    """Parse the command line (or one JSON file) into a script's model and data arguments and the
+    `GPATrainingArguments`, filling in defaults for flags not given (`defaults_for`, with `COUPLED_FLAGS`).
 
-    The embedded data sizing applies only when none of ``data_source_flags`` (fields of ``dataclass_types``) is given;
-    the `device_defaults` apply always, unless the flag is given. A refused argument raises `RefusedArgument`.
+    The embedded data sizing ``embedded`` applies only when none of the ``data_source_flags`` of ``data_args_type`` is
+    given; the ``recipe``, `RUN_DEFAULTS` and `device_defaults` apply always, unless the flag is given. A refused
+    argument raises `RefusedArgument`.
     """
+    data_source_flags = data_args_type.data_source_flags
     with _as_refused_argument():
-        parser = HfArgumentParser(dataclass_types, usage=USAGE)
+        parser = HfArgumentParser((model_args_type, data_args_type, GPATrainingArguments), usage=USAGE)
         recipe = {**RUN_DEFAULTS, **device_defaults(), **recipe}
         argv = list(sys.argv[1:] if argv is None else argv)
         if len(argv) == 1 and argv[0].endswith(".json"):
@@ -289,7 +357,7 @@ def parse_with_defaults(
                 set(given_dict),
                 recipe,
                 embedded if uses_embedded else None,
-                coupled,
+                COUPLED_FLAGS,
                 given_dict.get("optim"),
                 given_switches(given_dict),
             )
@@ -308,7 +376,7 @@ def parse_with_defaults(
             set(given),
             recipe,
             embedded if uses_embedded else None,
-            coupled,
+            COUPLED_FLAGS,
             optim if isinstance(optim, str) else None,
             given_switches(given, from_argv=True),
         )
@@ -564,8 +632,8 @@ def results_of_finished_run(training_args: TrainingArguments, logger: logging.Lo
 
 def start_run(training_args: TrainingArguments, script_logger: logging.Logger) -> tuple[dict | None, str | None]:
     """The start both scripts share, before any data is read: logging (`setup_logging`); then either the results of
-    this run where ``--output_dir`` holds it finished (`results_of_finished_run`: the script returns them and does
-    nothing else), or None and the checkpoint to resume from (`checkpoint_to_resume`)."""
+    this run where ``--output_dir`` holds it finished (`results_of_finished_run`: `run_example` returns them and
+    does nothing else), or None and the checkpoint to resume from (`checkpoint_to_resume`)."""
     setup_logging(training_args, script_logger)
     previous = results_of_finished_run(training_args, script_logger)
     if previous is not None:
@@ -573,23 +641,45 @@ def start_run(training_args: TrainingArguments, script_logger: logging.Logger) -
     return None, checkpoint_to_resume(training_args, script_logger)
 
 
+def run_example(
+    args: tuple[ModelArgsT, DataArgsT, GPATrainingArguments],
+    build_trainer: Callable[[ModelArgsT, DataArgsT, GPATrainingArguments], Any],
+    model_card: Callable[[ModelArgsT, DataArgsT], Mapping[str, Any]],
+    script_logger: logging.Logger,
+    *,
+    add_eval_metrics: Callable[[dict[str, float]], None] | None = None,
+) -> dict[str, float]:
+    """What both scripts' ``main`` does with the arguments it parsed (``args``: the model, data and training
+    arguments), as transformers' examples do: `start_run`, the trainer that ``build_trainer`` makes of the arguments,
+    `train_and_evaluate` (with ``add_eval_metrics``) and the model card (`write_model_card`, with what ``model_card``
+    says of the model and the data). Returns the metrics written to ``all_results.json``; where ``--output_dir``
+    holds this run finished, the metrics it wrote then, with nothing built, trained or written."""
+    model_args, data_args, training_args = args
+    previous, checkpoint = start_run(training_args, script_logger)
+    if previous is not None:
+        return previous  # the same command ran to its end before: nothing to train, nothing to write
+    trainer = build_trainer(model_args, data_args, training_args)
+    all_metrics = train_and_evaluate(trainer, checkpoint, add_eval_metrics=add_eval_metrics)
+    write_model_card(trainer, all_metrics, **model_card(model_args, data_args))
+    return all_metrics
+
+
 def train_and_evaluate(
     trainer: Any,
     checkpoint: str | None,
     *,
-    count_samples: bool = True,
     add_eval_metrics: Callable[[dict[str, float]], None] | None = None,
 ) -> dict[str, float]:
     """What both scripts do with their trainer, as transformers' examples do: train (from ``checkpoint``), save the
     model (GPATrainer writes the evaluation weights) and the trainer state, then evaluate; each step's metrics logged,
-    written to ``{train,eval}_results.json`` and returned together (``all_results.json``). ``count_samples``: add
-    ``train_samples``/``eval_samples`` (not for a streamed dataset, which has no length); ``add_eval_metrics`` adds
-    what a script computes from the evaluation's metrics (the perplexity)."""
+    written to ``{train,eval}_results.json`` and returned together (``all_results.json``). ``train_samples`` and
+    ``eval_samples`` count the examples of a dataset that has a length (a streamed one has none);
+    ``add_eval_metrics`` adds what a script computes from the evaluation's metrics (the perplexity)."""
     args, all_metrics = trainer.args, {}
     if args.do_train:
         metrics = trainer.train(resume_from_checkpoint=checkpoint).metrics
         trainer.save_model()  # Saves the processing class too; GPATrainer writes the evaluation weights x.
-        if count_samples:
+        if isinstance(trainer.train_dataset, Sized):
             metrics["train_samples"] = len(trainer.train_dataset)
         trainer.log_metrics("train", metrics)
         trainer.save_metrics("train", metrics)
@@ -598,7 +688,7 @@ def train_and_evaluate(
     if args.do_eval:
         logger.info("*** Evaluate ***")
         metrics = trainer.evaluate()
-        if count_samples:
+        if isinstance(trainer.eval_dataset, Sized):
             metrics["eval_samples"] = len(trainer.eval_dataset)
         if add_eval_metrics is not None:
             add_eval_metrics(metrics)

@@ -7,7 +7,10 @@ the standard library, so it works exactly where the extras are missing.
 
 from __future__ import annotations
 
-__all__ = ["EXTRA_OF_MODULE", "missing_extra"]
+import contextlib
+from collections.abc import Iterator
+
+__all__ = ["EXTRA_OF_MODULE", "missing_extra", "requires_extra"]
 
 #: The top-level module (as imported: sklearn, PIL) -> the extra of pyproject.toml that installs it.
 EXTRA_OF_MODULE: dict[str, str] = {
@@ -39,3 +42,13 @@ def missing_extra(user: str, extra: str, error: ModuleNotFoundError) -> ImportEr
     if EXTRA_OF_MODULE.get(module) not in (extra, *_INCLUDED.get(extra, ())):
         return error
     return ImportError(f'{user} needs {module}, which is not installed: pip install "hf_gpa[{extra}]"')
+
+
+@contextlib.contextmanager
+def requires_extra(user: str, extra: str) -> Iterator[None]:
+    """Around the imports of ``user`` (a script or module that needs ``extra``): a module missing there stops it with
+    the error of `missing_extra`, which names the pip command that installs it."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        raise missing_extra(user, extra, error) from error

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from unittest import mock
@@ -16,25 +15,13 @@ import torch
 from packaging.version import Version
 from torch import nn
 
-from hf_gpa.example_args import parse_with_defaults
+from hf_gpa.example_args import DataArguments, HubArguments, parse_with_defaults
 from hf_gpa.trainer import GPATrainer
 from hf_gpa.training_args import GPATrainingArguments
 
 
-@dataclass
-class DataArgs:
-    dataset_name: str | None = field(default=None)
-
-
 def _parse(argv: list[str], tmp_path) -> GPATrainingArguments:
-    args, _ = parse_with_defaults(
-        (GPATrainingArguments, DataArgs),
-        ("dataset_name",),
-        {},
-        {},
-        {},
-        ["--output_dir", str(tmp_path), *argv],
-    )
+    _, _, args = parse_with_defaults(HubArguments, DataArguments, {}, {}, ["--output_dir", str(tmp_path), *argv])
     return args
 
 
