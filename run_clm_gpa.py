@@ -140,7 +140,7 @@ class ModelArguments(HubArguments):
         metadata={
             "help": (
                 "Override some existing default config settings when a model is trained from scratch. Example: "
-                "n_embd=10,resid_pdrop=0.2,scale_attn_weights=false,summary_type=cls_index"
+                "hidden_size=64,num_hidden_layers=2"
             )
         },
     )

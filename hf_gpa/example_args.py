@@ -232,7 +232,8 @@ def check_model_source(model_args: Any, model_types: Sequence[str], kind: str) -
 
 
 def apply_config_overrides(config: Any, config_overrides: str | None, script_logger: logging.Logger) -> None:
-    """``--config_overrides`` (``"n_embd=10,resid_pdrop=0.2"``) applied to a config built from scratch, logged."""
+    """``--config_overrides`` (``"hidden_size=64,num_hidden_layers=2"``) applied to a config built from scratch,
+    logged."""
     if config_overrides is not None:
         script_logger.info(f"Overriding config: {config_overrides}")
         config.update_from_string(config_overrides)
