@@ -35,8 +35,10 @@ What is compared, after every rule:
   the new dtype's state, which the optimizer under test must hold bitwise after its conversion (at eval()/train(), at
   the parameter's next step, or by ``load_state_dict`` into a cast copy of the model); in eval mode x as eval()
   computed it (with eval()'s mu_y, which a later change of mu_y leaves alone) and, where x was written since eval()
-  and the cast is into fp32/fp64, y = mu_y x + (1 - mu_y) z computed in the new dtype; between bf16 and fp16 a tensor
-  written since the last step (or eval()) keeps its written values beside y's old copy. The defects it found in the
+  (as the residual tells a write, docs/contract.md) and the state converts (into fp32/fp64, or a "param" or "compact"
+  state into fp16), y = mu_y x + (1 - mu_y) z computed in the new dtype's state dtype
+  (`test_cast_in_eval_mode_after_a_write`); between bf16 and fp16 a tensor written since the last step (or eval())
+  keeps its written values beside y's old copy. The defects it found in the
   new state layouts are pinned by
   `test_float32_state_cast_to_fp16_keeps_y` (a float32 state under a cast between bf16 and fp16 lost y's copy) and
   ``tests/test_modes.py``'s `test_mu_y_changed_in_eval_mode_applies_from_the_next_step` (train() inverted x with a
@@ -324,6 +326,28 @@ def _exact(opt: GPAAdamW, p: torch.Tensor) -> tuple | None:
         y = torch.where(y32.to(y.dtype) == y, y32, y.float())  # a parameter written since wins (docs/memory.md)
         return y, s["z"].clone(), s["exp_avg"].clone(), s["exp_avg_sq"].clone(), True
     return y.clone(), s["z"].clone(), s["exp_avg"].clone(), s["exp_avg_sq"].clone(), False
+
+
+def _told_written(x: torch.Tensor, state: dict[str, Any], mu_y: float) -> torch.Tensor:
+    """Where train() can tell that x (a parameter in eval mode) was written since eval(), as documented
+    (``hf_gpa/optim/_gpa_switch.py``): x is no longer what eval() wrote, recomputed from the y the residual restores
+    (y = mu_y x + (1 - mu_y) z in the parameter's dtype plus the residual's bits, then x = z + (y - z) / mu_y). A
+    write whose values go through that round trip unchanged cannot be told from eval()'s x by the state (the residual
+    holds no more) and is taken as eval()'s, its y the restored one. Written here again, as `_join24` is; a float32
+    state keeps y itself (no residual): every written element is told there."""
+    if "y_residual" not in state:
+        return torch.ones_like(x, dtype=torch.bool)
+    x = x.detach()
+    compact = "y_lo" in state
+    z = _join24(state["z"], state["z_lo"]) if compact else state["z"]
+    approx = torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
+    bits = (_bits(approx) + state["y_residual"].to(_bits(approx).dtype)).flatten()
+    for index, diff in state["y_residual_overflow"].tolist():
+        bits[index] = _bits(approx).flatten()[index] + diff
+    y = bits.view(x.dtype).view(x.shape)
+    y_exact = _join24(y, state["y_lo"]) if compact else y
+    x_again = ((y_exact.to(z.dtype) - z) / mu_y + z).to(x.dtype)
+    return _bits(x_again) != _bits(x)
 
 
 def _keep_gradient(seen: dict[int, torch.Tensor], key: int, grad: torch.Tensor) -> None:
@@ -793,12 +817,19 @@ class OptimizerMachine(RuleBasedStateMachine):
         if not self._cast_allowed(dtype, how):
             return
         compact = any("y_lo" in s for s in self.sut.state.values())
-        if how == "live_switch":  # the optimizer under test goes through eval() and train() (or back): the twin too
-            order = ("eval", "train") if self.train_mode else ("train", "eval")
-            for action in order:
+        if how == "live_switch" and self.train_mode:  # the optimizer under test goes through eval() and train()
+            for action in ("eval", "train"):
                 with self._on(True):
                     getattr(self.twin, action)()
         self._cast_twin(dtype)
+        if how == "live_switch" and not self.train_mode:
+            # In eval mode it goes through train() and eval() after the cast: train() converts, taking an x written
+            # since eval() in the new dtype's state (not in the old dtype's, as the twin's train() before the cast
+            # would). The twin, cast, goes through them after it too, and its eval() gives the x compared from now on.
+            for action in ("train", "eval"):
+                with self._on(True):
+                    getattr(self.twin, action)()
+            self.x_at_eval = {i: q.detach().clone() for i, (_, q) in enumerate(self._pairs())}
         with self._on(False):
             if how == "checkpoint":
                 saved = copy.deepcopy(self.sut.state_dict())
@@ -856,30 +887,35 @@ class OptimizerMachine(RuleBasedStateMachine):
                     held = y32 if self.train_mode else s["z"] + (y32 - s["z"]) / mu_y  # x = (y - (1 - mu_y) z) / mu_y
                     if not torch.equal(_bits(held.to(p.dtype)), _bits(p.detach())):
                         kept[p] = (y32.clone(), p.detach().clone())
-        # In eval mode, a cast into fp32/fp64 (the state in the parameter's dtype): where x was written since eval()
-        # (it differs from what eval() gives from the state), y is mu_y x + (1 - mu_y) z computed in the new dtype
-        # from the written x (docs/contract.md: "A weight written while in eval mode wins ... for every dtype"), not
-        # train()'s y in the old dtype, which rounds it. Written elements: those that differ from the x eval() gave.
+        # In eval mode, a cast whose state is converted (into fp32/fp64: the state in the parameter's dtype; a "param"
+        # or "compact" state into fp16: the float32 state): where x was written since eval() (it differs from what
+        # eval() gives from the state), y is mu_y x + (1 - mu_y) z computed in the new dtype's state dtype from the
+        # written x (docs/contract.md: "A weight written while in eval mode wins ... for every dtype"), not train()'s
+        # y in the old dtype, which rounds it (to bf16, to 24 bits). Written elements: those that differ from the x
+        # eval() gave and that the residual tells written (`_told_written`). (A float32 state cast between bf16 and
+        # fp16 is kept, not converted: `kept` above.)
         written = {}
-        if not self.train_mode and dtype not in HALF:
+        if not self.train_mode:
             flat = iter(range(len(_flat(twin))))
             for group, mu_y in zip(twin.param_groups, x_mu_y):
                 for p, i in zip(group["params"], flat):
                     x_eval = self.x_at_eval.get(i)
                     if p not in twin.state or x_eval is None or x_eval.dtype != p.dtype:
                         continue
-                    mask = _bits(p) != _bits(x_eval)
+                    if dtype in HALF and "y_fp32" in twin.state[p]:
+                        continue
+                    mask = (_bits(p) != _bits(x_eval)) & _told_written(p, twin.state[p], mu_y)
                     if bool(mask.any()):
                         written[p] = (mask, p.detach().clone(), mu_y)
         twin.train()
         params = _flat(twin)
         exact = [(_exact(twin, p), twin.state[p]["step"] if p in twin.state else None) for p in params]
-        for i, p in enumerate(params):
-            if p in written and exact[i][0] is not None:
+        wide = FP32 if dtype in HALF else dtype  # the new state's dtype
+        y_written = {}
+        for p, values in zip(params, exact):
+            if p in written and values[0] is not None:
                 mask, x, mu_y = written[p]
-                y, z, *rest = exact[i][0]
-                y = torch.where(mask, torch.lerp(z.to(dtype), x.to(dtype), mu_y), y.to(dtype))
-                exact[i] = ((y, z, *rest), exact[i][1])
+                y_written[p] = (mask, torch.lerp(values[0][1].to(wide), x.to(wide), mu_y))
         holder.to(dtype)
         fresh = GPAAdamW([{"params": list(g["params"])} for g in twin.param_groups], **self.ctor, **self.config.twin)
         for new_group, group in zip(fresh.param_groups, twin.param_groups):
@@ -887,6 +923,11 @@ class OptimizerMachine(RuleBasedStateMachine):
         for p, (values, step) in zip(params, exact):
             if values is not None:
                 y, state = _converted(values, step, dtype)
+                if p in y_written:  # the written elements' y, as computed above (y's copy too, for fp16)
+                    mask, y_wide = y_written[p]
+                    y = torch.where(mask, y_wide.to(dtype), y)
+                    if "y_fp32" in state:
+                        state["y_fp32"] = torch.where(mask, y_wide, state["y_fp32"])
                 if p in kept:  # y's copy as it was; in eval mode the written x goes in after eval()
                     state["y_fp32"] = kept[p][0]
                     y = kept[p][1].to(dtype) if self.train_mode else kept[p][0].to(dtype)
@@ -1047,6 +1088,36 @@ def test_float32_state_cast_to_fp16_keeps_y(how: str) -> None:
     opt.train()
     assert torch.equal(opt.state[p]["y_fp32"], y)
     assert torch.equal(p.detach(), y.to(FP16))
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "how"),
+    [
+        ("adamw_bf16_param_foreach", FP16, "checkpoint"),
+        ("adamw_bf16_compact_forloop", FP16, "live_switch"),
+        ("adamw_bf16_compact_forloop", FP32, "checkpoint"),
+        ("adamw_fp32_forloop", FP64, "lazy"),
+    ],
+)
+def test_cast_in_eval_mode_after_a_write(name: str, dtype: torch.dtype, how: str) -> None:
+    """The oracle of a cast in eval mode after a write into x (a bias zeroed), the shortest of the long search's false
+    alarms: where the state converts (into fp32/fp64, or a "param"/"compact" state into fp16) a written element's y is
+    mu_y x + (1 - mu_y) z computed in the new dtype's state dtype, fp16 included, at the elements the residual tells
+    written (a 0.0 whose round trip through the residual gives 0.0 back is eval()'s x, docs/contract.md); cast live
+    in eval mode, the twin goes through train() and eval() after its cast, as the optimizer under test does."""
+    config = next(c for c in CONFIGS if c.name == name)
+    _skip_unless_runnable(config)
+    machine = type(f"Fuzz_{name}", (OptimizerMachine,), {"config": config})()
+    machine.build(seed=0, mu_x=0.9, mu_y=0.7, lr=0.01, weight_decay=0.1, averaging="gpa")
+    machine.step_backward(seed=0)
+    machine.to_eval()
+    machine.zero_bias(layer=0)
+    machine.cast(dtype=dtype, how=how, seed=0)
+    machine.equal_to_the_twin()
+    machine.to_train()
+    machine.equal_to_the_twin()
+    machine.x_and_y_are_numbers()
+    machine.teardown()
 
 
 # ---- torch.compile ----
