@@ -261,9 +261,10 @@ def _bitwise(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
     assert torch.equal(_bits(a), _bits(b)), f"{where}: not bitwise the twin's: {_describe(a, b)}"
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
+def _close(a: torch.Tensor, b: torch.Tensor, where: str, computed_in: torch.dtype | None = None) -> None:
     """Within the bounds of tests/test_implementations.py: float32 1e-6 (float64 1e-13) of the largest value (at least
-    1); bf16/fp16 one unit; integers and step counts exactly."""
+    1); bf16/fp16 one unit; integers and step counts exactly. ``computed_in``: the dtype whose bound holds where the
+    values come from a narrower one (a float64 y stepped with a float32 z)."""
     if not a.is_floating_point() or a.dim() == 0:
         assert torch.equal(a, b), f"{where}: {a} != {b}"
         return
@@ -272,7 +273,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, where: str) -> None:
         torch.testing.assert_close(a.double(), b.double(), rtol=eps, atol=eps * 1e-3, msg=lambda m: f"{where}: {m}")
         return
     scale = b.double().abs().max().item() if b.numel() else 0.0
-    tol = (1e-13 if a.dtype == torch.float64 else 1e-6) * max(scale, 1.0)
+    tol = (1e-13 if (computed_in or a.dtype) == torch.float64 else 1e-6) * max(scale, 1.0)
     torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=tol, msg=lambda m: f"{where}: {m}")
 
 
@@ -592,7 +593,11 @@ class OptimizerMachine(RuleBasedStateMachine):
                 for key in ("exp_avg", "exp_avg_sq", "step"):
                     _walk(s[key], t[key], f"{where}[{key!r}]", _close)
             else:
-                _walk(p, q, f"{where}: y", _close)
+                # GPA's z keeps its dtype through a cast (docs/contract.md): a float64 y stepped with a float32 z (an
+                # fp32 model cast to fp64) moves by the float32 z, so it is within float32's bound, not float64's.
+                z = t.get("z")
+                narrower = torch.is_tensor(z) and p.dtype == FP64 and z.dtype == FP32
+                _walk(p, q, f"{where}: y", functools.partial(_close, computed_in=FP32) if narrower else _close)
                 _walk(s, t, f"{where}: state", _close)
             p.copy_(q)
             _copy_into(s, t)
@@ -1118,6 +1123,22 @@ def test_cast_in_eval_mode_after_a_write(name: str, dtype: torch.dtype, how: str
     machine.equal_to_the_twin()
     machine.x_and_y_are_numbers()
     machine.teardown()
+
+
+def test_gpa_fp64_y_stepped_with_an_fp32_z_within_the_fp32_bound() -> None:
+    """The false alarm of the long search: GPA(AdamW fused) over an fp32 model cast to fp64 (``model.double()``) keeps
+    z in float32 (docs/contract.md: "GPA's z keeps its dtype"), so the fp64 y, which moves by z, differs from the
+    for-loop twin's by float32's rounding of z (1.5e-8 here), within float32's bound, not float64's 1e-13."""
+    config = next(c for c in CONFIGS if c.name == "gpa_adamw_fused")
+    _skip_unless_runnable(config)
+    machine = type("Fuzz_gpa_adamw_fused", (OptimizerMachine,), {"config": config})()
+    machine.build(seed=2, mu_x=0.9, mu_y=0.7, lr=0.01, weight_decay=0.1, averaging="gpa")
+    machine.step([(["dense"] * 4, 1.0, 2)])
+    machine.cast_wrapper(dtype=FP64)
+    for k in range(6):
+        machine.step([(["dense"] * 4, (1.0, 30.0, 1e-3)[k % 3], 2 + k)])
+        machine.equal_to_the_twin()
+    assert machine.sut.state[_flat(machine.sut)[0]]["z"].dtype == FP32
 
 
 # ---- torch.compile ----
