@@ -188,7 +188,7 @@ class ModelArguments(HubArguments):
 class DataTrainingArguments(DataArguments):
     """What data to train and evaluate on. No dataset or file: the embedded stdlib source corpus."""
 
-    data_source_flags: ClassVar[tuple[str, ...]] = ("dataset_name", "train_file", "validation_file")
+    data_source_flags: ClassVar[tuple[str, ...]] = (*DataArguments.data_source_flags, "train_file", "validation_file")
 
     train_file: str | None = field(
         default=None, metadata={"help": "The input training data file (a text, json or csv file)."}

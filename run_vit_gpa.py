@@ -153,7 +153,7 @@ DEFAULT_RESNET_TEXT = (
 class DataTrainingArguments(DataArguments):
     """What data to train and evaluate on. No dataset or folder: scikit-learn's bundled digits."""
 
-    data_source_flags: ClassVar[tuple[str, ...]] = ("dataset_name", "train_dir", "validation_dir")
+    data_source_flags: ClassVar[tuple[str, ...]] = (*DataArguments.data_source_flags, "train_dir", "validation_dir")
 
     # DataArguments' flag, its help saying what unset means here.
     dataset_name: str | None = field(
