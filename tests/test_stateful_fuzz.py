@@ -698,6 +698,7 @@ class OptimizerMachine(RuleBasedStateMachine):
         """nn.init.zeros_ on a bias (a 0.0 written over y's stale low word under "compact")."""
         for h in (self.sut_h, self.twin_h):
             nn.init.zeros_(h.net[layer].bias)
+        self._written_before_conversion()
 
     @rule(index=st.integers(0, 7), seed=SEEDS)
     @torch.no_grad()
@@ -709,6 +710,7 @@ class OptimizerMachine(RuleBasedStateMachine):
                 values.view(-1)[:1].view(torch.int16).bitwise_or_(1)  # a value bf16 cannot hold: the tensor's written
             p.copy_(values)
             q.copy_(values)
+        self._written_before_conversion()
 
     @precondition(_values_tell_a_write)
     @rule(layer=st.sampled_from((0, 2)), seed=SEEDS)
@@ -717,6 +719,21 @@ class OptimizerMachine(RuleBasedStateMachine):
         for h in (self.sut_h, self.twin_h):
             torch.manual_seed(seed)
             h.net[layer].reset_parameters()
+        self._written_before_conversion()
+
+    @torch.no_grad()
+    def _written_before_conversion(self) -> None:
+        """A write into a parameter cast lazily to bf16/fp16 whose state has not converted yet, in train mode: where
+        that state kept y in the parameter alone (fp32, or a bf16 "param" state), the conversion can only take what
+        the parameter holds then, the written values, as y, and so y's float32 copy is the write's; the twin, converted
+        at the cast, held the cast's y there (docs/contract.md: a tensor written since stays as written)."""
+        if not self.train_mode:
+            return
+        for i in self.unconverted:
+            p, q = self._pairs()[i]
+            t = self.twin.state.get(q, {})
+            if "y_fp32" in t and not {"y_fp32", "y_lo"} & set(self.sut.state.get(p, {})):
+                t["y_fp32"] = q.detach().float()
 
     # ---- hyper-parameters ----
 
@@ -1122,6 +1139,25 @@ def test_cast_in_eval_mode_after_a_write(name: str, dtype: torch.dtype, how: str
     machine.to_train()
     machine.equal_to_the_twin()
     machine.x_and_y_are_numbers()
+    machine.teardown()
+
+
+def test_a_write_before_a_lazy_cast_converts_is_y() -> None:
+    """The long search's shortest failure of its kind: an fp32 model stepped, cast to bf16 under the live optimizer
+    (``model.bfloat16()``), one parameter written before anything converted the state, then a load. The fp32 state
+    kept y in the parameter alone, so the conversion takes the written values as y, y's float32 copy included, as
+    docs/contract.md says; the oracle's twin, converted at the cast, must take the write there too."""
+    config = next(c for c in CONFIGS if c.name == "adamw_fp32_forloop")
+    machine = type("Fuzz_adamw_fp32_forloop", (OptimizerMachine,), {"config": config})()
+    machine.build(seed=12003, mu_x=0.9, mu_y=0.7, lr=0.01, weight_decay=0.1, averaging="gpa")
+    machine.train_and_step(seed=65536)
+    machine.cast(dtype=BF16, how="lazy", seed=0)
+    machine.write_random(index=3, seed=0)
+    machine.round_trip(how="load")
+    machine.equal_to_the_twin()
+    p = _flat(machine.sut)[3]
+    written = torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(BF16)
+    assert torch.equal(machine.sut.state[p]["y_fp32"], written.float())
     machine.teardown()
 
 
