@@ -355,16 +355,26 @@ def _told_written(x: torch.Tensor, state: dict[str, Any], mu_y: float) -> torch.
         return ~_held_through_half(x, torch.sub(state["y_fp32"], z).div_(mu_y).add_(z))
     if "y_residual" not in state:
         return torch.ones_like(x, dtype=torch.bool)
-    compact = "y_lo" in state
-    z = _join24(state["z"], state["z_lo"]) if compact else state["z"]
+    z = _z_exact(state)
+    x_again = ((_restored_y(x, state, mu_y).to(z.dtype) - z) / mu_y + z).to(x.dtype)
+    return _bits(x_again) != _bits(x)
+
+
+def _z_exact(state: dict[str, Any]) -> torch.Tensor:
+    return _join24(state["z"], state["z_lo"]) if "y_lo" in state else state["z"]
+
+
+def _restored_y(x: torch.Tensor, state: dict[str, Any], mu_y: float) -> torch.Tensor:
+    """The y that train() restores from x (a parameter in eval mode) and the residual of a "param" or "compact"
+    state: y = mu_y x + (1 - mu_y) z in the parameter's dtype plus the residual's bits (24 bits under "compact")."""
+    x = x.detach()
+    z = _z_exact(state)
     approx = torch.lerp(z, x.to(z.dtype), mu_y).to(x.dtype)
     bits = (_bits(approx) + state["y_residual"].to(_bits(approx).dtype)).flatten()
     for index, diff in state["y_residual_overflow"].tolist():
         bits[index] = _bits(approx).flatten()[index] + diff
     y = bits.view(x.dtype).view(x.shape)
-    y_exact = _join24(y, state["y_lo"]) if compact else y
-    x_again = ((y_exact.to(z.dtype) - z) / mu_y + z).to(x.dtype)
-    return _bits(x_again) != _bits(x)
+    return _join24(y, state["y_lo"]) if "y_lo" in state else y
 
 
 def _keep_gradient(seen: dict[int, torch.Tensor], key: int, grad: torch.Tensor) -> None:
@@ -739,17 +749,38 @@ class OptimizerMachine(RuleBasedStateMachine):
 
     @torch.no_grad()
     def _written_before_conversion(self) -> None:
-        """A write into a parameter cast lazily to bf16/fp16 whose state has not converted yet, in train mode: where
-        that state kept y in the parameter alone (fp32, or a bf16 "param" state), the conversion can only take what
-        the parameter holds then, the written values, as y, and so y's float32 copy is the write's; the twin, converted
-        at the cast, held the cast's y there (docs/contract.md: a tensor written since stays as written)."""
-        if not self.train_mode:
-            return
+        """A write into a parameter cast lazily to bf16/fp16 whose state has not converted yet: the conversion tells it
+        from what the cast left with the old state, after the write; the twin, converted at the cast, before it.
+
+        In train mode, where that state kept y in the parameter alone (fp32, or a bf16 "param" state), the conversion
+        can only take what the parameter holds then, the written values, as y, and so y's float32 copy is the write's
+        (docs/contract.md: a tensor written since stays as written). In eval mode the old state's residual tells a
+        written x (`_told_written`, on the parameter in the old dtype; a value the old dtype cannot hold is written):
+        where it cannot, the conversion takes the y the residual restores from the written x (`_restored_y`), and x
+        becomes that y's in the new state; the twin's y copy and x take them there (the parameters are compared once
+        converted). (A lazy cast in eval mode into fp32/fp64, where the twin keeps a residual of its own, is left to
+        the twin's train().)"""
         for i in self.unconverted:
             p, q = self._pairs()[i]
-            t = self.twin.state.get(q, {})
-            if "y_fp32" in t and not {"y_fp32", "y_lo"} & set(self.sut.state.get(p, {})):
-                t["y_fp32"] = q.detach().float()
+            s, t = self.sut.state.get(p, {}), self.twin.state.get(q, {})
+            if "y_fp32" not in t:
+                continue
+            if self.train_mode:
+                if not {"y_fp32", "y_lo"} & set(s):
+                    t["y_fp32"] = q.detach().float()
+                continue
+            group = next(g for g in self.sut.param_groups if any(r is p for r in g["params"]))
+            mu_y, x_eval = group.get("eval_mu_y", group["mu_y"]), self.x_at_eval.get(i)
+            if "y_residual" not in s or x_eval is None or x_eval.dtype != q.dtype or mu_y == 1.0:
+                continue
+            narrow = p.detach().to(s["z"].dtype)
+            told = (_bits(narrow.to(p.dtype)) != _bits(p.detach())) | _told_written(narrow, s, mu_y)
+            untold = (_bits(q) != _bits(x_eval)) & ~told
+            if bool(untold.any()):
+                t["y_fp32"] = torch.where(untold, _restored_y(narrow, s, mu_y).float(), t["y_fp32"])
+                x = torch.sub(t["y_fp32"], t["z"]).div_(mu_y).add_(t["z"]).to(q.dtype)
+                q.copy_(torch.where(untold, x, q))
+                self.x_at_eval[i] = torch.where(untold, x, x_eval)
 
     # ---- hyper-parameters ----
 
@@ -1226,6 +1257,24 @@ def test_a_write_of_the_state_value_through_the_other_half_dtype_reads_as_the_ca
     machine.cast(dtype=FP32, how="checkpoint", seed=0)
     machine.equal_to_the_twin()
     assert _bits(machine._pairs()[0][0].detach().flatten()[i]) == _bits(held[i])
+    machine.to_train()
+    machine.equal_to_the_twin()
+    machine.teardown()
+
+
+def test_a_write_after_a_lazy_cast_in_eval_mode_is_told_by_the_old_residual() -> None:
+    """The long search's false alarm: a bf16 "param" model in eval mode cast lazily to fp16, a layer re-initialised
+    before anything converted the state, then train(). The conversion tells the written x with the old state's
+    residual: a written value that goes through its round trip unchanged is taken as eval()'s x, y the one the
+    residual restores (docs/contract.md). The twin, converted at the cast, took every changed element for a write."""
+    config = next(c for c in CONFIGS if c.name == "adamw_bf16_param_foreach")
+    _skip_unless_runnable(config)
+    machine = type("Fuzz_adamw_bf16_param_foreach", (OptimizerMachine,), {"config": config})()
+    machine.build(seed=0, mu_x=0.9, mu_y=0.7, lr=0.01, weight_decay=0.1, averaging="gpa")
+    machine.step_backward(seed=0)
+    machine.to_eval()
+    machine.cast(dtype=FP16, how="lazy", seed=0)
+    machine.reinit_layer(layer=0, seed=2)
     machine.to_train()
     machine.equal_to_the_twin()
     machine.teardown()
