@@ -475,6 +475,9 @@ class OptimizerMachine(RuleBasedStateMachine):
         self.unconverted: set[int] = set()
         self.pending_compact = False
         self.x_at_eval: dict[int, torch.Tensor] = {}  # flat index -> the twin's x as eval() gave it
+        # In eval mode, the flat indices of unconverted parameters written since their cast -> where the old state
+        # tells the write (`_written_before_conversion`), for a load that converts them (`_converted_in_eval_mode`).
+        self.written_pending: dict[int, torch.Tensor] = {}
 
     @property
     def pending(self) -> bool:
@@ -484,6 +487,7 @@ class OptimizerMachine(RuleBasedStateMachine):
     def _all_converted(self) -> None:
         self.unconverted.clear()
         self.pending_compact = False
+        self.written_pending.clear()
 
     @staticmethod
     def _groups(holder: Holder, weight_decay: float) -> list[dict[str, Any]]:
@@ -776,11 +780,32 @@ class OptimizerMachine(RuleBasedStateMachine):
             narrow = p.detach().to(s["z"].dtype)
             told = (_bits(narrow.to(p.dtype)) != _bits(p.detach())) | _told_written(narrow, s, mu_y)
             untold = (_bits(q) != _bits(x_eval)) & ~told
+            self.written_pending[i] = (_bits(q) != _bits(x_eval)) & told
             if bool(untold.any()):
                 t["y_fp32"] = torch.where(untold, _restored_y(narrow, s, mu_y).float(), t["y_fp32"])
                 x = torch.sub(t["y_fp32"], t["z"]).div_(mu_y).add_(t["z"]).to(q.dtype)
                 q.copy_(torch.where(untold, x, q))
                 self.x_at_eval[i] = torch.where(untold, x, x_eval)
+
+    @torch.no_grad()
+    def _converted_in_eval_mode(self) -> None:
+        """A load in eval mode converts the lazily cast parameters' states into the float32 state as train() would
+        (a write the old state tells: y = mu_y x + (1 - mu_y) z in float32, `_written_before_conversion`), then
+        gives x from y as eval() does, the written elements' included: the twin, converted at the cast, does both
+        now for those parameters."""
+        if self.train_mode:
+            return
+        for i in self.unconverted:
+            p, q = self._pairs()[i]
+            t = self.twin.state.get(q, {})
+            group = next(g for g in self.twin.param_groups if any(r is q for r in g["params"]))
+            mu_y = group.get("eval_mu_y", group["mu_y"])
+            if "y_fp32" not in t or i not in self.written_pending or mu_y == 1.0:
+                continue
+            y32 = torch.where(self.written_pending[i], torch.lerp(t["z"], q.detach().float(), mu_y), t["y_fp32"])
+            t["y_fp32"] = y32
+            q.copy_(torch.sub(y32, t["z"]).div_(mu_y).add_(t["z"]).to(q.dtype))
+            self.x_at_eval[i] = q.detach().clone()
 
     # ---- hyper-parameters ----
 
@@ -828,6 +853,7 @@ class OptimizerMachine(RuleBasedStateMachine):
                 fresh = self._fresh_sut()
                 fresh.load_state_dict(saved)
                 self.sut = fresh
+                self._converted_in_eval_mode()
                 self._all_converted()
             elif how == "deepcopy":
                 self.sut_h, self.sut = copy.deepcopy((self.sut_h, self.sut))
@@ -1275,6 +1301,25 @@ def test_a_write_after_a_lazy_cast_in_eval_mode_is_told_by_the_old_residual() ->
     machine.to_eval()
     machine.cast(dtype=FP16, how="lazy", seed=0)
     machine.reinit_layer(layer=0, seed=2)
+    machine.to_train()
+    machine.equal_to_the_twin()
+    machine.teardown()
+
+
+def test_a_load_in_eval_mode_converts_a_lazy_cast_written_since() -> None:
+    """The long search's false alarm: a bf16 "compact" model in eval mode cast lazily to fp16, a bias zeroed, then the
+    optimizer's state loaded (still in eval mode). The load converts the state as train() would, the zeroed bias's y
+    from the written x, and gives x from that y as eval() does (0.0 comes back as -0.0 at one element); the twin,
+    converted at the cast, kept the written x and the old y's copy."""
+    config = next(c for c in CONFIGS if c.name == "adamw_bf16_compact_forloop")
+    machine = type("Fuzz_adamw_bf16_compact_forloop", (OptimizerMachine,), {"config": config})()
+    machine.build(seed=0, mu_x=0.9, mu_y=0.7, lr=0.01, weight_decay=0.1, averaging="gpa")
+    machine.step([(["dense"] * 4, 1.0, 0)])
+    machine.to_eval()
+    machine.cast(dtype=FP16, how="lazy", seed=0)
+    machine.zero_bias(layer=0)
+    machine.round_trip(how="load")
+    machine.equal_to_the_twin()
     machine.to_train()
     machine.equal_to_the_twin()
     machine.teardown()
