@@ -1,6 +1,6 @@
-"""Paired comparisons over seeds: Student-t intervals of a mean, paired differences, steps-to-target of one curve,
-and the steps one method's seed-mean curve saves to reach another's final loss, with a bootstrap interval over seeds
-that counts the resamples in which it never reaches it.
+"""Paired comparisons over seeds: Student-t intervals of a mean, paired differences, Holm's step-down over several
+comparisons at once, steps-to-target of one curve, and the steps one method's seed-mean curve saves to reach
+another's final loss, with a bootstrap interval over seeds that counts the resamples in which it never reaches it.
 
 Why this file exists: a claim such as "GPA ends lower than DiLoCo" or "GPA needs fewer steps than AdamW" is decided
 only when the interval of the paired difference excludes zero; with a handful of seeds it usually does not. Steps to
@@ -81,6 +81,16 @@ class Interval:
         """Whether the interval excludes zero (the sign of the mean is decided at this level)."""
         return self.low > 0.0 or self.high < 0.0
 
+    @property
+    def p_value(self) -> float:
+        """The two-sided p of the one-sample t test of a zero mean that this interval inverts (p < 1 - level exactly
+        where the interval is `decided`)."""
+        half = self.high - self.mean
+        if half <= 0.0:  # every sample alike: no spread
+            return 1.0 if self.mean == 0.0 else 0.0
+        standard_error = half / t_quantile((1.0 + self.level) / 2.0, self.n - 1)
+        return 1.0 - t_two_sided_cdf(abs(self.mean) / standard_error, self.n - 1)
+
     def text(self, digits: int = 4, scale: float = 1.0, signed: bool = True) -> str:
         """``mean [low, high]`` times ``scale``, with ``digits`` decimals (and signs where ``signed``)."""
         f = f"{'+' if signed else ''}.{digits}f"
@@ -97,6 +107,17 @@ def mean_interval(values: Sequence[float], level: float = 0.95) -> Interval:
     mean = statistics.fmean(values)
     half = t_quantile((1.0 + level) / 2.0, n - 1) * statistics.stdev(values) / math.sqrt(n)
     return Interval(mean, mean - half, mean + half, n, level)
+
+
+def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
+    """Which of several comparisons are decided together, with a family-wise error of at most ``alpha`` (Holm's
+    step-down): the k-th smallest p (k from 0) is decided while it and every smaller one lie below alpha / (m - k)."""
+    decided = [False] * len(p_values)
+    for rank, i in enumerate(sorted(range(len(p_values)), key=lambda j: p_values[j])):
+        if p_values[i] >= alpha / (len(p_values) - rank):
+            break
+        decided[i] = True
+    return decided
 
 
 def paired_differences(a: Mapping[int, float], b: Mapping[int, float]) -> dict[int, float]:

@@ -17,6 +17,7 @@ from typing import Any
 from benchmarks.paired_stats import (
     CurveSaving,
     Interval,
+    holm,
     mean_interval,
     paired_differences,
     steps_saved_bootstrap,
@@ -143,6 +144,23 @@ def _saving_sentence(saving: CurveSaving, who: str, target: str) -> str:
     return f"{said} ({never}): **not decided** (the interval reaches below 0)."
 
 
+def _together(summary: dict[str, Any]) -> list[str]:
+    """The final-loss differences decided each at 95% that stay decided read together (`holm`: a 5% chance of any
+    false decision among them all), and the ones that do not."""
+    tested = {m: d["interval"] for m, d in summary["gpa_minus"].items() if d["interval"] is not None}
+    alone = [m for m, interval in tested.items() if interval.decided]
+    if not alone:
+        return []
+    together = dict(zip(tested, holm([interval.p_value for interval in tested.values()])))
+    kept = [f"GPA-AdamW minus {LABELS[m]}" for m in alone if together[m]]
+    lost = [f"GPA-AdamW minus {LABELS[m]}" for m in alone if not together[m]]
+    said = f"Read together, with a 5% chance of any false decision among the {len(tested)} final-loss differences"
+    return [
+        f"{said} (Holm's step-down): " + (f"{', '.join(kept)} stay decided" if kept else "none stays decided")
+        + (f"; {', '.join(lost)} does not." if len(lost) == 1 else f"; {', '.join(lost)} do not." if lost else ".")
+    ]
+
+
 def decisions(summary: dict[str, Any]) -> list[str]:
     """One sentence per difference: decided (the interval excludes 0) or not."""
     lines = []
@@ -158,6 +176,7 @@ def decisions(summary: dict[str, Any]) -> list[str]:
             lines.append(f"{said}: **decided**, {LABELS[method]} ends lower.")
         else:
             lines.append(f"{said}: **not decided** (the interval contains 0).")
+    lines += _together(summary)
     for method, steps in summary["steps"].items():
         if steps["to_adamw"] is None:
             continue

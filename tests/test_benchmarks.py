@@ -358,6 +358,33 @@ def test_diloco_workers_compares_gpa_across_workers_with_the_diloco_it_is_matche
     assert "| 2 | +0.1000 [" in dw.paired_table(recorded, [1, 2])  # GPA across workers minus DDP-AdamW, 2 seeds
 
 
+def test_the_regime_report_says_which_comparisons_stay_decided_together():
+    """Two comparisons decided each at 95% (p 0.001 and 0.03), a third not (p 0.5): read together (Holm) only the
+    first stays decided; the table and the sentences say so."""
+    from benchmarks import diloco_workers as dw
+    from benchmarks import paired_stats
+
+    def found(p: float, name: str) -> dict:
+        half = 0.01 * dw.t_quantile(0.975, 4)  # standard error 0.01 on 4 degrees of freedom
+        mean = 0.01 * dw.t_quantile(1.0 - p / 2.0, 4)
+        interval = paired_stats.Interval(-mean, -mean - half, -mean + half, 5)
+        return {"row": {"method": name}, "ref": {"method": "DDP-AdamW", "mean": 3.0}, "diffs": [0.0] * 5,
+                "interval": interval}  # fmt: skip
+
+    family = [found(0.001, "A"), found(0.03, "B"), found(0.5, "C")]
+    assert [f["interval"].decided for f in family] == [True, True, False]
+    assert dw.decided_together(family) == [True, False, False]
+    data = {"runs": [], "plan": {"final_seeds": [1, 2, 3, 4, 5], "tune_seeds": [0, 9]}}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dw, "comparisons", lambda runs, seeds: family)
+        text = dw.decisions_text(data, [])
+        table = dw.paired_table([], [1, 2, 3, 4, 5])
+    assert "all 3 comparisons (Holm's step-down), these stay decided:\n- A minus DDP-AdamW" in text
+    assert "- B minus DDP-AdamW" not in text.split("these stay decided:")[1]
+    assert "| decided over all 3 (Holm) |" in table
+    assert [line.rsplit("|", 2)[1].strip() for line in table.splitlines()[2:]] == ["yes", "no", "no"]
+
+
 def _times_the_link(rank: int, meter: Any, out: str) -> None:
     """Under a link of 0.3 s latency: a blocking all-reduce, an all-reduce started in the background and waited for
     after 0.4 s of other work, and a DDP step (which waits on its buckets' futures); process 0 writes the times."""

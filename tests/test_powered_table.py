@@ -54,6 +54,50 @@ def test_paired_interval_of_known_samples_is_the_closed_form():
         paired_stats.paired_differences(a, {0: 1.0, 1: 1.0})
 
 
+def test_p_value_is_the_closed_form_and_crosses_five_percent_where_the_interval_touches_zero():
+    """Differences 1, 2, 6: t = 3 / sqrt(7/3) on 2 degrees of freedom, where P(|T| <= t) = t / sqrt(2 + t^2)."""
+    interval = paired_stats.mean_interval([1.0, 2.0, 6.0])
+    t = 3.0 / math.sqrt(7.0 / 3.0)
+    assert interval.p_value == pytest.approx(1.0 - t / math.sqrt(2.0 + t * t), rel=1e-9)
+    values = [0.3, -0.1, 0.5, 0.2, 0.4]
+    low = paired_stats.mean_interval(values).low
+    touching = paired_stats.mean_interval([v - low for v in values])  # its lower bound is 0: p is 1 - level
+    assert touching.low == pytest.approx(0.0, abs=1e-12) and touching.p_value == pytest.approx(0.05, rel=1e-6)
+    for shift in (-0.01, 0.01):  # just decided, just not
+        interval = paired_stats.mean_interval([v - low + shift for v in values])
+        assert interval.decided == (interval.p_value < 0.05) == (shift > 0)
+    assert paired_stats.mean_interval([0.5, 0.5]).p_value == 0.0
+    assert paired_stats.mean_interval([0.0, 0.0]).p_value == 1.0
+
+
+def test_holm_decides_the_smallest_p_values_while_each_is_below_alpha_over_the_ones_left():
+    # sorted 0.005 < 0.05/4, 0.01 < 0.05/3, then 0.03 >= 0.05/2 stops: 0.04 is not decided although below 0.05
+    assert paired_stats.holm([0.01, 0.04, 0.03, 0.005]) == [True, False, False, True]
+    assert paired_stats.holm([0.06, 0.001]) == [False, True]  # 0.001 < 0.05/2, then 0.06 >= 0.05
+    assert paired_stats.holm([0.02, 0.03]) == [True, True]  # 0.02 < 0.025, then 0.03 < 0.05
+    assert paired_stats.holm([0.026, 0.03]) == [False, False]  # the smallest fails: nothing is decided
+    assert paired_stats.holm([]) == []
+
+
+def test_the_report_says_which_final_loss_differences_stay_decided_read_together():
+    """Against AdamW decided alone at p 0.03, against schedulefree at p 0.001, DiLoCo not (p 0.5): read together
+    (Holm over the 3) the schedulefree one stays decided and the AdamW one does not."""
+
+    def interval(p: float) -> paired_stats.Interval:
+        se = 0.01
+        mean = se * paired_stats.t_quantile(1.0 - p / 2.0, 9)
+        half = se * paired_stats.t_quantile(0.975, 9)
+        return paired_stats.Interval(mean, mean - half, mean + half, 10)
+
+    gpa_minus = {m: {"interval": interval(p)} for m, p in (("adamw", 0.03), ("sf_ref", 0.001), ("diloco", 0.5))}
+    lines = powered_report.decisions({"gpa_minus": gpa_minus, "steps": {}})
+    together = [line for line in lines if line.startswith("Read together")]
+    assert together == [
+        "Read together, with a 5% chance of any false decision among the 3 final-loss differences (Holm's step-down): "
+        "GPA-AdamW minus SF-AdamW (schedulefree) stay decided; GPA-AdamW minus AdamW does not."
+    ]
+
+
 def test_a_seed_that_never_reaches_the_target_is_censored_at_the_budget():
     """A curve that stays above the target gives the budget, censored; a diverged one too."""
     steps = [25, 50, 75, 100]
