@@ -83,7 +83,7 @@ import torch.distributed as dist
 
 from benchmarks import paper_recipe as pr
 from benchmarks import report, workloads
-from benchmarks.paired_stats import Interval, holm, mean_interval, paired_differences, t_quantile
+from benchmarks.paired_stats import Interval, decided_together, mean_interval, paired_differences, t_quantile
 from benchmarks.ranks import LOOPBACK, Link, Meter, run_ranks
 from hf_gpa.optim import GPADiLoCo, outer_lr_like_diloco
 
@@ -1049,17 +1049,6 @@ def _verdict(interval: Interval | None) -> str:
     return ("yes: lower" if interval.high < 0 else "yes: higher") if interval.decided else "no"
 
 
-def decided_together(found: list[dict[str, Any]]) -> list[bool]:
-    """For each of `comparisons`' ``found``, whether it is decided with the others at a 5% family-wise error
-    (`holm` over the p of every comparison with an interval; one with a diverged run is not decided)."""
-    tested = [i for i, f in enumerate(found) if f["interval"] is not None]
-    decided = holm([found[i]["interval"].p_value for i in tested])
-    together = [False] * len(found)
-    for i, verdict in zip(tested, decided):
-        together[i] = verdict
-    return together
-
-
 def paired_table(runs: list[dict[str, Any]], final_seeds: Sequence[int]) -> str:
     """`comparisons` as a table: the mean of the per-seed differences with its 95% interval, the relative gap,
     whether the interval decides the sign, and whether it stays decided over all the comparisons together."""
@@ -1067,7 +1056,7 @@ def paired_table(runs: list[dict[str, Any]], final_seeds: Sequence[int]) -> str:
     header = ["method", "against", "seeds", "final held-out loss difference, mean [95% CI]", "relative", "decided",
               f"decided over all {len(found)} (Holm)"]  # fmt: skip
     table = []
-    for f, together in zip(found, decided_together(found)):
+    for f, together in zip(found, decided_together([f["interval"] for f in found])):
         interval, ref = f["interval"], f["ref"]
         table.append([
             f["row"]["method"], ref["method"], len(f["diffs"]), interval.text() if interval else "",
@@ -1209,7 +1198,7 @@ def decisions_text(data: Mapping[str, Any], summary: list[dict[str, Any]]) -> st
             lines.append("")
     diverged = [f for f in found if f["interval"] is None]
     lines += [f"- {f['row']['method']} against {f['ref']['method']}: a run diverged" for f in diverged]
-    together = [f for f, verdict in zip(found, decided_together(found)) if verdict]
+    together = [f for f, verdict in zip(found, decided_together([f["interval"] for f in found])) if verdict]
     if any(f["interval"] is not None and f["interval"].decided for f in found):
         lines.append(
             f"Each interval above is at 95% on its own. Read together, with a 5% chance of any false decision among "

@@ -120,6 +120,16 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
     return decided
 
 
+def decided_together(intervals: Sequence[Interval | None], alpha: float = 0.05) -> list[bool]:
+    """For each interval, whether it is decided with all the others read together (`holm` over their `p_value`s);
+    a comparison with no interval (a diverged run) is left out of the family and is not decided."""
+    tested = [i for i, interval in enumerate(intervals) if interval is not None]
+    together = [False] * len(intervals)
+    for i, verdict in zip(tested, holm([intervals[i].p_value for i in tested], alpha)):
+        together[i] = verdict
+    return together
+
+
 def paired_differences(a: Mapping[int, float], b: Mapping[int, float]) -> dict[int, float]:
     """a[seed] - b[seed] for every seed (both must hold the same seeds; the ones only one holds are named)."""
     if set(a) != set(b):

@@ -17,7 +17,7 @@ from typing import Any
 from benchmarks.paired_stats import (
     CurveSaving,
     Interval,
-    holm,
+    decided_together,
     mean_interval,
     paired_differences,
     steps_saved_bootstrap,
@@ -147,18 +147,26 @@ def _saving_sentence(saving: CurveSaving, who: str, target: str) -> str:
 def _together(summary: dict[str, Any]) -> list[str]:
     """The final-loss differences decided each at 95% that stay decided read together (`holm`: a 5% chance of any
     false decision among them all), and the ones that do not."""
-    tested = {m: d["interval"] for m, d in summary["gpa_minus"].items() if d["interval"] is not None}
-    alone = [m for m, interval in tested.items() if interval.decided]
+    intervals = {m: d["interval"] for m, d in summary["gpa_minus"].items() if d["interval"] is not None}
+    together = dict(zip(intervals, decided_together(list(intervals.values()))))
+    alone = [m for m, interval in intervals.items() if interval.decided]
     if not alone:
         return []
-    together = dict(zip(tested, holm([interval.p_value for interval in tested.values()])))
     kept = [f"GPA-AdamW minus {LABELS[m]}" for m in alone if together[m]]
     lost = [f"GPA-AdamW minus {LABELS[m]}" for m in alone if not together[m]]
-    said = f"Read together, with a 5% chance of any false decision among the {len(tested)} final-loss differences"
-    return [
-        f"{said} (Holm's step-down): " + (f"{', '.join(kept)} stay decided" if kept else "none stays decided")
-        + (f"; {', '.join(lost)} does not." if len(lost) == 1 else f"; {', '.join(lost)} do not." if lost else ".")
-    ]
+    text = (
+        f"Read together, with a 5% chance of any false decision among the {len(intervals)} final-loss differences "
+        "(Holm's step-down): "
+    )
+    text += f"{_listed(kept, 'stays', 'stay')} decided" if kept else "none stays decided"
+    if lost:
+        text += f"; {_listed(lost, 'does', 'do')} not"
+    return [text + "."]
+
+
+def _listed(names: list[str], one: str, many: str) -> str:
+    """``names`` joined with commas, then the verb that agrees with how many there are."""
+    return f"{', '.join(names)} {one if len(names) == 1 else many}"
 
 
 def decisions(summary: dict[str, Any]) -> list[str]:

@@ -365,15 +365,15 @@ def test_the_regime_report_says_which_comparisons_stay_decided_together():
     from benchmarks import paired_stats
 
     def found(p: float, name: str) -> dict:
-        half = 0.01 * dw.t_quantile(0.975, 4)  # standard error 0.01 on 4 degrees of freedom
-        mean = 0.01 * dw.t_quantile(1.0 - p / 2.0, 4)
+        half = 0.01 * paired_stats.t_quantile(0.975, 4)  # standard error 0.01 on 4 degrees of freedom
+        mean = 0.01 * paired_stats.t_quantile(1.0 - p / 2.0, 4)
         interval = paired_stats.Interval(-mean, -mean - half, -mean + half, 5)
         return {"row": {"method": name}, "ref": {"method": "DDP-AdamW", "mean": 3.0}, "diffs": [0.0] * 5,
                 "interval": interval}  # fmt: skip
 
     family = [found(0.001, "A"), found(0.03, "B"), found(0.5, "C")]
     assert [f["interval"].decided for f in family] == [True, True, False]
-    assert dw.decided_together(family) == [True, False, False]
+    assert paired_stats.decided_together([f["interval"] for f in family]) == [True, False, False]
     data = {"runs": [], "plan": {"final_seeds": [1, 2, 3, 4, 5], "tune_seeds": [0, 9]}}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(dw, "comparisons", lambda runs, seeds: family)

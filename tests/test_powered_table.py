@@ -94,7 +94,7 @@ def test_the_report_says_which_final_loss_differences_stay_decided_read_together
     together = [line for line in lines if line.startswith("Read together")]
     assert together == [
         "Read together, with a 5% chance of any false decision among the 3 final-loss differences (Holm's step-down): "
-        "GPA-AdamW minus SF-AdamW (schedulefree) stay decided; GPA-AdamW minus AdamW does not."
+        "GPA-AdamW minus SF-AdamW (schedulefree) stays decided; GPA-AdamW minus AdamW does not."
     ]
 
 
